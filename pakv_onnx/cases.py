@@ -1,0 +1,239 @@
+"""Reproducible GatherPaKvCache cases: the seed's network sweep, its manual shapes, random cases.
+
+The seed cases follow the generation rule of ``data/seed_sweep.json`` exactly (seeds included),
+so the same id always yields the same bytes. Random cases exercise what the seed's
+ascending, contiguous block ids never do: shuffled, repeated and out-of-order blocks,
+non-zero ``seq_offset``, zero-length sequences, partial tail blocks, junk in unused
+block-table columns, every cache dtype, both layouts and both ``seq_lens`` forms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+from importlib import resources
+from typing import Any
+
+import torch
+
+from pakv_onnx.spec import (
+    CACHE_DTYPES,
+    CacheMode,
+    cache_dtype,
+    nz_last_dim,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherCase:
+    """The inputs and attributes of one GatherPaKvCache call."""
+
+    case_id: str
+    description: str
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_offset: torch.Tensor | None
+    cache_mode: CacheMode = CacheMode.NORM
+    is_seq_lens_cumsum: bool = True
+
+    def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Positional inputs in the contract's order."""
+        return (self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.seq_offset)
+
+    def attributes(self) -> dict[str, Any]:
+        """Keyword attributes for :func:`pakv_onnx.gather_pa_kv_cache`."""
+        return {"cache_mode": self.cache_mode, "is_seq_lens_cumsum": self.is_seq_lens_cumsum}
+
+    def summary(self) -> str:
+        """One line: dtype, layout and shapes."""
+        offset = "none" if self.seq_offset is None else str(list(self.seq_offset.shape))
+        form = "cumsum" if self.is_seq_lens_cumsum else "lengths"
+        return (
+            f"{str(self.key_cache.dtype).removeprefix('torch.')} {self.cache_mode.value} "
+            f"key_cache={list(self.key_cache.shape)} value_cache={list(self.value_cache.shape)} "
+            f"block_tables={list(self.block_tables.shape)} seq_lens={list(self.seq_lens.shape)}({form}) "
+            f"seq_offset={offset}"
+        )
+
+
+# --------------------------------------------------------------------------- #
+# The seed sweep
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class SeedCaseSpec:
+    """One entry of ``seed_sweep.json`` (cheap to list; :meth:`build` makes the tensors)."""
+
+    case_id: str
+    description: str
+    seed: int
+    key_cache_shape: tuple[int, int, int, int]
+    value_cache_shape: tuple[int, int, int, int]
+    block_table_cols: int
+    q_count: int
+    total_tokens: int
+    manual: bool
+
+    def build(self) -> GatherCase:
+        """Generate the case's tensors by the sweep's rule (deterministic)."""
+        return _build_seed_case(self)
+
+
+@functools.cache
+def _seed_sweep() -> dict[str, Any]:
+    text = resources.files("pakv_onnx").joinpath("data/seed_sweep.json").read_text()
+    return json.loads(text)
+
+
+def seed_cases() -> tuple[SeedCaseSpec, ...]:
+    """The seed's network sweep (``level0`` ... ``level9``) then its two manual shapes."""
+    sweep = _seed_sweep()
+    entries = [(c, False) for c in sweep["cases"]] + [(c, True) for c in sweep["manual"]]
+    return tuple(
+        SeedCaseSpec(
+            case_id=c["id"],
+            description=c["description"],
+            seed=c["seed"],
+            key_cache_shape=tuple(c["key_cache_shape"]),
+            value_cache_shape=tuple(c["value_cache_shape"]),
+            block_table_cols=c["block_table_cols"],
+            q_count=c["q_count"],
+            total_tokens=c["total_tokens"],
+            manual=manual,
+        )
+        for c, manual in entries
+    )
+
+
+def seed_case(case_id: str) -> SeedCaseSpec:
+    """The seed case called ``case_id``; ``ValueError`` listing the ids otherwise."""
+    for spec in seed_cases():
+        if spec.case_id == case_id:
+            return spec
+    ids = ", ".join(s.case_id for s in seed_cases())
+    raise ValueError(f"unknown case id {case_id!r} (known: {ids})")
+
+
+def even_split(total: int, parts: int) -> list[int]:
+    """``total`` split over ``parts`` as evenly as possible; the first ``total % parts`` get one more."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if q < extra else 0) for q in range(parts)]
+
+
+def _build_seed_case(spec: SeedCaseSpec) -> GatherCase:
+    nb, bs = spec.key_cache_shape[0], spec.key_cache_shape[1]
+    lengths = even_split(spec.total_tokens, spec.q_count)
+    seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_offset = torch.zeros(spec.q_count, dtype=torch.int32)
+    block_tables = torch.zeros(spec.q_count, spec.block_table_cols, dtype=torch.int32)
+    counter = 0
+    for q, length in enumerate(lengths):
+        used = int(seq_offset[q]) // bs + -(-length // bs)
+        for col in range(used):
+            block_tables[q, col] = counter % nb
+            counter += 1
+    generator = torch.Generator().manual_seed(spec.seed)
+    key_cache = torch.randn(spec.key_cache_shape, generator=generator).to(torch.bfloat16)
+    value_cache = torch.randn(spec.value_cache_shape, generator=generator).to(torch.bfloat16)
+    return GatherCase(
+        case_id=spec.case_id,
+        description=spec.description,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        seq_offset=seq_offset,
+    )
+
+
+# --------------------------------------------------------------------------- #
+# Random cases
+# --------------------------------------------------------------------------- #
+def random_cache(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random cache contents with no NaN: normal values for float types, random bytes for integers."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=generator).to(dtype)
+    itemsize = cache_dtype(dtype).itemsize
+    raw = torch.randint(0, 256, (*shape[:-1], shape[-1] * itemsize), dtype=torch.uint8, generator=generator)
+    return raw.view(dtype)
+
+
+def random_case(
+    seed: int,
+    *,
+    dtype: torch.dtype | None = None,
+    cache_mode: CacheMode | None = None,
+    is_seq_lens_cumsum: bool | None = None,
+    index_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] | None = None,
+    with_seq_offset: bool | None = None,
+    max_seqs: int = 6,
+    max_blocks: int = 24,
+) -> GatherCase:
+    """A small random valid case; every option left ``None`` is drawn from ``seed``.
+
+    Args:
+        seed: makes the case reproducible.
+        dtype: cache dtype (any of the contract's).
+        cache_mode: layout.
+        is_seq_lens_cumsum: ``seq_lens`` form.
+        index_dtypes: dtypes of (block_tables, seq_lens, seq_offset), each int32 or int64.
+        with_seq_offset: pass a (non-zero) ``seq_offset`` input or ``None``.
+        max_seqs, max_blocks: size bounds (Q in [1, max_seqs], num_blocks in [1, max_blocks]).
+    """
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    dtype = dtype if dtype is not None else rng.choice(CACHE_DTYPES).torch_dtype
+    mode = cache_mode if cache_mode is not None else rng.choice(list(CacheMode))
+    is_cumsum = is_seq_lens_cumsum if is_seq_lens_cumsum is not None else rng.random() < 0.5
+    index_dtypes = index_dtypes or tuple(rng.choice((torch.int32, torch.int64)) for _ in range(3))
+    with_offset = with_seq_offset if with_seq_offset is not None else rng.random() < 0.7
+
+    num_blocks = rng.randint(1, max_blocks)
+    block_size = rng.choice((1, 2, 3, 4, 8, 16))
+    num_seqs = rng.randint(1, max_seqs)
+    itemsize = cache_dtype(dtype).itemsize
+    e = nz_last_dim(itemsize)
+
+    def token_shape() -> tuple[int, int]:
+        heads = rng.randint(1, 3)
+        if mode is CacheMode.PA_NZ:
+            return heads, e * rng.randint(1, 3)  # heads*dim must split into 32-byte fractals
+        return heads, rng.randint(1, 9)
+
+    key_heads, key_dim = token_shape()
+    value_heads, value_dim = token_shape()
+
+    lengths = [rng.choice((0, rng.randint(1, block_size), rng.randint(1, 3 * block_size + 1))) for _ in range(num_seqs)]
+    offset_cols = [rng.randint(0, 2) if with_offset else 0 for _ in range(num_seqs)]
+    used_cols = [off + -(-n // block_size) for off, n in zip(offset_cols, lengths)]
+    cols = max(used_cols) + rng.randint(0, 2)
+    cols = max(cols, 1)
+    # Unused columns hold junk the op must never read (including out-of-range ids).
+    tables = torch.randint(-5, num_blocks + 5, (num_seqs, cols), generator=generator)
+    for q in range(num_seqs):
+        for col in range(used_cols[q]):
+            tables[q, col] = rng.randrange(num_blocks)  # repeats and any order
+
+    def layout(heads: int, dim: int) -> tuple[int, ...]:
+        if mode is CacheMode.NORM:
+            return (num_blocks, block_size, heads, dim)
+        return (num_blocks, heads * dim // e, block_size, e)
+
+    bt_dtype, sl_dtype, so_dtype = index_dtypes
+    running = torch.tensor([0, *lengths]).cumsum(0)
+    seq_lens = running if is_cumsum else torch.tensor(lengths)
+    seq_offset = torch.tensor([c * block_size for c in offset_cols], dtype=so_dtype) if with_offset else None
+    return GatherCase(
+        case_id=f"random-{seed}",
+        description=f"random case seed {seed}",
+        key_cache=random_cache(layout(key_heads, key_dim), dtype, generator),
+        value_cache=random_cache(layout(value_heads, value_dim), dtype, generator),
+        block_tables=tables.to(bt_dtype),
+        seq_lens=seq_lens.to(sl_dtype),
+        seq_offset=seq_offset,
+        cache_mode=mode,
+        is_seq_lens_cumsum=is_cumsum,
+    )

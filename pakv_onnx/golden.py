@@ -1,0 +1,52 @@
+"""The torch reference for GatherPaKvCache: the ground truth every backend is tested against.
+
+Written to be read, not to be fast: one slice copy per (sequence, used block), straight
+from the contract in :mod:`pakv_onnx.spec`. It never validates on its own; callers hand
+it a :class:`~pakv_onnx.spec.GatherPlan` from :func:`~pakv_onnx.spec.plan_gather`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pakv_onnx.spec import CacheMode, GatherPlan
+
+
+def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
+    """The first ``rows`` token rows of one physical block, shaped like output rows.
+
+    Norm  [nb, bs, H, D]      -> [rows, H, D]
+    PA_NZ [nb, HD/E, bs, E]   -> [rows, HD]   (the fractal rows of a token, concatenated)
+    """
+    if mode is CacheMode.NORM:
+        return cache[block, :rows]
+    fractals = cache[block, :, :rows, :]  # [HD/E, rows, E]
+    return fractals.transpose(0, 1).reshape(rows, -1)
+
+
+def gather_golden(
+    plan: GatherPlan,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+) -> None:
+    """Gather every sequence's tokens from the paged caches into ``key_out`` / ``value_out``.
+
+    Args:
+        plan: a validated plan for these tensors.
+        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``).
+        key_out: ``[T, *plan.key_token_shape]``, written in place.
+        value_out: ``[T, *plan.value_token_shape]``, written in place.
+    """
+    bs = plan.block_size
+    for q in range(plan.num_seqs):
+        length = int(plan.seq_lengths[q])
+        out_start = int(plan.out_starts[q])
+        first_col = int(plan.table_col_starts[q])
+        for token in range(0, length, bs):
+            block = int(plan.block_tables[q, first_col + token // bs])
+            rows = min(bs, length - token)
+            dst = slice(out_start + token, out_start + token + rows)
+            key_out[dst] = _block_rows(key_cache, plan.cache_mode, block, rows)
+            value_out[dst] = _block_rows(value_cache, plan.cache_mode, block, rows)

@@ -1,0 +1,65 @@
+"""The public Python front: ``gather_pa_kv_cache``, a thin typed wrapper over the backends."""
+
+from __future__ import annotations
+
+import torch
+
+from pakv_onnx import kernels
+from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, plan_gather
+
+
+def gather_pa_kv_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_offset: torch.Tensor | None = None,
+    *,
+    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
+    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+    key_out: torch.Tensor | None = None,
+    value_out: torch.Tensor | None = None,
+    backend: str = kernels.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather the paged KV cache blocks of a batch of sequences into contiguous tensors.
+
+    Args:
+        key_cache: ``[num_blocks, block_size, Hk, Dk]`` (Norm) or
+            ``[num_blocks, Hk*Dk // E, block_size, E]`` (PA_NZ, E = 32 bytes / itemsize).
+        value_cache: same layout, dtype and (num_blocks, block_size) as ``key_cache``.
+        block_tables: int32/int64 ``[Q, max_blocks_per_seq]`` physical block ids.
+        seq_lens: int32/int64 ``[Q+1]`` cumulative token counts starting at 0
+            (``is_seq_lens_cumsum=True``) or ``[Q]`` per-sequence lengths.
+        seq_offset: optional int32/int64 ``[Q]`` token offsets (multiples of block_size)
+            of each sequence's first block-table column.
+        cache_mode: ``"Norm"`` or ``"PA_NZ"``.
+        is_seq_lens_cumsum: whether ``seq_lens`` is cumulative.
+        key_out, value_out: optional outputs to write in place (like AscendC's key_ref/value_ref).
+        backend: a name from :func:`pakv_onnx.kernels.backend_names` or ``"auto"``.
+
+    Returns:
+        ``(key, value)``: ``[T, Hk, Dk]`` / ``[T, Hv, Dv]`` (Norm) or ``[T, Hk*Dk]`` /
+        ``[T, Hv*Dv]`` (PA_NZ), the caches' dtype, on the caches' device.
+
+    Raises:
+        TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
+        BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
+    """
+    plan = plan_gather(
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_offset,
+        cache_mode=cache_mode,
+        is_seq_lens_cumsum=is_seq_lens_cumsum,
+        key_out=key_out,
+        value_out=value_out,
+    )
+    chosen = kernels.resolve_backend(backend, plan, key_cache)
+    if key_out is None:
+        key_out = torch.empty(plan.key_out_shape, dtype=plan.dtype, device=key_cache.device)
+    if value_out is None:
+        value_out = torch.empty(plan.value_out_shape, dtype=plan.dtype, device=value_cache.device)
+    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
+    return key_out, value_out

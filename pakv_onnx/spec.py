@@ -1,0 +1,469 @@
+"""The GatherPaKvCache contract: names, attributes, dtypes, layouts and validation.
+
+This module is the single source of truth for the operator. Every backend, the
+exporter and the runtime plugin import their names from here, and every Python
+path turns raw inputs into a :class:`GatherPlan` through :func:`plan_gather`.
+
+Layouts (``nb`` = num_blocks, ``bs`` = block_size, ``T`` = total tokens)::
+
+    cache_mode "Norm"  (ND):          cache [nb, bs, H, D]         -> out [T, H, D]
+    cache_mode "PA_NZ" (FRACTAL_NZ):  cache [nb, H*D // E, bs, E]  -> out [T, H*D]
+                                      E = 32 bytes / element size
+
+    is_seq_lens_cumsum = 1: seq_lens [Q+1], starts at 0, non-decreasing; T = seq_lens[-1]
+    is_seq_lens_cumsum = 0: seq_lens [Q] are per-sequence lengths; T = sum(seq_lens)
+    seq_offset [Q] (optional): non-negative multiples of bs; sequence q's block-table
+                               row starts at column seq_offset[q] // bs
+
+    token t of sequence q:  block = block_tables[q, seq_offset[q] // bs + t // bs]
+                            slot  = t % bs
+                            out[out_start[q] + t] = cache[block, slot]   (Norm)
+
+Only the block-table entries a sequence actually uses are validated; unused
+columns may hold anything (padding, stale ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import torch
+
+# --------------------------------------------------------------------------- #
+# ONNX identity
+# --------------------------------------------------------------------------- #
+DOMAIN = "pakv"
+OP_TYPE = "GatherPaKvCache"
+OPSET_VERSION = 1
+
+INPUT_NAMES = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
+OPTIONAL_INPUTS = frozenset({"seq_offset"})
+OUTPUT_NAMES = ("key", "value")
+
+ATTR_CACHE_MODE = "cache_mode"
+ATTR_IS_SEQ_LENS_CUMSUM = "is_seq_lens_cumsum"
+
+
+class CacheMode(str, enum.Enum):
+    """Physical layout of the paged caches."""
+
+    NORM = "Norm"
+    PA_NZ = "PA_NZ"
+
+
+DEFAULT_CACHE_MODE = CacheMode.NORM
+DEFAULT_IS_SEQ_LENS_CUMSUM = True
+
+# Bytes of one FRACTAL_NZ fractal row: the PA_NZ last dim is this / element size.
+NZ_FRACTAL_BYTES = 32
+
+INT64_MAX = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- #
+# dtypes
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class DType:
+    """One element type of the contract, under its torch and ONNX names."""
+
+    name: str
+    torch_dtype: torch.dtype
+    onnx_type: int  # onnx.TensorProto.DataType value (kept numeric: onnx is not needed here)
+    itemsize: int
+
+
+# The ONNX enum values are fixed by onnx.proto3 and never renumbered.
+CACHE_DTYPES: tuple[DType, ...] = (
+    DType("bfloat16", torch.bfloat16, 16, 2),
+    DType("float16", torch.float16, 10, 2),
+    DType("float32", torch.float32, 1, 4),
+    DType("int8", torch.int8, 3, 1),
+    DType("uint8", torch.uint8, 2, 1),
+    DType("int16", torch.int16, 5, 2),
+    DType("uint16", torch.uint16, 4, 2),
+    DType("int32", torch.int32, 6, 4),
+    DType("uint32", torch.uint32, 12, 4),
+    DType("float8_e4m3fn", torch.float8_e4m3fn, 17, 1),
+    DType("float8_e5m2", torch.float8_e5m2, 19, 1),
+)
+INDEX_DTYPES: tuple[DType, ...] = (
+    DType("int32", torch.int32, 6, 4),
+    DType("int64", torch.int64, 7, 8),
+)
+
+_CACHE_BY_TORCH = {d.torch_dtype: d for d in CACHE_DTYPES}
+_CACHE_BY_NAME = {d.name: d for d in CACHE_DTYPES}
+_INDEX_BY_TORCH = {d.torch_dtype: d for d in INDEX_DTYPES}
+
+# Same-width integer views: a gather is a byte copy, so backends may move any
+# cache dtype through the integer type of its width (some torch ops lack fp8/uint kernels).
+_BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def cache_dtype(name_or_dtype: str | torch.dtype) -> DType:
+    """Look up a cache dtype by name (``"bfloat16"``) or torch dtype; ``ValueError`` if outside the contract."""
+    table = _CACHE_BY_NAME if isinstance(name_or_dtype, str) else _CACHE_BY_TORCH
+    try:
+        return table[name_or_dtype]
+    except KeyError:
+        allowed = ", ".join(d.name for d in CACHE_DTYPES)
+        raise ValueError(f"cache dtype {name_or_dtype} is not in the contract (allowed: {allowed})") from None
+
+
+def nz_last_dim(itemsize: int) -> int:
+    """E of the PA_NZ layout: elements in one 32-byte fractal row."""
+    return NZ_FRACTAL_BYTES // itemsize
+
+
+def bits_view(tensor: torch.Tensor) -> torch.Tensor:
+    """View ``tensor`` as the unsigned/signed integer type of the same width (no copy)."""
+    return tensor.view(_BITS_VIEW[tensor.element_size()])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` have the same dtype, shape and bytes (NaN and -0.0 included)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(bits_view(a.contiguous()), bits_view(b.contiguous()))
+
+
+# --------------------------------------------------------------------------- #
+# The plan
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class GatherPlan:
+    """A validated gather: everything a backend needs besides the tensors themselves.
+
+    All index tensors are int64 on the CPU, shape ``[Q]`` unless noted.
+
+    Attributes:
+        cache_mode: layout of both caches.
+        is_seq_lens_cumsum: how ``seq_lens`` was given (kept for backends that mirror the op).
+        num_blocks, block_size: cache geometry shared by key and value.
+        num_seqs: Q.
+        num_tokens: T, rows of each output.
+        key_token_shape, value_token_shape: shape of one output row
+            (``(H, D)`` for Norm, ``(H*D,)`` for PA_NZ).
+        dtype: the caches' (and outputs') element type.
+        seq_lengths: tokens of each sequence.
+        out_starts: first output row of each sequence.
+        table_col_starts: first block-table column of each sequence (``seq_offset // bs``).
+        block_tables: the block table as int64 ``[Q, cols]`` (only used entries validated).
+    """
+
+    cache_mode: CacheMode
+    is_seq_lens_cumsum: bool
+    num_blocks: int
+    block_size: int
+    num_seqs: int
+    num_tokens: int
+    key_token_shape: tuple[int, ...]
+    value_token_shape: tuple[int, ...]
+    dtype: torch.dtype
+    seq_lengths: torch.Tensor
+    out_starts: torch.Tensor
+    table_col_starts: torch.Tensor
+    block_tables: torch.Tensor
+
+    @property
+    def key_out_shape(self) -> tuple[int, ...]:
+        return (self.num_tokens, *self.key_token_shape)
+
+    @property
+    def value_out_shape(self) -> tuple[int, ...]:
+        return (self.num_tokens, *self.value_token_shape)
+
+    def runs(self) -> torch.Tensor:
+        """Contiguous copy runs, int64 ``[R, 4]``: (physical block, rows, out row, seq).
+
+        One run per (sequence, used block); every run starts at slot 0 of its block and
+        covers ``rows`` <= block_size slots. Zero-length sequences contribute no run.
+        """
+        bs = self.block_size
+        blocks_per_seq = (self.seq_lengths + bs - 1) // bs
+        num_runs = int(blocks_per_seq.sum())
+        seq = torch.repeat_interleave(torch.arange(self.num_seqs), blocks_per_seq)
+        first_run_of_seq = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+        block_index = torch.arange(num_runs) - first_run_of_seq[seq]
+        physical = self.block_tables[seq, self.table_col_starts[seq] + block_index]
+        rows = torch.clamp(self.seq_lengths[seq] - block_index * bs, max=bs)
+        out_row = self.out_starts[seq] + block_index * bs
+        return torch.stack((physical, rows, out_row, seq), dim=1)
+
+    def token_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per output row, int64 ``[T]``: the physical block and slot it is read from."""
+        runs = self.runs()
+        physical, rows, out_row = runs[:, 0], runs[:, 1], runs[:, 2]
+        token_block = torch.repeat_interleave(physical, rows)
+        run_first_token = torch.repeat_interleave(out_row, rows)
+        slot = torch.arange(self.num_tokens) - run_first_token
+        return token_block, slot
+
+
+# --------------------------------------------------------------------------- #
+# Validation
+# --------------------------------------------------------------------------- #
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
+    if not tensor.is_contiguous():
+        raise ValueError(
+            f"{name} must be contiguous (row-major, as ONNX tensors are); got strides "
+            f"{tuple(tensor.stride())} for shape {tuple(tensor.shape)}: pass {name}.contiguous()"
+        )
+
+
+def _require_rank(name: str, tensor: torch.Tensor, rank: int, layout: str) -> None:
+    if tensor.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {tuple(tensor.shape)}")
+
+
+def _require_index_dtype(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype not in _INDEX_BY_TORCH:
+        raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
+
+
+def _parse_cache_mode(cache_mode: object) -> CacheMode:
+    if isinstance(cache_mode, CacheMode):
+        return cache_mode
+    if isinstance(cache_mode, bytes):
+        cache_mode = cache_mode.decode(errors="replace")
+    if not isinstance(cache_mode, str):
+        raise TypeError(f"{ATTR_CACHE_MODE} must be a string, got {type(cache_mode).__name__}")
+    try:
+        return CacheMode(cache_mode)
+    except ValueError:
+        raise ValueError(f"{ATTR_CACHE_MODE} must be 'Norm' or 'PA_NZ', got {cache_mode!r}") from None
+
+
+def _parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
+    if isinstance(is_seq_lens_cumsum, bool):
+        return is_seq_lens_cumsum
+    if isinstance(is_seq_lens_cumsum, int) and is_seq_lens_cumsum in (0, 1):
+        return bool(is_seq_lens_cumsum)
+    raise ValueError(f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
+
+
+def _cache_geometry(
+    name: str, cache: torch.Tensor, mode: CacheMode, itemsize: int
+) -> tuple[int, int, tuple[int, ...]]:
+    """(num_blocks, block_size, token_shape) of one cache, checking its layout."""
+    if mode is CacheMode.NORM:
+        _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
+        nb, bs, heads, dim = cache.shape
+        return nb, bs, (heads, dim)
+    _require_rank(name, cache, 4, "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]")
+    nb, fractals, bs, last = cache.shape
+    expected = nz_last_dim(itemsize)
+    if last != expected:
+        raise ValueError(
+            f"{name}: PA_NZ last dim must be 32 bytes / element size = {expected} for "
+            f"{cache.dtype}, got {last} (shape {tuple(cache.shape)})"
+        )
+    return nb, bs, (fractals * last,)
+
+
+def _index_vector(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    _require_index_dtype(name, tensor)
+    _require_rank(name, tensor, 1, "a vector")
+    return tensor.to(device="cpu", dtype=torch.int64)
+
+
+def _first_bad(mask: torch.Tensor) -> int:
+    """Index of the first True in a 1-D bool mask."""
+    return int(torch.nonzero(mask)[0, 0])
+
+
+def _lengths_and_starts(
+    seq_lens: torch.Tensor, is_cumsum: bool
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-sequence lengths, output starts and T from ``seq_lens`` in either mode."""
+    if is_cumsum:
+        if seq_lens.numel() < 1:
+            raise ValueError("seq_lens (cumsum) must have Q+1 >= 1 entries, got an empty tensor")
+        if int(seq_lens[0]) != 0:
+            raise ValueError(f"seq_lens (cumsum) must start at 0, got seq_lens[0] = {int(seq_lens[0])}")
+        # Compare rather than subtract: a difference of int64 values can wrap around.
+        decreasing = seq_lens[1:] < seq_lens[:-1]
+        if bool(decreasing.any()):
+            i = _first_bad(decreasing)
+            raise ValueError(
+                f"seq_lens (cumsum) must be non-decreasing, got seq_lens[{i + 1}] = "
+                f"{int(seq_lens[i + 1])} < seq_lens[{i}] = {int(seq_lens[i])}"
+            )
+        return seq_lens[1:] - seq_lens[:-1], seq_lens[:-1].clone(), int(seq_lens[-1])
+    if seq_lens.numel() and bool((seq_lens < 0).any()):
+        i = _first_bad(seq_lens < 0)
+        raise ValueError(f"seq_lens (lengths) must be non-negative, got seq_lens[{i}] = {int(seq_lens[i])}")
+    # Partial sums of non-negative int64 values become negative at the first overflow.
+    ends = torch.cumsum(seq_lens, 0)
+    if ends.numel() and bool((ends < 0).any()):
+        i = _first_bad(ends < 0)
+        raise ValueError(f"seq_lens (lengths): the total token count overflows int64 at seq_lens[{i}]")
+    total = int(ends[-1]) if ends.numel() else 0
+    return seq_lens, ends - seq_lens, total
+
+
+def _table_col_starts(seq_offset: torch.Tensor | None, num_seqs: int, block_size: int) -> torch.Tensor:
+    if seq_offset is None:
+        return torch.zeros(num_seqs, dtype=torch.int64)
+    offsets = _index_vector("seq_offset", seq_offset)
+    if offsets.numel() != num_seqs:
+        raise ValueError(f"seq_offset must have Q = {num_seqs} entries, got shape {tuple(seq_offset.shape)}")
+    if num_seqs and bool((offsets < 0).any()):
+        i = _first_bad(offsets < 0)
+        raise ValueError(f"seq_offset must be non-negative, got seq_offset[{i}] = {int(offsets[i])}")
+    if num_seqs and bool((offsets % block_size != 0).any()):
+        i = _first_bad(offsets % block_size != 0)
+        raise ValueError(
+            f"seq_offset must be a multiple of block_size = {block_size}, got seq_offset[{i}] = {int(offsets[i])}"
+        )
+    return offsets // block_size
+
+
+def _check_used_blocks(
+    tables: torch.Tensor, lengths: torch.Tensor, col_starts: torch.Tensor, block_size: int, num_blocks: int
+) -> None:
+    """Every block-table entry a sequence reads exists and names a block in [0, num_blocks)."""
+    cols = tables.shape[1]
+    # ceil(len / bs) without forming len + bs - 1 (which could overflow int64).
+    blocks_needed = lengths // block_size + (lengths % block_size != 0).to(torch.int64)
+    too_short = blocks_needed > (cols - col_starts)
+    if bool(too_short.any()):
+        q = _first_bad(too_short)
+        raise ValueError(
+            f"block_tables row {q} is too short: sequence {q} has {int(lengths[q])} tokens "
+            f"= {int(blocks_needed[q])} blocks of {block_size} starting at column "
+            f"{int(col_starts[q])} (seq_offset), but block_tables has {cols} columns"
+        )
+    if not bool((blocks_needed > 0).any()):
+        return
+    col = torch.arange(cols)
+    used = (col >= col_starts[:, None]) & (col < (col_starts + blocks_needed)[:, None])
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bool(bad.any()):
+        q, c = (int(v) for v in torch.nonzero(bad)[0])
+        raise ValueError(
+            f"block_tables[{q}, {c}] = {int(tables[q, c])} is outside [0, {num_blocks}) "
+            f"(num_blocks of key_cache); it is used by sequence {q}"
+        )
+
+
+def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], cache: torch.Tensor) -> None:
+    if out is None:
+        return
+    out = _require_tensor(name, out)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(out.shape)}")
+    if out.dtype != cache.dtype:
+        raise TypeError(f"{name} must have the caches' dtype {cache.dtype}, got {out.dtype}")
+    if out.device != cache.device:
+        raise ValueError(f"{name} must be on the caches' device {cache.device}, got {out.device}")
+    _require_contiguous(name, out)
+
+
+def plan_gather(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_offset: torch.Tensor | None = None,
+    *,
+    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
+    is_seq_lens_cumsum: bool | int = DEFAULT_IS_SEQ_LENS_CUMSUM,
+    key_out: torch.Tensor | None = None,
+    value_out: torch.Tensor | None = None,
+) -> GatherPlan:
+    """Validate one GatherPaKvCache call and return its plan.
+
+    Args:
+        key_cache: ``[nb, bs, Hk, Dk]`` (Norm) or ``[nb, Hk*Dk // E, bs, E]`` (PA_NZ).
+        value_cache: same layout and dtype as ``key_cache``; its heads/dim may differ.
+        block_tables: int32/int64 ``[Q, cols]``, physical block ids per sequence.
+        seq_lens: int32/int64 ``[Q+1]`` cumulative (``is_seq_lens_cumsum``) or ``[Q]`` lengths.
+        seq_offset: optional int32/int64 ``[Q]``, token offset of each sequence's first
+            block-table column (a multiple of bs).
+        cache_mode: ``"Norm"`` or ``"PA_NZ"``.
+        is_seq_lens_cumsum: how ``seq_lens`` is given.
+        key_out, value_out: optional caller-given outputs ``[T, ...]`` to check.
+
+    Raises:
+        TypeError: a non-tensor input or a dtype outside the contract.
+        ValueError: any other contract violation; the message names the input, the
+            index and the bad value.
+    """
+    mode = _parse_cache_mode(cache_mode)
+    is_cumsum = _parse_cumsum_flag(is_seq_lens_cumsum)
+    key_cache = _require_tensor("key_cache", key_cache)
+    value_cache = _require_tensor("value_cache", value_cache)
+    block_tables = _require_tensor("block_tables", block_tables)
+    seq_lens = _require_tensor("seq_lens", seq_lens)
+    if seq_offset is not None:
+        seq_offset = _require_tensor("seq_offset", seq_offset)
+
+    if key_cache.dtype not in _CACHE_BY_TORCH:
+        allowed = ", ".join(d.name for d in CACHE_DTYPES)
+        raise TypeError(f"key_cache dtype {key_cache.dtype} is not in the contract (allowed: {allowed})")
+    if value_cache.dtype != key_cache.dtype:
+        raise TypeError(f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {key_cache.dtype}")
+    if value_cache.device != key_cache.device:
+        raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}")
+    itemsize = key_cache.element_size()
+    nb, bs, key_token = _cache_geometry("key_cache", key_cache, mode, itemsize)
+    vnb, vbs, value_token = _cache_geometry("value_cache", value_cache, mode, itemsize)
+    if (vnb, vbs) != (nb, bs):
+        raise ValueError(
+            f"value_cache num_blocks/block_size ({vnb}, {vbs}) must equal key_cache's ({nb}, {bs})"
+        )
+    if bs < 1:
+        raise ValueError(f"key_cache block_size must be >= 1, got {bs}")
+    _require_contiguous("key_cache", key_cache)
+    _require_contiguous("value_cache", value_cache)
+
+    _require_index_dtype("block_tables", block_tables)
+    _require_rank("block_tables", block_tables, 2, "[Q, max_blocks_per_seq]")
+    tables = block_tables.to(device="cpu", dtype=torch.int64)
+    num_seqs = tables.shape[0]
+    seq_lens64 = _index_vector("seq_lens", seq_lens)
+    expected = num_seqs + 1 if is_cumsum else num_seqs
+    if seq_lens64.numel() != expected:
+        form = "Q+1 (cumsum)" if is_cumsum else "Q (lengths)"
+        raise ValueError(
+            f"seq_lens must have {form} = {expected} entries for block_tables with Q = {num_seqs} "
+            f"rows, got shape {tuple(seq_lens.shape)}"
+        )
+    lengths, out_starts, total = _lengths_and_starts(seq_lens64, is_cumsum)
+    col_starts = _table_col_starts(seq_offset, num_seqs, bs)
+    _check_used_blocks(tables, lengths, col_starts, bs, nb)
+
+    for name, token_shape in (("key", key_token), ("value", value_token)):
+        row_bytes = itemsize
+        for dim in token_shape:
+            row_bytes *= dim
+        if total * row_bytes > INT64_MAX:
+            raise ValueError(f"{name} output of {total} tokens x {row_bytes} bytes overflows int64 byte offsets")
+
+    plan = GatherPlan(
+        cache_mode=mode,
+        is_seq_lens_cumsum=is_cumsum,
+        num_blocks=nb,
+        block_size=bs,
+        num_seqs=num_seqs,
+        num_tokens=total,
+        key_token_shape=tuple(int(d) for d in key_token),
+        value_token_shape=tuple(int(d) for d in value_token),
+        dtype=key_cache.dtype,
+        seq_lengths=lengths,
+        out_starts=out_starts,
+        table_col_starts=col_starts,
+        block_tables=tables,
+    )
+    _check_output("key_out", key_out, plan.key_out_shape, key_cache)
+    _check_output("value_out", value_out, plan.value_out_shape, value_cache)
+    return plan
+
