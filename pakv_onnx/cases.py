@@ -48,6 +48,12 @@ class GatherCase:
         """Keyword attributes for :func:`pakv_onnx.gather_pa_kv_cache`."""
         return {"cache_mode": self.cache_mode, "is_seq_lens_cumsum": self.is_seq_lens_cumsum}
 
+    def golden(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key, value) from the torch reference: the expected outputs of this case."""
+        from pakv_onnx.ops import gather_pa_kv_cache  # ops imports kernels; keep cases importable alone
+
+        return gather_pa_kv_cache(*self.inputs(), **self.attributes(), backend="golden")
+
     def summary(self) -> str:
         """One line: dtype, layout and shapes."""
         offset = "none" if self.seq_offset is None else str(list(self.seq_offset.shape))
