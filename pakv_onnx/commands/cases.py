@@ -6,7 +6,6 @@ import argparse
 import sys
 import time
 
-import torch
 
 from pakv_onnx import kernels
 from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases

@@ -13,7 +13,9 @@ from pakv_onnx.kernels import Backend
 from pakv_onnx.spec import CacheMode, GatherPlan, bits_view
 
 
-def _gather_one(plan: GatherPlan, cache: torch.Tensor, out: torch.Tensor, block: torch.Tensor, slot: torch.Tensor) -> None:
+def _gather_one(
+    plan: GatherPlan, cache: torch.Tensor, out: torch.Tensor, block: torch.Tensor, slot: torch.Tensor
+) -> None:
     src = bits_view(cache)
     dst = bits_view(out)
     bs = plan.block_size
