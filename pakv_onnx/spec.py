@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+
 import torch
 
 # --------------------------------------------------------------------------- #

@@ -6,7 +6,6 @@ import argparse
 import sys
 import time
 
-
 from pakv_onnx import kernels
 from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
 from pakv_onnx.ops import gather_pa_kv_cache

@@ -1,0 +1,281 @@
+"""Every rejection of the contract: the documented error type, and a message naming the input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pakv_onnx
+from pakv_onnx.cases import random_case
+from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
+
+
+def norm_inputs(**overrides):
+    """A small valid Norm call (bs=4, nb=6, Q=2, lengths [5, 3]) with some inputs replaced."""
+    inputs = {
+        "key_cache": torch.zeros(6, 4, 2, 8, dtype=torch.bfloat16),
+        "value_cache": torch.zeros(6, 4, 1, 4, dtype=torch.bfloat16),
+        "block_tables": torch.tensor([[0, 5, 9], [3, -1, -1]], dtype=torch.int32),
+        "seq_lens": torch.tensor([0, 5, 8], dtype=torch.int32),
+        "seq_offset": None,
+    }
+    attrs = {"cache_mode": "Norm", "is_seq_lens_cumsum": True}
+    for name, value in overrides.items():
+        (inputs if name in inputs or name.endswith("_out") else attrs)[name] = value
+    return inputs, attrs
+
+
+def expect(error: type[Exception], pattern: str, **overrides) -> None:
+    inputs, attrs = norm_inputs(**overrides)
+    with pytest.raises(error, match=pattern):
+        plan_gather(**inputs, **attrs)
+    # The public front raises the same thing before touching any backend.
+    with pytest.raises(error, match=pattern):
+        pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="torch")
+
+
+def test_valid_baseline_passes() -> None:
+    inputs, attrs = norm_inputs()
+    plan = plan_gather(**inputs, **attrs)
+    assert plan.num_tokens == 8 and plan.key_out_shape == (8, 2, 8)
+
+
+# --- rank ------------------------------------------------------------------ #
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("key_cache", torch.zeros(6, 4, 16, dtype=torch.bfloat16)),
+        ("value_cache", torch.zeros(6, 4, 1, 4, 1, dtype=torch.bfloat16)),
+        ("block_tables", torch.zeros(6, dtype=torch.int32)),
+        ("seq_lens", torch.zeros(3, 1, dtype=torch.int32)),
+        ("seq_offset", torch.zeros(2, 1, dtype=torch.int32)),
+    ],
+)
+def test_wrong_rank(name: str, value: torch.Tensor) -> None:
+    expect(ValueError, rf"{name} must have rank", **{name: value})
+
+
+# --- dtype ----------------------------------------------------------------- #
+def test_cache_dtype_outside_contract() -> None:
+    expect(
+        TypeError,
+        r"key_cache dtype torch.float64 is not in the contract",
+        key_cache=torch.zeros(6, 4, 2, 8, dtype=torch.float64),
+        value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float64),
+    )
+
+
+def test_value_dtype_differs_from_key() -> None:
+    expect(TypeError, r"value_cache dtype torch.float16 must equal", value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("name", ["block_tables", "seq_lens", "seq_offset"])
+@pytest.mark.parametrize("dtype", [torch.int16, torch.float32, torch.uint32])
+def test_index_dtype(name: str, dtype: torch.dtype) -> None:
+    valid = {"block_tables": [[0, 5, 9], [3, -1, -1]], "seq_lens": [0, 5, 8], "seq_offset": [0, 0]}[name]
+    expect(TypeError, rf"{name} must be int32 or int64, got {dtype}", **{name: torch.tensor(valid).to(dtype)})
+
+
+def test_non_tensor_input() -> None:
+    expect(TypeError, r"seq_lens must be a torch.Tensor, got list", seq_lens=[0, 5, 8])
+
+
+# --- layout ---------------------------------------------------------------- #
+def test_non_contiguous_cache() -> None:
+    strided = torch.zeros(6, 4, 8, 2, dtype=torch.bfloat16).transpose(2, 3)
+    expect(ValueError, r"key_cache must be contiguous", key_cache=strided)
+
+
+@pytest.mark.parametrize(
+    "value_shape, pattern",
+    [((7, 4, 1, 4), r"value_cache num_blocks/block_size \(7, 4\)"), ((6, 2, 1, 4), r"value_cache num_blocks/block_size \(6, 2\)")],
+)
+def test_key_value_geometry_mismatch(value_shape: tuple, pattern: str) -> None:
+    expect(ValueError, pattern, value_cache=torch.zeros(value_shape, dtype=torch.bfloat16))
+
+
+def test_zero_block_size() -> None:
+    expect(
+        ValueError,
+        r"block_size must be >= 1",
+        key_cache=torch.zeros(6, 0, 2, 8, dtype=torch.bfloat16),
+        value_cache=torch.zeros(6, 0, 1, 4, dtype=torch.bfloat16),
+    )
+
+
+@pytest.mark.parametrize("dtype, good_e", [(torch.bfloat16, 16), (torch.int8, 32), (torch.float32, 8)])
+def test_pa_nz_last_dim(dtype: torch.dtype, good_e: int) -> None:
+    bad = good_e * 2
+    expect(
+        ValueError,
+        rf"key_cache: PA_NZ last dim must be 32 bytes / element size = {good_e}.*got {bad}",
+        cache_mode="PA_NZ",
+        key_cache=torch.zeros(6, 2, 4, bad, dtype=dtype),
+        value_cache=torch.zeros(6, 1, 4, good_e, dtype=dtype),
+    )
+
+
+def test_bad_cache_mode_and_flag() -> None:
+    expect(ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'", cache_mode="NZ")
+    expect(TypeError, r"cache_mode must be a string", cache_mode=3)
+    expect(ValueError, r"is_seq_lens_cumsum must be 0/1", is_seq_lens_cumsum=2)
+
+
+# --- seq_lens -------------------------------------------------------------- #
+def test_cumsum_must_start_at_zero() -> None:
+    expect(ValueError, r"seq_lens \(cumsum\) must start at 0, got seq_lens\[0\] = 1", seq_lens=torch.tensor([1, 5, 8]))
+
+
+def test_cumsum_must_not_decrease() -> None:
+    expect(ValueError, r"non-decreasing, got seq_lens\[2\] = 4 < seq_lens\[1\] = 5", seq_lens=torch.tensor([0, 5, 4]))
+
+
+def test_cumsum_decrease_hidden_by_wraparound() -> None:
+    """A difference that wraps around int64 must not pass as a non-negative length."""
+    expect(ValueError, r"non-decreasing", seq_lens=torch.tensor([0, INT64_MAX, -INT64_MAX]))
+
+
+def test_negative_length() -> None:
+    expect(
+        ValueError,
+        r"seq_lens \(lengths\) must be non-negative, got seq_lens\[1\] = -3",
+        is_seq_lens_cumsum=False,
+        seq_lens=torch.tensor([5, -3]),
+    )
+
+
+@pytest.mark.parametrize("is_cumsum, values", [(True, [0, 5]), (True, [0, 5, 8, 9]), (False, [5, 3, 1])])
+def test_seq_lens_size(is_cumsum: bool, values: list) -> None:
+    expect(ValueError, r"seq_lens must have Q", is_seq_lens_cumsum=is_cumsum, seq_lens=torch.tensor(values))
+
+
+def test_total_tokens_overflow_int64() -> None:
+    expect(
+        ValueError,
+        r"seq_lens \(lengths\): the total token count overflows int64 at seq_lens\[1\]",
+        is_seq_lens_cumsum=False,
+        seq_lens=torch.tensor([INT64_MAX, 1]),
+        block_tables=torch.zeros(2, 3, dtype=torch.int64),
+    )
+
+
+def test_output_bytes_overflow_with_wide_blocks() -> None:
+    from unittest import mock
+
+    # A real tensor with block_size 2**62 cannot exist, so fake only the shape the spec reads.
+    inputs, attrs = norm_inputs(seq_lens=torch.tensor([0, 2**61, 2**61]))
+    key = mock.MagicMock(spec=torch.Tensor)
+    key.dtype, key.device, key.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 2, 8])
+    key.dim.return_value, key.element_size.return_value, key.is_contiguous.return_value = 4, 2, True
+    value = mock.MagicMock(spec=torch.Tensor)
+    value.dtype, value.device, value.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 1, 4])
+    value.dim.return_value, value.element_size.return_value, value.is_contiguous.return_value = 4, 2, True
+    inputs.update(key_cache=key, value_cache=value)
+    with pytest.raises(ValueError, match=r"key output of 2305843009213693952 tokens x 32 bytes overflows int64"):
+        plan_gather(**inputs, **attrs)
+
+
+# --- seq_offset ------------------------------------------------------------ #
+def test_seq_offset_negative() -> None:
+    expect(ValueError, r"seq_offset must be non-negative, got seq_offset\[1\] = -4", seq_offset=torch.tensor([0, -4]))
+
+
+def test_seq_offset_not_block_multiple() -> None:
+    expect(ValueError, r"multiple of block_size = 4, got seq_offset\[0\] = 2", seq_offset=torch.tensor([2, 0]))
+
+
+def test_seq_offset_size() -> None:
+    expect(ValueError, r"seq_offset must have Q = 2 entries", seq_offset=torch.tensor([0, 0, 0]))
+
+
+# --- block_tables ---------------------------------------------------------- #
+def test_row_too_short() -> None:
+    expect(ValueError, r"block_tables row 0 is too short: sequence 0 has 5 tokens", block_tables=torch.tensor([[0], [3]]))
+
+
+def test_row_too_short_after_offset() -> None:
+    expect(
+        ValueError,
+        r"block_tables row 0 is too short.*starting at column 2",
+        seq_offset=torch.tensor([8, 0]),
+    )
+
+
+@pytest.mark.parametrize("bad_id", [6, 1000, -1, -(2**40)])
+def test_used_block_id_out_of_range(bad_id: int) -> None:
+    tables = torch.tensor([[0, bad_id, 0], [3, 0, 0]], dtype=torch.int64)
+    expect(ValueError, rf"block_tables\[0, 1\] = {bad_id} is outside \[0, 6\)", block_tables=tables)
+
+
+def test_unused_entries_may_hold_anything() -> None:
+    tables = torch.tensor([[0, 5, -(2**62)], [3, 2**40, -7]], dtype=torch.int64)
+    inputs, attrs = norm_inputs(block_tables=tables)
+    plan_gather(**inputs, **attrs)
+
+
+# --- caller outputs -------------------------------------------------------- #
+@pytest.mark.parametrize(
+    "name, value, error, pattern",
+    [
+        ("key_out", torch.zeros(7, 2, 8, dtype=torch.bfloat16), ValueError, r"key_out must have shape \[8, 2, 8\]"),
+        ("value_out", torch.zeros(8, 4, dtype=torch.bfloat16), ValueError, r"value_out must have shape \[8, 1, 4\]"),
+        ("key_out", torch.zeros(8, 2, 8, dtype=torch.float16), TypeError, r"key_out must have the caches' dtype"),
+        ("value_out", torch.zeros(16, 1, 4, dtype=torch.bfloat16)[::2], ValueError, r"value_out must be contiguous"),
+        ("key_out", "not a tensor", TypeError, r"key_out must be a torch.Tensor"),
+    ],
+)
+def test_caller_outputs(name: str, value: object, error: type, pattern: str) -> None:
+    expect(error, pattern, **{name: value})
+
+
+def test_unknown_backend() -> None:
+    inputs, attrs = norm_inputs()
+    with pytest.raises(ValueError, match=r"backend 'fast' is unknown \(choices: auto, "):
+        pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="fast")
+
+
+# --- property: malformed inputs only ever raise the documented errors ------ #
+INT64_EDGES = [0, 1, -1, 2, 3, 4, 5, 7, 8, 63, 64, -(2**31), 2**31 - 1, 2**40, INT64_MAX, -INT64_MAX - 1]
+
+
+@st.composite
+def malformed_call(draw):
+    case = random_case(draw(st.integers(0, 10_000)), max_blocks=8)
+    inputs = dict(zip(("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"), case.inputs()))
+    target = draw(st.sampled_from(["block_tables", "seq_lens", "seq_offset", "key_cache", "value_cache", "mode"]))
+    attrs = case.attributes()
+    if target == "mode":
+        attrs["cache_mode"] = CacheMode.PA_NZ if case.cache_mode is CacheMode.NORM else CacheMode.NORM
+        attrs["is_seq_lens_cumsum"] = draw(st.booleans())
+    elif target in ("key_cache", "value_cache"):
+        shape = draw(st.lists(st.integers(0, 5), min_size=1, max_size=5))
+        dtype = draw(st.sampled_from([torch.bfloat16, torch.int8, torch.float32, torch.float64]))
+        inputs[target] = torch.zeros(shape, dtype=dtype)
+    else:
+        shape = draw(st.lists(st.integers(0, 4), min_size=0, max_size=3))
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        values = draw(st.lists(st.sampled_from(INT64_EDGES), min_size=numel, max_size=numel))
+        dtype = draw(st.sampled_from([torch.int32, torch.int64, torch.int16, torch.float32]))
+        tensor = torch.tensor(values, dtype=torch.int64).reshape(shape)
+        inputs[target] = tensor.to(dtype) if dtype != torch.int32 else tensor.to(torch.int32)
+    return inputs, attrs
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(malformed_call(), st.sampled_from(["torch", "golden"]))
+def test_malformed_inputs_only_raise_documented_errors(call, backend: str) -> None:
+    inputs, attrs = call
+    try:
+        key, value = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend=backend)
+    except (ValueError, TypeError) as err:
+        assert re.search(r"key_cache|value_cache|block_tables|seq_lens|seq_offset|cache_mode|is_seq_lens", str(err)), err
+        return
+    # Accepted: the result must then be what the golden says.
+    want_key, want_value = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="golden")
+    assert bitwise_equal(key, want_key) and bitwise_equal(value, want_value)
