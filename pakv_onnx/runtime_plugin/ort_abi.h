@@ -1,0 +1,116 @@
+/* The small subset of the ONNX Runtime C ABI this plugin uses, declared from the public
+ * header's facts (include/onnxruntime/core/session/onnxruntime_c_api.h of microsoft/onnxruntime):
+ * the order of function slots in OrtApi, the field order of OrtCustomOp, and a few enum values.
+ *
+ * No ORT header is included and libonnxruntime is never linked: the plugin only calls through
+ * the OrtApi table ORT hands to RegisterCustomOps. Slot indices (counted from 0) were checked
+ * against the header; they are stable because ORT only ever appends to OrtApi.
+ */
+#ifndef PAKV_ORT_ABI_H
+#define PAKV_ORT_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The API version this plugin is written against: ORT 1.16 (CreateKernelV2 / KernelComputeV2). */
+#define PAKV_ORT_API_VERSION 16
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtApi OrtApi;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+
+/* OrtErrorCode */
+enum { PAKV_ORT_OK = 0, PAKV_ORT_FAIL = 1, PAKV_ORT_INVALID_ARGUMENT = 2 };
+
+/* OrtCustomOpInputOutputCharacteristic */
+enum { PAKV_ORT_REQUIRED = 0, PAKV_ORT_OPTIONAL = 1 };
+
+/* ONNXTensorElementDataType values are TensorProto.DataType values (0 = undefined). */
+enum { PAKV_ONNX_UNDEFINED = 0, PAKV_ONNX_INT32 = 6, PAKV_ONNX_INT64 = 7 };
+
+typedef struct OrtApiBase {
+  const OrtApi* (*GetApi)(uint32_t version);
+  const char* (*GetVersionString)(void);
+} OrtApiBase;
+
+/* OrtApi slot indices used here (see the header's struct OrtApi). */
+enum {
+  PAKV_SLOT_CreateStatus = 0,
+  PAKV_SLOT_GetErrorMessage = 2,
+  PAKV_SLOT_CreateCustomOpDomain = 26,
+  PAKV_SLOT_CustomOpDomain_Add = 27,
+  PAKV_SLOT_AddCustomOpDomain = 28,
+  PAKV_SLOT_GetTensorMutableData = 51,
+  PAKV_SLOT_GetTensorElementType = 60,
+  PAKV_SLOT_GetDimensionsCount = 61,
+  PAKV_SLOT_GetDimensions = 62,
+  PAKV_SLOT_GetTensorTypeAndShape = 65,
+  PAKV_SLOT_KernelInfoGetAttribute_int64 = 86,
+  PAKV_SLOT_KernelInfoGetAttribute_string = 87,
+  PAKV_SLOT_KernelContext_GetInputCount = 88,
+  PAKV_SLOT_KernelContext_GetOutputCount = 89,
+  PAKV_SLOT_KernelContext_GetInput = 90,
+  PAKV_SLOT_KernelContext_GetOutput = 91,
+  PAKV_SLOT_ReleaseStatus = 93,
+  PAKV_SLOT_ReleaseTensorTypeAndShapeInfo = 99,
+};
+
+/* Function types of those slots. */
+typedef OrtStatus* (*pakv_CreateStatus_fn)(int code, const char* msg);
+typedef const char* (*pakv_GetErrorMessage_fn)(const OrtStatus* status);
+typedef OrtStatus* (*pakv_CreateCustomOpDomain_fn)(const char* domain, OrtCustomOpDomain** out);
+typedef OrtStatus* (*pakv_CustomOpDomain_Add_fn)(OrtCustomOpDomain* domain, const void* op);
+typedef OrtStatus* (*pakv_AddCustomOpDomain_fn)(OrtSessionOptions* options, OrtCustomOpDomain* domain);
+typedef OrtStatus* (*pakv_GetTensorMutableData_fn)(OrtValue* value, void** out);
+typedef OrtStatus* (*pakv_GetTensorElementType_fn)(const OrtTensorTypeAndShapeInfo* info, int* out);
+typedef OrtStatus* (*pakv_GetDimensionsCount_fn)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
+typedef OrtStatus* (*pakv_GetDimensions_fn)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t n);
+typedef OrtStatus* (*pakv_GetTensorTypeAndShape_fn)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
+typedef OrtStatus* (*pakv_KernelInfoGetAttribute_int64_fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
+typedef OrtStatus* (*pakv_KernelInfoGetAttribute_string_fn)(const OrtKernelInfo* info, const char* name, char* out,
+                                                            size_t* size);
+typedef OrtStatus* (*pakv_KernelContext_GetCount_fn)(const OrtKernelContext* ctx, size_t* out);
+typedef OrtStatus* (*pakv_KernelContext_GetInput_fn)(const OrtKernelContext* ctx, size_t index, const OrtValue** out);
+typedef OrtStatus* (*pakv_KernelContext_GetOutput_fn)(OrtKernelContext* ctx, size_t index, const int64_t* dims,
+                                                      size_t n, OrtValue** out);
+typedef void (*pakv_ReleaseStatus_fn)(OrtStatus* status);
+typedef void (*pakv_ReleaseTensorTypeAndShapeInfo_fn)(OrtTensorTypeAndShapeInfo* info);
+
+/* OrtApi is an array of function pointers; fetch slot `slot` cast to its type. */
+#define PAKV_API(api, name) ((pakv_##name##_fn)(((void* const*)(api))[PAKV_SLOT_##name]))
+#define PAKV_API_AS(api, name, type) ((pakv_##type##_fn)(((void* const*)(api))[PAKV_SLOT_##name]))
+
+/* struct OrtCustomOp, field order of the header. Fields after KernelComputeV2 (API 17+) are only
+ * read by ORT when version says so; they are declared here (and left NULL) so the struct is
+ * never shorter than what a newer runtime might touch. */
+typedef struct PakvOrtCustomOp {
+  uint32_t version;
+  void* (*CreateKernel)(const struct PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info);
+  const char* (*GetName)(const struct PakvOrtCustomOp* op);
+  const char* (*GetExecutionProviderType)(const struct PakvOrtCustomOp* op);
+  int (*GetInputType)(const struct PakvOrtCustomOp* op, size_t index);
+  size_t (*GetInputTypeCount)(const struct PakvOrtCustomOp* op);
+  int (*GetOutputType)(const struct PakvOrtCustomOp* op, size_t index);
+  size_t (*GetOutputTypeCount)(const struct PakvOrtCustomOp* op);
+  void (*KernelCompute)(void* kernel, OrtKernelContext* ctx);
+  void (*KernelDestroy)(void* kernel);
+  int (*GetInputCharacteristic)(const struct PakvOrtCustomOp* op, size_t index);
+  int (*GetOutputCharacteristic)(const struct PakvOrtCustomOp* op, size_t index);
+  int (*GetInputMemoryType)(const struct PakvOrtCustomOp* op, size_t index);
+  int (*GetVariadicInputMinArity)(const struct PakvOrtCustomOp* op);
+  int (*GetVariadicInputHomogeneity)(const struct PakvOrtCustomOp* op);
+  int (*GetVariadicOutputMinArity)(const struct PakvOrtCustomOp* op);
+  int (*GetVariadicOutputHomogeneity)(const struct PakvOrtCustomOp* op);
+  OrtStatus* (*CreateKernelV2)(const struct PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
+                               void** kernel);
+  OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* ctx);
+  /* API 17+: InferOutputShapeFn, GetStartVersion, GetEndVersion; API 18+: in-place / alias maps. */
+  void* reserved_later_fields[7];
+} PakvOrtCustomOp;
+
+#endif /* PAKV_ORT_ABI_H */
