@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 # One line per subcommand, in --help order.
 COMMAND_MODULES = (
+    "pakv_onnx.commands.demo",
     "pakv_onnx.commands.cases",
 )
 
