@@ -1,0 +1,97 @@
+"""Sample attention graphs end to end: torch eager, the golden reference, and their ONNX graphs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnxruntime
+import pytest
+import torch
+
+from pakv_onnx import export, runtime_plugin
+from pakv_onnx.demo import ATTENTION_ATOL, SAMPLE_GRAPHS
+from pakv_onnx.models import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES, GqaPagedAttention, MlaContextAttention
+from pakv_onnx.models.attention import ragged_causal_mask
+from pakv_onnx.spec import bitwise_equal
+
+# (num_tokens, num_seqs, seed): several batch layouts through one exported graph.
+LAYOUTS = [(64, 1, 11), (200, 4, 12), (333, 7, 13)]
+PLUGIN_BACKENDS = ("native", "golden", "torch")
+
+
+def assert_matches_reference(outputs: dict[str, torch.Tensor], reference: tuple, runner: str) -> None:
+    ref_out, ref_key, ref_value = reference
+    assert bitwise_equal(outputs["key"], ref_key), f"{runner}: gathered key differs"
+    assert bitwise_equal(outputs["value"], ref_value), f"{runner}: gathered value differs"
+    error = float((outputs["output"] - ref_out).abs().max())
+    assert error <= ATTENTION_ATOL, f"{runner}: attention max abs error {error:.3g} > {ATTENTION_ATOL}"
+
+
+def test_ragged_causal_mask() -> None:
+    mask = ragged_causal_mask(torch.tensor([0, 2, 2, 5]), 5)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [0, 0, 1, 0, 0],
+            [0, 0, 1, 1, 0],
+            [0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("model", [MlaContextAttention(), GqaPagedAttention(block_size=16)], ids=["mla", "gqa"])
+def test_eager_forward_matches_reference(model) -> None:
+    for num_tokens, num_seqs, seed in LAYOUTS:
+        batch = model.random_batch(num_tokens, num_seqs, seed)
+        hidden = model.random_hidden_states(num_tokens, seed)
+        with torch.no_grad():
+            outputs = dict(zip(MODEL_OUTPUT_NAMES, model(hidden, *batch.gather_inputs())))
+        assert_matches_reference(outputs, model.reference_forward(hidden, batch), "eager")
+
+
+def test_reference_sees_a_wrong_block() -> None:
+    """The comparison can fail: swapping two used blocks of the table changes the gather."""
+    model = GqaPagedAttention(block_size=16)
+    batch = model.random_batch(100, 2, 3)
+    hidden = model.random_hidden_states(100, 3)
+    tables = batch.block_tables.clone()
+    row = int((batch.seq_lens[1:] - batch.seq_lens[:-1]).argmax())
+    used = [c for c in range(tables.shape[1]) if int(tables[row, c]) >= 0]
+    tables[row, used[0]], tables[row, used[1]] = int(tables[row, used[1]]), int(tables[row, used[0]])
+    with torch.no_grad():
+        out, key, _ = model(hidden, batch.key_cache, batch.value_cache, tables, batch.seq_lens, batch.seq_offset)
+    _, ref_key, _ = model.reference_forward(hidden, batch)
+    assert not bitwise_equal(key, ref_key)
+
+
+@pytest.fixture(scope="module", params=list(SAMPLE_GRAPHS))
+def exported(request, tmp_path_factory) -> tuple:
+    graph = SAMPLE_GRAPHS[request.param]
+    model = graph.build(0).eval()
+    num_tokens, num_seqs, seed = LAYOUTS[1]
+    batch = model.random_batch(num_tokens, num_seqs, seed)
+    inputs = (model.random_hidden_states(num_tokens, seed), *batch.gather_inputs())
+    path = Path(tmp_path_factory.mktemp("models")) / f"{graph.name}.onnx"
+    export.export(model, inputs, path)
+    return model, path
+
+
+def _runners(path: Path) -> dict[str, onnxruntime.InferenceSession]:
+    sessions = {f"plugin:{b}": runtime_plugin.make_session(path, backend=b) for b in PLUGIN_BACKENDS}
+    sessions["stock-ort"] = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sessions
+
+
+def test_onnx_graph_matches_reference_on_every_backend(exported) -> None:
+    model, path = exported
+    sessions = _runners(path)
+    for num_tokens, num_seqs, seed in LAYOUTS:  # one graph, several Q / T / num_blocks
+        batch = model.random_batch(num_tokens, num_seqs, seed)
+        hidden = model.random_hidden_states(num_tokens, seed)
+        reference = model.reference_forward(hidden, batch)
+        feeds = dict(zip(MODEL_INPUT_NAMES, (hidden, *batch.gather_inputs())))
+        for runner, session in sessions.items():
+            assert_matches_reference(runtime_plugin.run(session, feeds), reference, f"{runner} T={num_tokens}")
