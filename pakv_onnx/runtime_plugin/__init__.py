@@ -1,0 +1,138 @@
+"""The ONNX Runtime plugin for ``pakv::GatherPaKvCache``: a C custom-op library and its Python bridge.
+
+The library (``libpakv_ort.so``, built by the package build) stands alone: any ONNX Runtime host
+can load it with its custom-op-library option and gets the native C kernel. From Python::
+
+    from pakv_onnx import runtime_plugin
+    session = runtime_plugin.make_session(model)                  # native C kernel
+    session = runtime_plugin.make_session(model, backend="golden")  # torch reference via a callback
+    outputs = runtime_plugin.run(session, {"key_cache": kc, ...})   # torch in, torch out, zero-copy
+
+Backends are per session: ``native`` (C, default), any name of :mod:`pakv_onnx.kernels`
+(``golden``, ``torch``, ``pypto`` ...), or ``auto``. Python backends are reached through a
+callback that views ORT's buffers as torch tensors and runs the same validation and backend
+registry as :func:`pakv_onnx.gather_pa_kv_cache`, so they refuse the same inputs with the same
+messages.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pakv_onnx import kernels
+from pakv_onnx.runtime_plugin._lib import LibraryNotBuiltError, library_path
+from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
+
+__all__ = ["NATIVE", "LibraryNotBuiltError", "library_path", "make_session", "register", "run", "session_backend"]
+
+NATIVE = "native"
+
+_register_lock = threading.Lock()
+
+
+def session_backend(backend: str = NATIVE) -> str:
+    """The backend a session registered with ``backend`` runs: ``native`` or a Python backend name.
+
+    ``auto`` stays in C (``native``) unless a backend preferred over it (e.g. ``pypto``) is
+    available in this process, in which case each call is resolved by the registry.
+    """
+    if backend == NATIVE:
+        return NATIVE
+    if backend == kernels.AUTO:
+        for candidate in kernels.AUTO_PREFERENCE:
+            if candidate == NATIVE:
+                return NATIVE
+            if candidate in kernels.BACKEND_MODULES and kernels.get_backend(candidate).unavailable_reason() is None:
+                return kernels.AUTO
+        return NATIVE
+    kernels.get_backend(backend)  # ValueError naming the choices for an unknown name
+    return backend
+
+
+def register(session_options: Any, backend: str = NATIVE) -> None:
+    """Register the custom-op library on ``session_options`` for ``backend``.
+
+    Args:
+        session_options: an ``onnxruntime.SessionOptions`` (one registration per options object).
+        backend: ``native`` (C kernel), ``auto``, or a backend of :mod:`pakv_onnx.kernels`.
+    """
+    from pakv_onnx.runtime_plugin import _lib
+
+    chosen = session_backend(backend)
+    path = library_path()
+    lib = _lib.load()
+    if chosen != NATIVE:
+        from pakv_onnx.runtime_plugin import _python_backend
+
+        _python_backend.install()
+    with _register_lock:
+        if lib.pakv_select_backend_for_next_registration(chosen.encode()) < 0:
+            raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
+        try:
+            session_options.register_custom_ops_library(path)
+        finally:
+            lib.pakv_select_backend_for_next_registration(NATIVE.encode())
+
+
+def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
+    """An ``onnxruntime.InferenceSession`` for ``model`` with the plugin registered for ``backend``.
+
+    Args:
+        model: an ``onnx.ModelProto``, serialized model bytes, or a path.
+        backend: see :func:`register`.
+        **ort_kwargs: passed to ``InferenceSession`` (``sess_options`` is used and registered on
+            if given; ``providers`` defaults to the CPU execution provider).
+    """
+    import onnxruntime as ort
+
+    options = ort_kwargs.pop("sess_options", None) or ort.SessionOptions()
+    register(options, backend)
+    ort_kwargs.setdefault("providers", ["CPUExecutionProvider"])
+    if hasattr(model, "SerializeToString"):
+        model = model.SerializeToString()
+    elif isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
+
+
+def run(
+    session: Any, feeds: Mapping[str, torch.Tensor | None], output_names: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Run ``session`` on torch tensors through IOBinding: inputs are bound in place (BF16, FP8 and
+    every other dtype, no copy) and outputs come back as torch tensors of the right dtype that
+    share ORT's output memory. ``None`` feeds (an absent optional input) are skipped.
+    """
+    binding = session.io_binding()
+    keep: list[torch.Tensor] = []
+    for name, tensor in feeds.items():
+        if tensor is None:
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU tensor for the CPU execution provider, got {tensor.device}")
+        shape = list(tensor.shape)
+        if tensor.numel() == 0:
+            tensor = torch.empty(1, dtype=tensor.dtype)  # ORT wants a real address even for no elements
+        elif not tensor.is_contiguous():
+            tensor = tensor.contiguous()  # ORT tensors are dense row-major
+        keep.append(tensor)
+        binding.bind_input(name, "cpu", 0, onnx_type_of(tensor.dtype), shape, tensor.data_ptr())
+    names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
+    for name in names:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    outputs = binding.get_outputs()
+    result = {}
+    for name, value in zip(names, outputs):
+        try:
+            dtype = ORT_TYPE_TO_TORCH[value.data_type()]
+        except KeyError:
+            raise TypeError(f"output {name} has type {value.data_type()}, which has no torch dtype here") from None
+        result[name] = view(value.data_ptr(), tuple(value.shape()), dtype, owner=value)
+    return result

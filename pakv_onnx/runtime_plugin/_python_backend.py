@@ -1,0 +1,90 @@
+"""The Python side of the plugin: the callback ORT kernels call for Python backends.
+
+A kernel registered for a Python backend (golden, torch, pypto, auto) hands the raw input
+tensors to :func:`_serve`; it views them as torch tensors (no copy), validates them with
+:func:`pakv_onnx.spec.plan_gather`, picks the backend with :func:`pakv_onnx.kernels.resolve_backend`
+(exactly what :func:`pakv_onnx.gather_pa_kv_cache` does), asks ORT for the outputs and lets the
+backend write into them. Any exception becomes the kernel's ORT error, message kept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import threading
+
+from pakv_onnx import kernels
+from pakv_onnx.runtime_plugin import _lib
+from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
+from pakv_onnx.spec import INPUT_NAMES, plan_gather
+
+_install_lock = threading.Lock()
+_callback = None  # the CFUNCTYPE object must live as long as the library may call it
+_SHUTDOWN_WAIT_MS = 5000
+
+
+def _input(name: str, tensor: _lib.Tensor):
+    if not tensor.present:
+        return None
+    try:
+        dtype = ONNX_TO_TORCH[tensor.elem_type]
+    except KeyError:
+        raise TypeError(f"{name} has ONNX element type {tensor.elem_type}, which is outside the contract") from None
+    shape = tuple(tensor.dims[i] for i in range(tensor.ndim))
+    return view(tensor.data or 0, shape, dtype)
+
+
+def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
+    dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+    address = _lib.load().pakv_request_output(req_ptr, index, dims, len(shape))
+    if not address:
+        raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
+    return view(address, shape, dtype)
+
+
+def _serve(req_ptr) -> None:
+    req = req_ptr.contents
+    tensors = [_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES)]
+    key_cache, value_cache, block_tables, seq_lens, seq_offset = tensors
+    plan = plan_gather(
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_offset,
+        cache_mode=req.cache_mode.decode(),
+        is_seq_lens_cumsum=bool(req.is_seq_lens_cumsum),
+    )
+    backend = kernels.resolve_backend(req.backend.decode(), plan, key_cache)
+    key_out = _output(req_ptr, 0, plan.key_out_shape, plan.dtype)
+    value_out = _output(req_ptr, 1, plan.value_out_shape, plan.dtype)
+    backend.gather(plan, key_cache, value_cache, key_out, value_out)
+
+
+def _entry(req_ptr) -> int:
+    try:
+        _serve(req_ptr)
+        return 0
+    except BaseException as exc:  # noqa: BLE001 - every failure must become an ORT status, never unwind into C
+        try:
+            message = f"{type(exc).__name__}: {exc}"
+            _lib.load().pakv_request_set_error(req_ptr, message.encode(errors="replace"))
+        except BaseException:  # noqa: BLE001
+            pass
+        return 1
+
+
+def _shutdown() -> None:
+    """At interpreter exit: stop new callbacks and wait (GIL released) for those in flight."""
+    _lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS)
+
+
+def install() -> None:
+    """Install the callback in the library (idempotent, thread-safe)."""
+    global _callback
+    with _install_lock:
+        if _callback is not None:
+            return
+        _callback = _lib.CALLBACK(_entry)
+        _lib.load().pakv_set_python_callback(_callback)
+        atexit.register(_shutdown)
