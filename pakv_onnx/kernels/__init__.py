@@ -48,7 +48,6 @@ class Backend:
 # name -> module defining BACKEND. Order is the "auto" preference (fastest first).
 BACKEND_MODULES: dict[str, str] = {
     "pypto": "pakv_onnx.kernels.pypto_nd",
-    "pypto": "pakv_onnx.kernels.pypto_nd",
     "native": "pakv_onnx.kernels.native",
     "torch": "pakv_onnx.kernels.torch_cpu",
     "golden": "pakv_onnx.kernels.golden",
