@@ -1,0 +1,155 @@
+"""``export``: the recommended way to turn a PyTorch model calling the op into an ONNX file."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import onnx
+import torch
+
+from pakv_onnx.export.fallback import MIN_OPSET, attach_fallback
+from pakv_onnx.export.schema import register_schema
+from pakv_onnx.export.translation import register_legacy_symbolic, translation_table
+from pakv_onnx.spec import DOMAIN, OPSET_VERSION
+
+# torch 2.13's dynamo exporter emits opset 20 by default; the fallback body needs >= 19.
+DEFAULT_OPSET = 20
+
+
+def _check_opset(opset_version: int, fallback: bool) -> None:
+    if fallback and opset_version < MIN_OPSET:
+        raise ValueError(
+            f"opset_version {opset_version} is too old for the fallback function (needs >= {MIN_OPSET}); "
+            "raise it or pass fallback=False"
+        )
+
+
+def _finish(model: onnx.ModelProto, path: str | os.PathLike | None, fallback: bool) -> onnx.ModelProto:
+    if fallback:
+        attach_fallback(model)
+    elif not any(opset.domain == DOMAIN for opset in model.opset_import):
+        model.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    if path is not None:
+        onnx.save_model(model, os.fspath(path))
+    return model
+
+
+def export(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    path: str | os.PathLike | None = None,
+    *,
+    kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    fallback: bool = True,
+    opset_version: int = DEFAULT_OPSET,
+    optimize: bool = True,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    custom_translation_table: Mapping[Callable, Callable] | None = None,
+    verbose: bool = False,
+    **torch_onnx_kwargs: Any,
+) -> onnx.ModelProto:
+    """Export ``model`` with ``torch.onnx.export(..., dynamo=True)`` and return the ModelProto.
+
+    Each call of ``torch.ops.pakv.gather_pa_kv_cache`` becomes one ``pakv::GatherPaKvCache``
+    node with ``cache_mode`` and ``is_seq_lens_cumsum``. With ``fallback`` (default) the model
+    also carries a model-local function of the op from standard ops, so stock ONNX Runtime
+    runs it; a registered plugin kernel takes precedence over it.
+
+    Args:
+        model, args, kwargs: as for ``torch.onnx.export``.
+        path: where to save the model (``None``: don't save).
+        dynamic_shapes: as for ``torch.export`` (see :func:`op_dynamic_shapes`). The token
+            count T of the op's outputs is always dynamic (data-dependent).
+        fallback: attach the stock-ONNX fallback function.
+        opset_version: default-domain opset (>= 19 with the fallback).
+        optimize: run onnxscript's optimizer. It merges identical calls of the op (same
+            inputs and attributes; the op is deterministic, so the result is the same) and
+            drops calls whose outputs are unused.
+        custom_translation_table: extra translations, merged over the op's.
+        **torch_onnx_kwargs: passed on to ``torch.onnx.export``.
+
+    Models above protobuf's 2 GB limit need ``torch.onnx.export`` and
+    :func:`pakv_onnx.export.attach_fallback` on an external-data model instead.
+    """
+    _check_opset(opset_version, fallback)
+    register_schema()
+    table = dict(translation_table())
+    table.update(custom_translation_table or {})
+    program = torch.onnx.export(
+        model,
+        args,
+        kwargs=kwargs,
+        dynamo=True,
+        dynamic_shapes=dynamic_shapes,
+        custom_translation_table=table,
+        opset_version=opset_version,
+        optimize=optimize,
+        input_names=input_names,
+        output_names=output_names,
+        verbose=verbose,
+        **torch_onnx_kwargs,
+    )
+    return _finish(program.model_proto, path, fallback)
+
+
+def export_legacy(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    path: str | os.PathLike | None = None,
+    *,
+    fallback: bool = True,
+    opset_version: int = DEFAULT_OPSET,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Any] | None = None,
+    **torch_onnx_kwargs: Any,
+) -> onnx.ModelProto:
+    """The TorchScript exporter path (``dynamo=False``, deprecated by PyTorch) for older flows.
+
+    Uses ``torch.onnx.register_custom_op_symbolic``; T is a symbolic dim of the outputs.
+    ``None`` arguments (an absent ``seq_offset``) must be left out of ``args`` or passed as
+    keyword defaults, as the TorchScript tracer requires.
+    """
+    _check_opset(opset_version, fallback)
+    register_schema()
+    register_legacy_symbolic(opset_version)
+    buffer = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            model,
+            args,
+            buffer,
+            dynamo=False,
+            opset_version=opset_version,
+            input_names=input_names,
+            output_names=output_names,
+            dynamic_axes=dynamic_axes,
+            custom_opsets={DOMAIN: OPSET_VERSION},
+            **torch_onnx_kwargs,
+        )
+    return _finish(onnx.load_model_from_string(buffer.getvalue()), path, fallback)
+
+
+def op_dynamic_shapes(*, is_seq_lens_cumsum: bool = True, with_seq_offset: bool = True) -> tuple:
+    """``dynamic_shapes`` for a forward taking the op's inputs positionally, in contract order.
+
+    Dynamic: num_blocks (both caches), the number of sequences (block_tables rows,
+    seq_lens, seq_offset) and the block-table width. (The sequence-count Dim is not
+    called "Q": that name clashes with sympy inside torch.export.)
+    """
+    Dim = torch.export.Dim
+    num_blocks, num_seqs, cols = Dim("num_blocks"), Dim("num_seqs"), Dim("table_cols")
+    shapes = (
+        {0: num_blocks},
+        {0: num_blocks},
+        {0: num_seqs, 1: cols},
+        {0: num_seqs + 1 if is_seq_lens_cumsum else num_seqs},
+    )
+    return (*shapes, {0: num_seqs}) if with_seq_offset else (*shapes, None)

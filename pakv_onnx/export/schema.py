@@ -1,0 +1,186 @@
+"""The ONNX ``OpSchema`` of ``pakv::GatherPaKvCache``, with type and shape inference.
+
+Registering it with :mod:`onnx.defs` lets ``onnx.checker.check_model(full_check=True)``,
+``onnx.shape_inference`` and the dynamo exporter (onnxscript) understand graphs containing
+the op. Every name, attribute default and dtype comes from :mod:`pakv_onnx.spec`.
+
+Inference: outputs have the caches' element type; shapes ``[T, H, D]`` (Norm) or
+``[T, H*D]`` (PA_NZ). T is a number when ``seq_lens`` is a constant (initializer or
+``Constant``), otherwise a symbolic dim named after the node, unique per node, shared by
+its two outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+
+import numpy as np
+import onnx
+import onnx.defs
+import onnx.numpy_helper
+from onnx import TensorProto
+
+from pakv_onnx.spec import (
+    ATTR_CACHE_MODE,
+    ATTR_IS_SEQ_LENS_CUMSUM,
+    CACHE_DTYPES,
+    DEFAULT_CACHE_MODE,
+    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    DOMAIN,
+    INDEX_DTYPES,
+    INPUT_NAMES,
+    OP_TYPE,
+    OPSET_VERSION,
+    OPTIONAL_INPUTS,
+    OUTPUT_NAMES,
+    CacheMode,
+)
+
+# Type-constraint names: caches/outputs, then one per index input (they may differ).
+_CACHE_T = "T"
+_INDEX_T = {"block_tables": "TB", "seq_lens": "TS", "seq_offset": "TO"}
+
+_lock = threading.Lock()
+_symbol_counter = itertools.count()
+
+
+def onnx_type_str(onnx_type: int) -> str:
+    """``16`` -> ``"tensor(bfloat16)"``: the type string OpSchema constraints use."""
+    return f"tensor({TensorProto.DataType.Name(onnx_type).lower()})"
+
+
+def _type_constraints() -> list[tuple[str, list[str], str]]:
+    index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
+    constraints = [(_CACHE_T, [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES], "cache and output element type")]
+    for name, symbol in _INDEX_T.items():
+        constraints.append((symbol, list(index_types), f"{name} index type"))
+    return constraints
+
+
+def _formal_inputs() -> list[onnx.defs.OpSchema.FormalParameter]:
+    params = []
+    for name in INPUT_NAMES:
+        option = (
+            onnx.defs.OpSchema.FormalParameterOption.Optional
+            if name in OPTIONAL_INPUTS
+            else onnx.defs.OpSchema.FormalParameterOption.Single
+        )
+        params.append(onnx.defs.OpSchema.FormalParameter(name, _INDEX_T.get(name, _CACHE_T), param_option=option))
+    return params
+
+
+def _attributes() -> list[onnx.defs.OpSchema.Attribute]:
+    return [
+        onnx.defs.OpSchema.Attribute(
+            ATTR_CACHE_MODE,
+            onnx.helper.make_attribute(ATTR_CACHE_MODE, DEFAULT_CACHE_MODE.value),
+            "'Norm' (caches [nb, bs, H, D]) or 'PA_NZ' (caches [nb, H*D // E, bs, E])",
+        ),
+        onnx.defs.OpSchema.Attribute(
+            ATTR_IS_SEQ_LENS_CUMSUM,
+            onnx.helper.make_attribute(ATTR_IS_SEQ_LENS_CUMSUM, int(DEFAULT_IS_SEQ_LENS_CUMSUM)),
+            "1: seq_lens [Q+1] cumulative from 0; 0: seq_lens [Q] lengths",
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- #
+# Inference
+# --------------------------------------------------------------------------- #
+def _attr(ctx, name: str, default):
+    proto = ctx.get_attribute(name)
+    if proto is None:
+        return default
+    return onnx.helper.get_attribute_value(proto)
+
+
+def _constant_num_tokens(ctx, is_cumsum: bool) -> int | None:
+    """T when seq_lens is a constant the inference can see, else None."""
+    data = ctx.get_input_data(INPUT_NAMES.index("seq_lens"))
+    if data is None:
+        return None
+    values = onnx.numpy_helper.to_array(data).astype(np.int64).reshape(-1)
+    if is_cumsum:
+        return int(values[-1]) if values.size else None
+    return int(values.sum())
+
+
+def _token_symbol(ctx) -> str:
+    """``T_<node name>``; nodes without a name get ``T_<op>_<n>`` from a process-wide counter."""
+    # The display name reads "node GatherPaKvCache[pakv] (<node name>)".
+    match = re.search(r"\((.*)\)\s*$", ctx.get_display_name() or "")
+    name = match.group(1) if match else ""
+    if not name:
+        name = f"{OP_TYPE}_{next(_symbol_counter)}"
+    return "T_" + re.sub(r"[^0-9A-Za-z_]", "_", name)
+
+
+def _token_dims(shape: onnx.TensorShapeProto | None, mode: CacheMode) -> list[onnx.TensorShapeProto.Dimension] | None:
+    """Dims of one output row from a cache shape; None when the cache rank is unknown."""
+    if shape is None or len(shape.dim) != 4:
+        return None
+    d = shape.dim
+    if mode is CacheMode.NORM:
+        return [d[2], d[3]]
+    merged = onnx.TensorShapeProto.Dimension()
+    if d[1].HasField("dim_value") and d[3].HasField("dim_value"):
+        merged.dim_value = d[1].dim_value * d[3].dim_value
+    return [merged]
+
+
+def _infer(ctx) -> None:
+    mode_raw = _attr(ctx, ATTR_CACHE_MODE, DEFAULT_CACHE_MODE.value)
+    mode = CacheMode(mode_raw.decode() if isinstance(mode_raw, bytes) else mode_raw)
+    is_cumsum = bool(_attr(ctx, ATTR_IS_SEQ_LENS_CUMSUM, int(DEFAULT_IS_SEQ_LENS_CUMSUM)))
+
+    num_tokens = onnx.TensorShapeProto.Dimension()
+    known = _constant_num_tokens(ctx, is_cumsum)
+    if known is not None:
+        num_tokens.dim_value = known
+    else:
+        num_tokens.dim_param = _token_symbol(ctx)
+
+    for index, _name in enumerate(OUTPUT_NAMES):
+        if not ctx.has_output(index):
+            continue
+        cache_type = ctx.get_input_type(index)  # key_cache -> key, value_cache -> value
+        if cache_type is None or not cache_type.HasField("tensor_type"):
+            continue
+        tensor_type = cache_type.tensor_type
+        shape = tensor_type.shape if tensor_type.HasField("shape") else None
+        out = onnx.TypeProto()
+        out.tensor_type.elem_type = tensor_type.elem_type
+        dims = _token_dims(shape, mode)
+        if dims is not None:
+            out.tensor_type.shape.dim.add().CopyFrom(num_tokens)
+            for dim in dims:
+                out.tensor_type.shape.dim.add().CopyFrom(dim)
+        ctx.set_output_type(index, out)
+
+
+def make_schema() -> onnx.defs.OpSchema:
+    """A fresh OpSchema for the contract (not registered)."""
+    schema = onnx.defs.OpSchema(
+        OP_TYPE,
+        DOMAIN,
+        OPSET_VERSION,
+        "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors "
+        "(see pakv_onnx.spec).",
+        inputs=_formal_inputs(),
+        outputs=[onnx.defs.OpSchema.FormalParameter(name, _CACHE_T) for name in OUTPUT_NAMES],
+        type_constraints=_type_constraints(),
+        attributes=_attributes(),
+        node_determinism=onnx.defs.OpSchema.NodeDeterminism.Deterministic,
+    )
+    schema.set_type_and_shape_inference_function(_infer)
+    return schema
+
+
+def register_schema() -> onnx.defs.OpSchema:
+    """Register the schema with ``onnx.defs`` once per process (idempotent); return it."""
+    with _lock:
+        if not onnx.defs.has(OP_TYPE, OPSET_VERSION, DOMAIN):
+            onnx.defs.register_schema(make_schema())
+    return onnx.defs.get_schema(OP_TYPE, OPSET_VERSION, DOMAIN)

@@ -1,0 +1,104 @@
+"""Translations of ``torch.ops.pakv.gather_pa_kv_cache`` into one ``pakv::GatherPaKvCache`` node.
+
+* :func:`translation_table` — for ``torch.onnx.export(..., dynamo=True,
+  custom_translation_table=...)`` (onnxscript). The schema must be registered first
+  (:func:`pakv_onnx.export.schema.register_schema`), or onnxscript fails with "No schema registered".
+* :func:`register_legacy_symbolic` — for the TorchScript exporter (``dynamo=False``).
+
+An absent ``seq_offset`` stays absent (the node gets four inputs); the fallback function
+module deals with that case (see :mod:`pakv_onnx.export.fallback`).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import onnxscript
+import torch
+
+from pakv_onnx.export import schema as _schema
+from pakv_onnx.export import torch_op
+from pakv_onnx.spec import (
+    ATTR_CACHE_MODE,
+    ATTR_IS_SEQ_LENS_CUMSUM,
+    DEFAULT_CACHE_MODE,
+    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    DOMAIN,
+    OP_TYPE,
+    OPSET_VERSION,
+    OUTPUT_NAMES,
+    CacheMode,
+)
+
+_schema.register_schema()
+PAKV_OPSET = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+
+
+def _attributes(cache_mode: str, is_seq_lens_cumsum: bool) -> dict:
+    mode = CacheMode(cache_mode)  # ValueError at export time for an unknown mode
+    return {ATTR_CACHE_MODE: mode.value, ATTR_IS_SEQ_LENS_CUMSUM: int(bool(is_seq_lens_cumsum))}
+
+
+def gather_pa_kv_cache_onnx(
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    seq_offset=None,
+    cache_mode: str = DEFAULT_CACHE_MODE.value,
+    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+):
+    """onnxscript translation: one ``pakv::GatherPaKvCache`` node with both attributes."""
+    inputs = [key_cache, value_cache, block_tables, seq_lens]
+    if seq_offset is not None:
+        inputs.append(seq_offset)
+    op = getattr(PAKV_OPSET, OP_TYPE)
+    return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(OUTPUT_NAMES))
+
+
+def translation_table() -> dict:
+    """``custom_translation_table`` entry for ``torch.onnx.export(..., dynamo=True)``."""
+    return {torch_op.op_overload(): gather_pa_kv_cache_onnx}
+
+
+# --------------------------------------------------------------------------- #
+# Legacy TorchScript exporter (dynamo=False)
+# --------------------------------------------------------------------------- #
+_legacy_lock = threading.Lock()
+_legacy_registered: set[int] = set()
+
+
+def _legacy_symbolic(g, key_cache, value_cache, block_tables, seq_lens, seq_offset, cache_mode, is_seq_lens_cumsum):
+    from torch.onnx import symbolic_helper
+
+    mode = symbolic_helper._maybe_get_const(cache_mode, "s")
+    cumsum = symbolic_helper._maybe_get_const(is_seq_lens_cumsum, "b")
+    attrs = _attributes(mode, bool(cumsum))
+    inputs = [key_cache, value_cache, block_tables, seq_lens]
+    if not symbolic_helper._is_none(seq_offset):
+        inputs.append(seq_offset)
+    key, value = g.op(
+        f"{DOMAIN}::{OP_TYPE}",
+        *inputs,
+        cache_mode_s=attrs[ATTR_CACHE_MODE],
+        is_seq_lens_cumsum_i=attrs[ATTR_IS_SEQ_LENS_CUMSUM],
+        outputs=len(OUTPUT_NAMES),
+    )
+    # Output types: the caches' dtype, rank from the layout; T unknown.
+    for out, cache in ((key, key_cache), (value, value_cache)):
+        cache_type = cache.type()
+        rank = 3 if CacheMode(mode) is CacheMode.NORM else 2
+        try:
+            out.setType(cache_type.with_sizes([None] * rank))
+        except (AttributeError, RuntimeError):
+            pass
+    return key, value
+
+
+def register_legacy_symbolic(opset_version: int) -> None:
+    """Register the TorchScript-exporter symbolic for ``pakv::gather_pa_kv_cache`` (idempotent)."""
+    with _legacy_lock:
+        if opset_version in _legacy_registered:
+            return
+        torch.onnx.register_custom_op_symbolic(torch_op.QUALIFIED_NAME, _legacy_symbolic, opset_version)
+        _legacy_registered.add(opset_version)
