@@ -15,6 +15,8 @@ from collections.abc import Sequence
 COMMAND_MODULES = (
     "pakv_onnx.commands.demo",
     "pakv_onnx.commands.cases",
+    "pakv_onnx.commands.verify_kernel",
+    "pakv_onnx.commands.tune",
 )
 
 
