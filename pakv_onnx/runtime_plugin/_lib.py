@@ -23,15 +23,23 @@ class LibraryNotBuiltError(FileNotFoundError):
     """The C library is missing (the package was not built, e.g. a bare source checkout)."""
 
 
+@functools.cache
+def _find_library() -> str:
+    path = Path(__file__).resolve().parent / LIBRARY_NAME
+    return os.path.realpath(path) if path.is_file() else ""
+
+
 def library_path() -> str:
     """Absolute real path of the custom-op library; ``LibraryNotBuiltError`` if it was not built."""
-    path = Path(__file__).resolve().parent / LIBRARY_NAME
-    if not path.is_file():
+    found = _find_library()
+    if not found:
+        _find_library.cache_clear()  # it may be built later in this process
+        path = Path(__file__).resolve().parent / LIBRARY_NAME
         raise LibraryNotBuiltError(
             f"{path} is missing: the ONNX Runtime plugin is built by the package build; run "
             "`pip install -e .` (or `python setup.py build_ext --inplace`) in the repository"
         )
-    return os.path.realpath(path)
+    return found
 
 
 class Tensor(ctypes.Structure):
