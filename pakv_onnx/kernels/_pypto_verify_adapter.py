@@ -22,6 +22,7 @@ import contextlib
 import ctypes
 import fcntl
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -47,7 +48,11 @@ def pypto_version() -> str | None:
 def check_version() -> None:
     """Raise :class:`AdapterError` unless pypto is exactly the supported version."""
     version = pypto_version()
-    if version is None:
+    try:
+        importable = importlib.util.find_spec("pypto") is not None
+    except ImportError:
+        importable = False
+    if version is None or not importable:
         raise AdapterError("pypto is not installed (pip install 'pakv-onnx[pypto]')")
     if version != SUPPORTED_PYPTO_VERSION:
         raise AdapterError(
