@@ -357,9 +357,6 @@ static int prepare(const pakv_tensor in[PAKV_NUM_INPUTS], int nz, int cumsum, pa
                   (long long)bs, (long long)q, (long long)off);
     cols0[q] = off / bs;
   }
-  if ((k_row > 0 && total > INT64_MAX / k_row) || (v_row > 0 && total > INT64_MAX / v_row) ||
-      (k_row + v_row > 0 && total > INT64_MAX / (k_row + v_row)))
-    return fail(err, "key/value output of %lld tokens overflows int64 byte offsets", (long long)total);
 
   pakv_job* j = &p->job;
   j->nz = nz;
@@ -377,7 +374,10 @@ static int prepare(const pakv_tensor in[PAKV_NUM_INPUTS], int nz, int cumsum, pa
   j->out_starts = starts;
   j->col_starts = cols0;
   j->T = total;
-  if (check_job(j, err)) return -1;
+  if (check_job(j, err)) return -1; /* block tables first, as the contract does */
+  if ((k_row > 0 && total > INT64_MAX / k_row) || (v_row > 0 && total > INT64_MAX / v_row) ||
+      (k_row + v_row > 0 && total > INT64_MAX / (k_row + v_row)))
+    return fail(err, "key/value output of %lld tokens overflows int64 byte offsets (seq_lens)", (long long)total);
   if (!nz) {
     p->out_ndim = 3;
     p->k_out_dims[0] = p->v_out_dims[0] = total;

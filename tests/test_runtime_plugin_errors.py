@@ -1,0 +1,245 @@
+"""Every contract rejection surfaces as an ORT error naming the input, for the native kernel and a
+Python backend; refusals at session creation; sessions stay usable after errors; Python
+exceptions inside a backend keep their message; older runtimes are refused clearly."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import types
+
+import onnxruntime as ort
+import pytest
+import torch
+
+from pakv_onnx import kernels, runtime_plugin
+from pakv_onnx.cases import random_case
+from pakv_onnx.kernels import Backend
+from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case, one_node_model
+from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
+
+# session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...").
+ORT_ERRORS = (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+              ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph)
+
+
+def base_case(mode=CacheMode.NORM, cumsum=True):
+    """A valid case with seq_offset, several sequences and more than one block per sequence."""
+    for seed in range(200, 400):
+        case = random_case(seed, dtype=torch.bfloat16, cache_mode=mode, is_seq_lens_cumsum=cumsum,
+                           index_dtypes=(torch.int32, torch.int64, torch.int32), with_seq_offset=True)
+        plan = plan_gather(*case.inputs(), **case.attributes())
+        if plan.num_seqs >= 2 and plan.block_size >= 2 and int(plan.seq_lengths[0]) > plan.block_size:
+            return case
+    raise AssertionError("no suitable case")
+
+
+def _with(feeds, **changes):
+    out = dict(feeds)
+    out.update(changes)
+    return out
+
+
+def mutations(case):
+    """(label, input the error must name, feeds) for each contract violation reachable through ORT."""
+    f = feeds_for_case(case)
+    bt, sl, so = f["block_tables"], f["seq_lens"], f["seq_offset"]
+    nb = case.key_cache.shape[0]
+    bs = case.key_cache.shape[1]
+    yield "block id >= num_blocks", "block_tables", _with(f, block_tables=_set(bt, (0, int(so[0]) // bs), nb))
+    yield "negative block id", "block_tables", _with(f, block_tables=_set(bt, (0, int(so[0]) // bs), -1))
+    yield "huge block id", "block_tables", _with(f, block_tables=_set(bt, (0, int(so[0]) // bs), 2**31 - 1))
+    yield "block table too short", "block_tables", _with(f, block_tables=bt[:, : int(so[0]) // bs + 1].contiguous())
+    yield "block_tables rank 1", "block_tables", _with(f, block_tables=bt.reshape(-1).contiguous())
+    yield "block_tables float", "block_tables", _with(f, block_tables=bt.to(torch.float32))
+    yield "seq_lens not from 0", "seq_lens", _with(f, seq_lens=sl + 1)
+    yield "seq_lens decreasing", "seq_lens", _with(f, seq_lens=_set(sl, (1,), -5) if sl.numel() > 2 else sl - 1)
+    yield "seq_lens too many", "seq_lens", _with(f, seq_lens=torch.cat([sl, sl[-1:]]))
+    yield "seq_lens huge total", "block_tables", _with(f, seq_lens=_set(sl, (sl.numel() - 1,), INT64_MAX))
+    yield "seq_lens rank 2", "seq_lens", _with(f, seq_lens=sl.reshape(1, -1).contiguous())
+    yield "seq_offset negative", "seq_offset", _with(f, seq_offset=_set(so, (0,), -bs))
+    yield "seq_offset not a multiple", "seq_offset", _with(f, seq_offset=_set(so, (0,), 1))
+    yield "seq_offset wrong count", "seq_offset", _with(f, seq_offset=torch.cat([so, so[:1]]))
+    yield "seq_offset past the table", "block_tables", _with(f, seq_offset=_set(so, (0,), bs * 10**6))
+    yield "key_cache rank 3", "key_cache", _with(f, key_cache=case.key_cache[0].contiguous())
+    yield "value_cache num_blocks", "value_cache", _with(f, value_cache=case.value_cache[:-1].contiguous())
+
+
+def _set(t, index, value):
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def run_expecting_error(session, feeds):
+    with pytest.raises(ORT_ERRORS) as info:
+        runtime_plugin.run(session, feeds)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["native", "golden"])
+@pytest.mark.parametrize("mode", list(CacheMode))
+def test_every_rejection_names_the_input_and_the_session_survives(backend, mode) -> None:
+    case = base_case(mode=mode)
+    f = feeds_for_case(case)
+    sessions = {}
+    tried = 0
+    for label, name, feeds in mutations(case):
+        # The contract (spec) rejects it too, naming the same input.
+        with pytest.raises((TypeError, ValueError)) as spec_error:
+            plan_gather(*[feeds.get(n) for n in ("key_cache", "value_cache", "block_tables", "seq_lens",
+                                                 "seq_offset")], **case.attributes())
+        assert name in str(spec_error.value), (label, str(spec_error.value))
+        model = model_for_case(types.SimpleNamespace(
+            inputs=lambda feeds=feeds: [feeds[n] for n in ("key_cache", "value_cache", "block_tables", "seq_lens",
+                                                          "seq_offset")],
+            cache_mode=case.cache_mode, is_seq_lens_cumsum=case.is_seq_lens_cumsum)).SerializeToString()
+        if model not in sessions:
+            sessions[model] = runtime_plugin.make_session(model, backend=backend)
+        message = run_expecting_error(sessions[model], feeds)
+        assert name in message, (label, message)
+        if backend != "native":  # Python backends raise the contract's own message
+            assert str(spec_error.value) in message, (label, message)
+        tried += 1
+    assert tried == len(list(mutations(case)))
+    # The session that saw most of the errors still works.
+    golden = case.golden()
+    session = sessions[model_for_case(case).SerializeToString()]
+    out = runtime_plugin.run(session, f)
+    assert bitwise_equal(out["key"], golden[0]) and bitwise_equal(out["value"], golden[1])
+
+
+def test_session_keeps_working_after_errors_interleaved() -> None:
+    case = base_case()
+    f = feeds_for_case(case)
+    used_col = int(f["seq_offset"][0]) // case.key_cache.shape[1]
+    bad = _with(f, block_tables=_set(f["block_tables"], (0, used_col), 10**6))
+    golden = case.golden()
+    for backend in ("native", "golden"):
+        session = runtime_plugin.make_session(model_for_case(case), backend=backend)
+        for _ in range(5):
+            run_expecting_error(session, bad)
+            out = runtime_plugin.run(session, f)
+            assert bitwise_equal(out["key"], golden[0]) and bitwise_equal(out["value"], golden[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool, torch.uint64])
+def test_cache_dtype_outside_the_contract_is_refused_at_session_creation(dtype) -> None:
+    model = one_node_model([dtype, dtype, torch.int32, torch.int32, None])
+    for backend in ("native", "golden"):
+        with pytest.raises(ORT_ERRORS, match="key_cache"):
+            runtime_plugin.make_session(model, backend=backend)
+
+
+def test_mismatched_cache_dtypes_are_refused_at_session_creation() -> None:
+    model = one_node_model([torch.bfloat16, torch.float16, torch.int32, torch.int32, None])
+    with pytest.raises(ORT_ERRORS, match="GatherPaKvCache|value_cache"):
+        runtime_plugin.make_session(model)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "pattern"),
+    [({"cache_mode": "ND"}, "cache_mode must be 'Norm' or 'PA_NZ', got 'ND'"),
+     ({"cache_mode": "Norm" * 40}, "cache_mode"),
+     ({"is_seq_lens_cumsum": 2}, "is_seq_lens_cumsum must be 0/1")],
+)
+def test_bad_attributes_are_refused_at_session_creation(attrs, pattern) -> None:
+    model = one_node_model([torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, None], **attrs)
+    for backend in ("native", "golden"):
+        with pytest.raises(ORT_ERRORS, match=pattern):
+            runtime_plugin.make_session(model, backend=backend)
+
+
+def test_missing_attributes_take_the_contract_defaults() -> None:
+    from onnx import helper
+
+    case = random_case(44, dtype=torch.float16, cache_mode=CacheMode.NORM, is_seq_lens_cumsum=True)
+    model = model_for_case(case)
+    del model.graph.node[0].attribute[:]
+    session = runtime_plugin.make_session(model)
+    out = runtime_plugin.run(session, feeds_for_case(case))
+    assert bitwise_equal(out["key"], case.golden()[0])
+    assert helper  # onnx imported for the model edit
+
+
+def _install_test_backend(monkeypatch, name, gather):
+    module = types.ModuleType(f"pakv_test_backend_{name}")
+    module.BACKEND = Backend(name=name, description="test", gather=gather)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(kernels.BACKEND_MODULES, name, module.__name__)
+
+
+def test_python_exception_in_a_backend_becomes_an_ort_error_with_its_message(monkeypatch) -> None:
+    calls = {"n": 0}
+
+    def flaky(plan, key_cache, value_cache, key_out, value_out):
+        calls["n"] += 1
+        if calls["n"] % 2 == 1:
+            raise RuntimeError(f"flaky backend failed on call {calls['n']}")
+        kernels.get_backend("golden").gather(plan, key_cache, value_cache, key_out, value_out)
+
+    _install_test_backend(monkeypatch, "flaky", flaky)
+    case = base_case()
+    session = runtime_plugin.make_session(model_for_case(case), backend="flaky")
+    golden = case.golden()
+    for call in range(1, 7):
+        if call % 2:
+            message = run_expecting_error(session, feeds_for_case(case))
+            assert f"RuntimeError: flaky backend failed on call {call}" in message
+        else:
+            out = runtime_plugin.run(session, feeds_for_case(case))
+            assert bitwise_equal(out["key"], golden[0]) and bitwise_equal(out["value"], golden[1])
+
+
+def test_unavailable_backend_is_an_ort_error_naming_it(monkeypatch) -> None:
+    module = types.ModuleType("pakv_test_backend_absent")
+    module.BACKEND = Backend(name="absent", description="test", gather=lambda *a: None,
+                             unavailable_reason=lambda: "its package is not installed")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "absent", module.__name__)
+    case = base_case()
+    session = runtime_plugin.make_session(model_for_case(case), backend="absent")
+    message = run_expecting_error(session, feeds_for_case(case))
+    assert "backend 'absent' cannot run this call: its package is not installed" in message
+
+
+# --- the API version handshake, with a fake OrtApiBase (no ORT involved) ----------------------
+def test_runtimes_older_than_api_16_are_refused_with_a_clear_message() -> None:
+    from pakv_onnx.runtime_plugin import _lib
+
+    lib = _lib.load()
+    assert lib.pakv_api_version() == 16
+    messages = []
+    create_status_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p)
+
+    @create_status_t
+    def create_status(code, msg):
+        messages.append((code, msg.decode()))
+        return 0xBAD
+
+    table = (ctypes.c_void_p * 128)()
+    table[0] = ctypes.cast(create_status, ctypes.c_void_p)
+    requested = []
+    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_char_p)
+
+    @get_api_t
+    def get_api(version):
+        requested.append(version)
+        return ctypes.addressof(table) if version <= 13 else None  # a runtime with API 13 (ORT 1.13)
+
+    @version_t
+    def version_string():
+        return b"1.13.1"
+
+    class ApiBase(ctypes.Structure):
+        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
+
+    base = ApiBase(get_api, version_string)
+    register = lib.RegisterCustomOps
+    register.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    register.restype = ctypes.c_void_p
+    status = register(None, ctypes.addressof(base))
+    assert status == 0xBAD
+    assert requested[0] == 16
+    assert messages and "ONNX Runtime >= 1.16" in messages[0][1] and "1.13.1" in messages[0][1]
