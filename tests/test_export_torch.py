@@ -106,7 +106,15 @@ def test_eager_matches_golden_random_cases(seed):
 def test_op_is_registered_with_the_contract_arguments():
     schema = torch.ops.pakv.gather_pa_kv_cache.default._schema
     names = [a.name for a in schema.arguments]
-    assert names == ["key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset", "cache_mode", "is_seq_lens_cumsum"]
+    assert names == [
+        "key_cache",
+        "value_cache",
+        "block_tables",
+        "seq_lens",
+        "seq_offset",
+        "cache_mode",
+        "is_seq_lens_cumsum",
+    ]
     assert str(schema.arguments[4].type) == "Optional[Tensor]"
     assert pe.gather_pa_kv_cache is not None
 

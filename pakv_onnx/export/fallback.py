@@ -80,7 +80,9 @@ class _Body:
         return name
 
 
-def _gather_one(b: _Body, cache: str, out: str, m: str, is_nz: str, block: str, block_ok: str, slot: str, t_len: str) -> None:
+def _gather_one(
+    b: _Body, cache: str, out: str, m: str, is_nz: str, block: str, block_ok: str, slot: str, t_len: str
+) -> None:
     """Gather one cache into ``out``: rows of E elements, F rows (fractals) per token."""
     shape = b("Shape", [cache])
     s1 = b("Slice", [shape, b.const([1]), b.const([2])])
@@ -152,8 +154,16 @@ def make_function(opset_version: int) -> onnx.FunctionProto:
     key_shape = b("Shape", [key_cache])
     bs = b(
         "Squeeze",
-        [b("Where", [is_nz, b("Slice", [key_shape, b.const([2]), b.const([3])]),
-                     b("Slice", [key_shape, b.const([1]), b.const([2])])])],
+        [
+            b(
+                "Where",
+                [
+                    is_nz,
+                    b("Slice", [key_shape, b.const([2]), b.const([3])]),
+                    b("Slice", [key_shape, b.const([1]), b.const([2])]),
+                ],
+            )
+        ],
     )
     num_blocks = b("Squeeze", [b("Slice", [key_shape, b.const([0]), b.const([1])])])
 
@@ -166,7 +176,9 @@ def make_function(opset_version: int) -> onnx.FunctionProto:
     num_entries = b("Shape", [flat_tables])
     # A column past the row's end would read the next row: poison it instead.
     col_ok = b("And", [b("GreaterOrEqual", [col, b.const(0)]), b("Less", [col, cols])])
-    entry = b("Where", [col_ok, b("Add", [b("Mul", [seq, cols]), col]), b("Neg", [b("Add", [num_entries, b.const([1])])])])
+    entry = b(
+        "Where", [col_ok, b("Add", [b("Mul", [seq, cols]), col]), b("Neg", [b("Add", [num_entries, b.const([1])])])]
+    )
     block = b("Gather", [flat_tables, entry], axis=0)  # [T]
     # Negative or too large block ids are poisoned per cache row (Gather wraps negatives around).
     block_ok = b("And", [b("GreaterOrEqual", [block, b.const(0)]), b("Less", [block, num_blocks])])

@@ -18,6 +18,8 @@ from pakv_onnx.spec import CACHE_DTYPES, INDEX_DTYPES, bits_view
 
 _BY_TORCH = {d.torch_dtype: d for d in (*CACHE_DTYPES, *INDEX_DTYPES)}
 _BY_ONNX = {d.onnx_type: d for d in (*CACHE_DTYPES, *INDEX_DTYPES)}
+
+
 def to_ortvalue(tensor: torch.Tensor) -> ort.OrtValue:
     """A CPU OrtValue holding ``tensor``'s bytes with its ONNX element type."""
     dtype = _BY_TORCH[tensor.dtype]

@@ -166,8 +166,7 @@ def make_schema() -> onnx.defs.OpSchema:
         OP_TYPE,
         DOMAIN,
         OPSET_VERSION,
-        "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors "
-        "(see pakv_onnx.spec).",
+        "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors (see pakv_onnx.spec).",
         inputs=_formal_inputs(),
         outputs=[onnx.defs.OpSchema.FormalParameter(name, _CACHE_T) for name in OUTPUT_NAMES],
         type_constraints=_type_constraints(),
