@@ -221,7 +221,8 @@ def test_runtimes_older_than_api_16_are_refused_with_a_clear_message() -> None:
     table[0] = ctypes.cast(create_status, ctypes.c_void_p)
     requested = []
     get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
-    version_t = ctypes.CFUNCTYPE(ctypes.c_char_p)
+    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # returns a char* we own (no ctypes conversion)
+    version_text = ctypes.create_string_buffer(b"1.13.1")
 
     @get_api_t
     def get_api(version):
@@ -230,7 +231,7 @@ def test_runtimes_older_than_api_16_are_refused_with_a_clear_message() -> None:
 
     @version_t
     def version_string():
-        return b"1.13.1"
+        return ctypes.addressof(version_text)
 
     class ApiBase(ctypes.Structure):
         _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
