@@ -101,11 +101,17 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
 
 
 def run(
-    session: Any, feeds: Mapping[str, torch.Tensor | None], output_names: Sequence[str] | None = None
+    session: Any,
+    feeds: Mapping[str, torch.Tensor | None],
+    output_names: Sequence[str] | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run ``session`` on torch tensors through IOBinding: inputs are bound in place (BF16, FP8 and
     every other dtype, no copy) and outputs come back as torch tensors of the right dtype that
     share ORT's output memory. ``None`` feeds (an absent optional input) are skipped.
+
+    ``out`` optionally maps output names to preallocated contiguous CPU tensors of the exact
+    output shape and dtype; ORT then writes into them (no allocation, no page faults on reuse).
     """
     binding = session.io_binding()
     keep: list[torch.Tensor] = []
@@ -124,12 +130,22 @@ def run(
         keep.append(tensor)
         binding.bind_input(name, "cpu", 0, onnx_type_of(tensor.dtype), shape, tensor.data_ptr())
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
+    out = out or {}
     for name in names:
-        binding.bind_output(name, "cpu")
+        given = out.get(name)
+        if given is None:
+            binding.bind_output(name, "cpu")
+        else:
+            if not given.is_contiguous() or given.device.type != "cpu":
+                raise ValueError(f"out[{name!r}] must be a contiguous CPU tensor")
+            binding.bind_output(name, "cpu", 0, onnx_type_of(given.dtype), list(given.shape), given.data_ptr())
     session.run_with_iobinding(binding)
     outputs = binding.get_outputs()
     result = {}
     for name, value in zip(names, outputs):
+        if out.get(name) is not None and value.data_ptr() == out[name].data_ptr():
+            result[name] = out[name]
+            continue
         try:
             dtype = ORT_TYPE_TO_TORCH[value.data_type()]
         except KeyError:

@@ -1,0 +1,152 @@
+"""Benchmark of the ONNX Runtime plugin: session.run (IOBinding) medians and ratios.
+
+Compared, on the same caches (bound zero-copy) and with outputs bound to reused buffers:
+  native   the plugin's C kernel
+  torch    the plugin's Python callback into the `torch` backend
+  gather   ORT floor: one session of two native ORT `Gather` ops on precomputed token indices
+  memcpy   a torch copy of the same output bytes into an already-touched buffer
+  pyop     onnxruntime-extensions PyOp on a uint16 stand-in (PyOp cannot take BF16)
+
+Shapes: seed sweep cases (812 MB caches; `--cases`) and a large-T case (T >= 256k tokens of an
+8-head x 128 BF16 cache; `--large-blocks`). Prints a Markdown table.
+
+    python benchmarks/bench_ort.py [--cases level0,level8,heads64_k128_v128] [--repeats 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper
+
+from pakv_onnx import runtime_plugin
+from pakv_onnx.cases import GatherCase, seed_case
+from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
+from pakv_onnx.spec import CacheMode, bitwise_equal, plan_gather
+
+
+def median_us(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def gather_floor(case: GatherCase, plan, outs, repeats: int) -> float:
+    """Two ORT Gather ops over the caches viewed as token rows, indices precomputed (Norm only)."""
+    block, slot = plan.token_slots()
+    index = (block * plan.block_size + slot).contiguous()
+    nodes = [helper.make_node("Gather", [f"{n}_rows", "index"], [n], axis=0) for n in ("key", "value")]
+    inputs = [helper.make_tensor_value_info(f"{n}_rows", TensorProto.BFLOAT16, None) for n in ("key", "value")]
+    inputs.append(helper.make_tensor_value_info("index", TensorProto.INT64, None))
+    outputs = [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, None) for n in ("key", "value")]
+    model = helper.make_model(helper.make_graph(nodes, "floor", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    nb, bs = plan.num_blocks, plan.block_size
+    feeds = {"key_rows": case.key_cache.view(nb * bs, *case.key_cache.shape[2:]),
+             "value_rows": case.value_cache.view(nb * bs, *case.value_cache.shape[2:]), "index": index}
+    result = runtime_plugin.run(session, feeds, out=outs)
+    assert bitwise_equal(result["key"], case.golden()[0])
+    return median_us(lambda: runtime_plugin.run(session, feeds, out=outs), repeats)
+
+
+def pyop_time(case: GatherCase, plan, repeats: int) -> float | None:
+    try:
+        from onnxruntime_extensions import PyCustomOpDef, get_library_path, onnx_op
+    except ImportError:
+        return None
+    block, slot = plan.token_slots()
+    d = PyCustomOpDef
+
+    @onnx_op(op_type="PakvGatherU16", inputs=[d.dt_uint16, d.dt_uint16, d.dt_int64, d.dt_int64],
+             outputs=[d.dt_uint16, d.dt_uint16])
+    def _gather(key_cache, value_cache, blocks, slots):
+        return key_cache[blocks, slots], value_cache[blocks, slots]
+
+    node = helper.make_node("PakvGatherU16", ["kc", "vc", "b", "s"], ["key", "value"], domain="ai.onnx.contrib")
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in
+              (("kc", TensorProto.UINT16), ("vc", TensorProto.UINT16), ("b", TensorProto.INT64), ("s", TensorProto.INT64))]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.UINT16, None) for n in ("key", "value")]
+    model = helper.make_model(helper.make_graph([node], "pyop", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(get_library_path())
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {"kc": case.key_cache.view(torch.int16).numpy().view(np.uint16),
+             "vc": case.value_cache.view(torch.int16).numpy().view(np.uint16),
+             "b": block.numpy(), "s": slot.numpy()}
+    return median_us(lambda: session.run(None, feeds), repeats, warmup=1)
+
+
+def bench_case(label: str, case: GatherCase, repeats: int, with_pyop: bool) -> dict:
+    plan = plan_gather(*case.inputs(), **case.attributes())
+    model = model_for_case(case)
+    feeds = feeds_for_case(case)
+    golden = case.golden()
+    outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
+    row = {"case": label, "T": plan.num_tokens,
+           "out_bytes": golden[0].numel() * 2 + golden[1].numel() * 2}
+    for backend in ("native", "torch"):
+        session = runtime_plugin.make_session(model, backend=backend)
+        result = runtime_plugin.run(session, feeds, out=outs)
+        assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1])
+        row[backend] = median_us(lambda: runtime_plugin.run(session, feeds, out=outs), repeats)
+    row["gather"] = gather_floor(case, plan, outs, repeats)
+    src = [golden[0].clone(), golden[1].clone()]
+    row["memcpy"] = median_us(lambda: (outs["key"].copy_(src[0]), outs["value"].copy_(src[1])), repeats)
+    row["pyop"] = pyop_time(case, plan, max(3, repeats // 10)) if with_pyop else None
+    return row
+
+
+def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int = 128) -> GatherCase:
+    """T = num_blocks * block_size tokens, one shuffled block table over 4 sequences."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (num_blocks, block_size, heads, dim)
+    key_cache = torch.randint(-2**15, 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    value_cache = torch.randint(-2**15, 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    q = 4
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
+    per_seq = perm.shape[1] * block_size
+    seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * per_seq
+    return GatherCase("large", "large T", key_cache, value_cache, perm.contiguous(), seq_lens, None,
+                      CacheMode.NORM, True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="level0,level8,heads64_k128_v128")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--large-blocks", type=int, default=2048, help="blocks of 128 tokens (2048 -> T = 262144)")
+    parser.add_argument("--no-pyop", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for case_id in [c for c in args.cases.split(",") if c]:
+        case = seed_case(case_id).build()
+        rows.append(bench_case(case_id, case, args.repeats, not args.no_pyop))
+        del case
+    if args.large_blocks:
+        rows.append(bench_case(f"large T ({args.large_blocks}x128 tok, 8x128 bf16)", large_case(args.large_blocks),
+                               max(5, args.repeats // 5), False))
+    print("| case | T | output MB | native us | torch (callback) us | ORT Gather floor us | memcpy us | PyOp u16 us "
+          "| native / Gather | native / memcpy | PyOp / native |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        pyop = f"{r['pyop']:.0f}" if r["pyop"] else "-"
+        pyop_ratio = f"{r['pyop'] / r['native']:.0f}x" if r["pyop"] else "-"
+        print(f"| {r['case']} | {r['T']} | {r['out_bytes'] / 1e6:.3f} | {r['native']:.1f} | {r['torch']:.1f} | "
+              f"{r['gather']:.1f} | {r['memcpy']:.1f} | {pyop} | {r['native'] / r['gather']:.2f} | "
+              f"{r['native'] / r['memcpy']:.2f} | {pyop_ratio} |")
+
+
+if __name__ == "__main__":
+    main()
