@@ -11,11 +11,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from onnxscript import FLOAT16, INT32, script
+from onnxscript import opset20 as op
 from test_export_torch import GatherModule, assert_matches_golden, module_args, sized_case
 
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import random_case
+from pakv_onnx.export.builder import PAKV_OPSET
 from pakv_onnx.export.ort_io import run_session
 from pakv_onnx.spec import (
     ATTR_CACHE_MODE,
@@ -297,3 +300,46 @@ def test_legacy_export_runs(with_offset):
         )
         for outputs in (run_stock(model, other), run_plugin(model, other)):
             assert_matches_golden(outputs, other)
+
+
+# --------------------------------------------------------------------------- #
+# Defaults and hand-built graphs
+# --------------------------------------------------------------------------- #
+def test_default_export_is_dynamic_and_ties_the_contract_dims():
+    case = sized_case(600, dtype=torch.int16, min_size=2)
+    model = pe.export(GatherModule(case.cache_mode, case.is_seq_lens_cumsum).eval(), case.inputs())
+    inputs = {v.name: dims(v) for v in model.graph.input}
+    key_cache, value_cache, tables, seq_lens, seq_offset = inputs.values()
+    assert all(isinstance(d, str) for d in (*key_cache, *tables))
+    assert key_cache[0] == value_cache[0] and key_cache[1] == value_cache[1]  # num_blocks, block_size tied
+    assert seq_offset == [tables[0]] and seq_lens[0] == f"{tables[0]} + 1"
+    for seed in (601, 602, 603):
+        other = sized_case(seed, dtype=torch.int16)
+        assert_matches_golden(run_stock(model, other), other)
+
+
+# onnxscript resolves names from the module's globals: the script and its types live at module level.
+KEY_CACHE = FLOAT16["nb", "bs", "hk", "dk"]
+VALUE_CACHE = FLOAT16["nb", "bs", "hv", "dv"]
+TABLES = INT32["nseq", "cols"]
+SEQ_LENS = INT32["nseq_plus_1"]
+KEY = FLOAT16["T", "hk", "dk"]
+VALUE = FLOAT16["T", "hv", "dv"]
+
+
+@script(default_opset=op)
+def onnxscript_gather(
+    key_cache: KEY_CACHE, value_cache: VALUE_CACHE, block_tables: TABLES, seq_lens: SEQ_LENS
+) -> tuple[KEY, VALUE]:
+    key, value = PAKV_OPSET.GatherPaKvCache(
+        key_cache, value_cache, block_tables, seq_lens, cache_mode="Norm", is_seq_lens_cumsum=1
+    )
+    return op.Identity(key), op.Identity(value)
+
+
+def test_onnxscript_graph_with_the_op_runs_on_stock_ort():
+    model = pe.attach_fallback(onnxscript_gather.to_model_proto())
+    onnx.checker.check_model(model, full_check=True)
+    case = sized_case(700, dtype=torch.float16, with_seq_offset=False)
+    assert_matches_golden(run_stock(model, case), case)
+    assert_matches_golden(run_plugin(model, case), case)

@@ -44,7 +44,7 @@ def export(
     path: str | os.PathLike | None = None,
     *,
     kwargs: dict[str, Any] | None = None,
-    dynamic_shapes: Any = None,
+    dynamic_shapes: Any = "auto",
     fallback: bool = True,
     opset_version: int = DEFAULT_OPSET,
     optimize: bool = True,
@@ -64,8 +64,10 @@ def export(
     Args:
         model, args, kwargs: as for ``torch.onnx.export``.
         path: where to save the model (``None``: don't save).
-        dynamic_shapes: as for ``torch.export`` (see :func:`op_dynamic_shapes`). The token
-            count T of the op's outputs is always dynamic (data-dependent).
+        dynamic_shapes: as for ``torch.export`` (see :func:`op_dynamic_shapes`); the default
+            ``"auto"`` marks every dim of every tensor argument ``Dim.AUTO`` (dynamic unless the
+            model pins it; example sizes of 0 or 1 are pinned by torch.export), ``None`` exports
+            static input shapes. The token count T of the op's outputs is always dynamic.
         fallback: attach the stock-ONNX fallback function.
         opset_version: default-domain opset (>= 19 with the fallback).
         optimize: run onnxscript's optimizer. It merges identical calls of the op (same
@@ -79,6 +81,8 @@ def export(
     """
     _check_opset(opset_version, fallback)
     register_schema()
+    if isinstance(dynamic_shapes, str) and dynamic_shapes == "auto":
+        dynamic_shapes = auto_dynamic_shapes(args, kwargs)
     table = dict(translation_table())
     table.update(custom_translation_table or {})
     program = torch.onnx.export(
@@ -135,6 +139,20 @@ def export_legacy(
             **torch_onnx_kwargs,
         )
     return _finish(onnx.load_model_from_string(buffer.getvalue()), path, fallback)
+
+
+def auto_dynamic_shapes(args: tuple[Any, ...], kwargs: dict[str, Any] | None = None) -> Any:
+    """``Dim.AUTO`` for every dim of every tensor in ``args`` / ``kwargs`` (``None`` elsewhere)."""
+
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {axis: torch.export.Dim.AUTO for axis in range(value.dim())}
+        return None
+
+    shapes = tuple(spec(a) for a in args)
+    if kwargs:
+        return {**{f"_arg{i}": s for i, s in enumerate(shapes)}, **{k: spec(v) for k, v in kwargs.items()}}
+    return shapes
 
 
 def op_dynamic_shapes(*, is_seq_lens_cumsum: bool = True, with_seq_offset: bool = True) -> tuple:

@@ -66,6 +66,14 @@ def _gather_pa_kv_cache_fake(
     is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mode = CacheMode(cache_mode)  # ValueError for an unknown mode, at trace time
+    # Shape relations of the contract, so torch.export ties the symbols together.
+    num_seqs = block_tables.shape[0]
+    torch._check(value_cache.shape[0] == key_cache.shape[0])
+    slot_axis = 1 if mode is CacheMode.NORM else 2
+    torch._check(value_cache.shape[slot_axis] == key_cache.shape[slot_axis])
+    torch._check(seq_lens.shape[0] == (num_seqs + 1 if is_seq_lens_cumsum else num_seqs))
+    if seq_offset is not None:
+        torch._check(seq_offset.shape[0] == num_seqs)
     # T depends on the values of seq_lens: a fresh unbacked size, shared by key and value.
     num_tokens = torch.library.get_ctx().new_dynamic_size()
     key = key_cache.new_empty((num_tokens, *_token_shape(key_cache, mode)))
