@@ -268,6 +268,7 @@ def run_in_subprocess(
             [*(worker or [sys.executable, "-m", "pakv_onnx.pypto_sim"]), str(request_path)],
             cwd=run_dir,
             env=subprocess_env(run_dir),
+            check=False,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -360,7 +361,14 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     if verify:
         adapter.install()
     used = pypto_nd.run_kernel(
-        plan, case.key_cache, case.value_cache, key_out, value_out, sim=True, verify=verify, tiles=tiles,
+        plan,
+        case.key_cache,
+        case.value_cache,
+        key_out,
+        value_out,
+        sim=True,
+        verify=verify,
+        tiles=tiles,
         kernel_fn=kernel_fn,
     )
     _flush_c_stdio()
@@ -382,8 +390,11 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
                 rows = (bits_view(got) != bits_view(want)).reshape(got.shape[0], -1).any(dim=1)
                 first = int(torch.nonzero(rows)[0, 0]) if rows.any() else -1
                 details.append(f"{name}: {int(rows.sum())}/{got.shape[0]} rows differ, first row {first}")
-        return {"ok": False, "detail": f"{shapes} NOT bit-exact vs golden ({'; '.join(details)})",
-                "tiles": list(used.as_tuple())}
+        return {
+            "ok": False,
+            "detail": f"{shapes} NOT bit-exact vs golden ({'; '.join(details)})",
+            "tiles": list(used.as_tuple()),
+        }
     return {"ok": True, "detail": f"{shapes} bit-exact vs golden", "tiles": list(used.as_tuple())}
 
 
@@ -392,11 +403,12 @@ def worker_main(request_path: str, kernel_fn=None) -> int:
     _redirect_output(request["log"])
     try:
         payload = execute(request, kernel_fn=kernel_fn)
-    except Exception as err:  # report everything: the parent prints it as the case's FAIL reason
+    except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
         import traceback
 
         traceback.print_exc()
-        payload = {"ok": False, "detail": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}", "tiles": None}
+        lines = str(err).strip().splitlines()
+        payload = {"ok": False, "detail": f"{type(err).__name__}: {lines[0][:300] if lines else ''}", "tiles": None}
     _flush_c_stdio()
     Path(request["result"]).write_text(json.dumps(payload))
     return 0 if payload["ok"] else 1

@@ -27,8 +27,12 @@ pypto_installed = pytest.mark.skipif(importlib.util.find_spec("pypto") is None, 
 def _shapes():
     """(id, key width, value width, block size) of every seed and manual shape plus T=4096."""
     rows = [
-        (s.case_id, s.key_cache_shape[2] * s.key_cache_shape[3], s.value_cache_shape[2] * s.value_cache_shape[3],
-         s.key_cache_shape[1])
+        (
+            s.case_id,
+            s.key_cache_shape[2] * s.key_cache_shape[3],
+            s.value_cache_shape[2] * s.value_cache_shape[3],
+            s.key_cache_shape[1],
+        )
         for s in seed_cases()
     ]
     return rows + [("t4096", 512, 64, 128)]
@@ -37,7 +41,10 @@ def _shapes():
 @pytest.mark.parametrize("case_id,key_width,value_width,block_size", _shapes())
 def test_chosen_tiles_fit_the_vector_buffer(case_id, key_width, value_width, block_size):
     tiles = pypto_nd.choose_tiles_for(key_width, value_width, block_size, itemsize=2)
-    for rows, cols, width in ((tiles.key_rows, tiles.key_cols, key_width), (tiles.value_rows, tiles.value_cols, value_width)):
+    for rows, cols, width in (
+        (tiles.key_rows, tiles.key_cols, key_width),
+        (tiles.value_rows, tiles.value_cols, value_width),
+    ):
         assert cols == width
         assert block_size % rows == 0
         assert pypto_nd.tile_bytes(rows, cols, 2) <= pypto_nd.VECTOR_BUFFER_BYTES
@@ -78,13 +85,13 @@ def test_unsupported_options_are_named():
 
 
 def test_lengths_mode_becomes_cumsum_on_the_host():
-    case = next(
-        c for c in (pypto_sim.random_kernel_case(s) for s in range(50)) if not c.is_seq_lens_cumsum
-    )
+    case = next(c for c in (pypto_sim.random_kernel_case(s) for s in range(50)) if not c.is_seq_lens_cumsum)
     plan = plan_gather(*case.inputs(), **case.attributes())
     key_out = torch.empty(plan.key_out_shape, dtype=plan.dtype)
     value_out = torch.empty(plan.value_out_shape, dtype=plan.dtype)
-    _, _, tables, starts, cols, key_rows, _ = pypto_nd.kernel_inputs(plan, case.key_cache, case.value_cache, key_out, value_out)
+    _, _, tables, starts, cols, key_rows, _ = pypto_nd.kernel_inputs(
+        plan, case.key_cache, case.value_cache, key_out, value_out
+    )
     lengths = case.seq_lens.to(torch.int64)
     assert starts.dtype == torch.int32 and tables.dtype == torch.int32 and cols.dtype == torch.int32
     assert starts.tolist() == [0, *torch.cumsum(lengths, 0).tolist()]
@@ -124,7 +131,7 @@ def test_verify_kernel_64_heads_and_t4096(capsys):
     assert out.count(" PASS ") == len(ids), out
 
 
-WRONG_KERNEL = '''
+WRONG_KERNEL = """
 import sys
 import pypto
 from pakv_onnx import pypto_sim
@@ -167,16 +174,14 @@ def off_by_one_kernel(
 
 
 sys.exit(pypto_sim.worker_main(sys.argv[1], kernel_fn=off_by_one_kernel))
-'''
+"""
 
 
 @pypto_installed
 def test_a_wrong_kernel_is_caught(tmp_path):
     script = tmp_path / "wrong_kernel.py"
     script.write_text(textwrap.dedent(WRONG_KERNEL))
-    result = pypto_sim.run_in_subprocess(
-        {"mode": "verify", "case": "level0"}, worker=[sys.executable, str(script)]
-    )
+    result = pypto_sim.run_in_subprocess({"mode": "verify", "case": "level0"}, worker=[sys.executable, str(script)])
     assert not result.ok
     assert "NOT bit-exact" in result.detail, result.detail  # a real mismatch, not a crash
 

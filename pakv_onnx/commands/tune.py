@@ -118,8 +118,11 @@ def run(args: argparse.Namespace) -> int:
         else:
             row["status"] = f"compile failed: {result.detail}" + (f" (log: {result.log})" if result.log else "")
         if not args.json:
-            print(f"  measured K,V rows {k},{v}: {row['status'] if row['status'] != 'ok' else str(row['aicore_us']) + ' us'}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  measured K,V rows {k},{v}: {row['status'] if row['status'] != 'ok' else str(row['aicore_us']) + ' us'}",
+                file=sys.stderr,
+                flush=True,
+            )
         return row
 
     if not args.json:
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         marks = [m for m, on in (("chosen", r["chosen"]), ("seed default", r["seed_default"])) if on]
         if r["status"] != "ok":
             marks.append(r["status"])
-        num = (lambda x, f: format(x, f) if x is not None else "-")
+        num = lambda x, f: format(x, f) if x is not None else "-"
         print(
             f"{r['tile_k']:>6} {r['tile_v']:>6} {num(r['aicore_us'], '9.3f')} {num(r['tasks'], '5d')} "
             f"{num(r['utilisation_pct'], '6.2f')}  {', '.join(marks)}"
@@ -190,7 +193,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     shape.add_argument("--q", type=int, default=4, help="sequences (default: 4)")
     shape.add_argument("--tokens", type=int, default=55, help="total tokens T, split evenly (default: 55)")
     parser.add_argument(
-        "--tiles", type=_parse_pair, action="append", metavar="K,V",
+        "--tiles",
+        type=_parse_pair,
+        action="append",
+        metavar="K,V",
         help="candidate key,value tile rows (repeatable; default: every power-of-two divisor of block_size >= 8, "
         "both ways)",
     )

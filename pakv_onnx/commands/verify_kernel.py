@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from pakv_onnx.paths import cache_dir
 
@@ -62,9 +61,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"helper library built ({helper.seconds:.0f}s)", flush=True)
     failures = 0
     for index, case_id in enumerate(case_ids, 1):
-        result = pypto_sim.run_in_subprocess(
-            {"mode": "verify", "case": case_id}, timeout=args.timeout, keep=args.keep
-        )
+        result = pypto_sim.run_in_subprocess({"mode": "verify", "case": case_id}, timeout=args.timeout, keep=args.keep)
         failures += not result.ok
         extras = []
         if result.tiles:
@@ -114,10 +111,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--cases", nargs="*", metavar="ID", help="case ids to verify (default: all seed cases, t4096 and the random ones)"
+        "--cases",
+        nargs="*",
+        metavar="ID",
+        help="case ids to verify (default: all seed cases, t4096 and the random ones)",
     )
     parser.add_argument(
-        "--random", type=int, default=DEFAULT_RANDOM, metavar="N",
+        "--random",
+        type=int,
+        default=DEFAULT_RANDOM,
+        metavar="N",
         help=f"random cases in the default list (default: {DEFAULT_RANDOM})",
     )
     parser.add_argument("--seed", type=int, default=0, help="first seed of the random cases (default: 0)")

@@ -61,7 +61,9 @@ def gather_nd_kernel(
             first_row = seq_starts[seq]
             length = seq_starts[seq + 1] - first_row
             first_col = table_cols[seq]
-            for blk in pypto.loop(pypto.ceildiv(length, block_size), name="block_loop", idx_name="blk", unroll_list=[1]):
+            for blk in pypto.loop(
+                pypto.ceildiv(length, block_size), name="block_loop", idx_name="blk", unroll_list=[1]
+            ):
                 src_row = block_tables[seq, first_col + blk] * block_size
                 done = blk * block_size
                 valid = (length - done).min(block_size)

@@ -163,7 +163,11 @@ def install() -> None:
         (BuildOnlineManager, "_CMakeContext"),
         (BuildOnlineManager, "_TorchContext"),
     ]
-    missing = [f"{getattr(owner, '__name__', type(owner).__name__)}.{name}" for owner, name in needed if not hasattr(owner, name)]
+    missing = [
+        f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        for owner, name in needed
+        if not hasattr(owner, name)
+    ]
     if missing:
         raise AdapterError(f"pypto {pypto_version()} lacks {', '.join(missing)}; the verify adapter cannot run")
     entry.JitCallableWrapper._setup_verify_data = staticmethod(_setup_verify_data_from_host)

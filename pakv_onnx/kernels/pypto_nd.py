@@ -161,7 +161,7 @@ def unavailable_reason() -> str | None:
         return "no Ascend NPU (torch_npu is not importable); `pakv-onnx verify-kernel` checks the kernel on a CPU"
     try:
         import torch_npu  # noqa: F401  (registers torch.npu)
-    except Exception as err:  # a broken CANN install raises anything
+    except Exception as err:  # noqa: BLE001  (a broken CANN install raises anything)
         return f"no Ascend NPU (importing torch_npu failed: {err})"
     npu = getattr(torch, "npu", None)
     if npu is None or not npu.is_available():
