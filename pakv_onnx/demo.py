@@ -19,7 +19,7 @@ from pathlib import Path
 import onnxruntime
 import torch
 
-from pakv_onnx import export, runtime_plugin
+from pakv_onnx import runtime_plugin
 from pakv_onnx.models import GqaPagedAttention, MlaContextAttention, PagedAttentionModel
 from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
 from pakv_onnx.spec import bitwise_equal
@@ -115,7 +115,7 @@ def run_graph(
     path = out_dir / f"{graph.name}.onnx"
     progress(f"exporting {graph.name} to {path} ...")
     start = time.perf_counter()
-    export.export(model, inputs, path)
+    model.export_onnx(inputs, path)
     progress(f"exported {graph.name} in {time.perf_counter() - start:.1f}s")
 
     with torch.no_grad():

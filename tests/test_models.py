@@ -8,7 +8,7 @@ import onnxruntime
 import pytest
 import torch
 
-from pakv_onnx import export, runtime_plugin
+from pakv_onnx import runtime_plugin
 from pakv_onnx.demo import ATTENTION_ATOL, SAMPLE_GRAPHS
 from pakv_onnx.models import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES, GqaPagedAttention, MlaContextAttention
 from pakv_onnx.models.attention import ragged_causal_mask
@@ -75,7 +75,7 @@ def exported(request, tmp_path_factory) -> tuple:
     batch = model.random_batch(num_tokens, num_seqs, seed)
     inputs = (model.random_hidden_states(num_tokens, seed), *batch.gather_inputs())
     path = Path(tmp_path_factory.mktemp("models")) / f"{graph.name}.onnx"
-    export.export(model, inputs, path)
+    model.export_onnx(inputs, path)
     return model, path
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -85,21 +87,36 @@ def export(
         dynamic_shapes = auto_dynamic_shapes(args, kwargs)
     table = dict(translation_table())
     table.update(custom_translation_table or {})
-    program = torch.onnx.export(
-        model,
-        args,
-        kwargs=kwargs,
-        dynamo=True,
-        dynamic_shapes=dynamic_shapes,
-        custom_translation_table=table,
-        opset_version=opset_version,
-        optimize=optimize,
-        input_names=input_names,
-        output_names=output_names,
-        verbose=verbose,
-        **torch_onnx_kwargs,
-    )
+    with contextlib.nullcontext() if verbose else _quiet_exporter():
+        program = torch.onnx.export(
+            model,
+            args,
+            kwargs=kwargs,
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            custom_translation_table=table,
+            opset_version=opset_version,
+            optimize=optimize,
+            input_names=input_names,
+            output_names=output_names,
+            verbose=verbose,
+            **torch_onnx_kwargs,
+        )
     return _finish(program.model_proto, path, fallback)
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Silence the dynamo exporter's chatter (torchvision-missing notices, pytree deprecations)."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def export_legacy(

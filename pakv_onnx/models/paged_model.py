@@ -9,10 +9,11 @@ compared bit-exact and the attention output within a stated fp32 tolerance.
 from __future__ import annotations
 
 import abc
+import os
 
 import torch
 
-import pakv_onnx.export.torch_op  # noqa: F401  (registers torch.ops.pakv.gather_pa_kv_cache)
+from pakv_onnx.export import export  # also registers torch.ops.pakv.gather_pa_kv_cache
 from pakv_onnx.models.batch import PagedBatch
 from pakv_onnx.ops import gather_pa_kv_cache
 
@@ -70,6 +71,13 @@ class PagedAttentionModel(torch.nn.Module, abc.ABC):
         """fp32 ``[T, hidden]`` queries' hidden states."""
         generator = torch.Generator().manual_seed(seed + 7919)
         return torch.randn(num_tokens, self.hidden_size, generator=generator)
+
+    def export_onnx(self, inputs: tuple[torch.Tensor, ...], path: str | os.PathLike) -> None:
+        """Export to ``path`` with the project's exporter (fallback body included, every dim dynamic).
+
+        The graph's inputs and outputs carry :data:`MODEL_INPUT_NAMES` / :data:`MODEL_OUTPUT_NAMES`.
+        """
+        export(self.eval(), inputs, path, input_names=MODEL_INPUT_NAMES, output_names=MODEL_OUTPUT_NAMES)
 
     def example_inputs(self, num_tokens: int, num_seqs: int, seed: int) -> tuple[torch.Tensor, ...]:
         """``forward``'s inputs for a random batch: ``(hidden_states, *gather inputs)``."""
