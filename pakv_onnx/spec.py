@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -115,6 +117,21 @@ def cache_dtype(name_or_dtype: str | torch.dtype) -> DType:
 def nz_last_dim(itemsize: int) -> int:
     """E of the PA_NZ layout: elements in one 32-byte fractal row."""
     return NZ_FRACTAL_BYTES // itemsize
+
+
+def block_size_axis(mode: CacheMode) -> int:
+    """Axis of a cache shape that holds block_size (token slots within a block)."""
+    return 1 if mode is CacheMode.NORM else 2
+
+
+def token_shape(cache_shape: Sequence[Any], mode: CacheMode) -> tuple[Any, ...]:
+    """Shape of one output row for a rank-4 cache shape (ints or symbolic sizes).
+
+    Norm ``[nb, bs, H, D]`` -> ``(H, D)``; PA_NZ ``[nb, H*D // E, bs, E]`` -> ``(H*D,)``.
+    """
+    if mode is CacheMode.NORM:
+        return (cache_shape[2], cache_shape[3])
+    return (cache_shape[1] * cache_shape[3],)
 
 
 def bits_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -256,17 +273,15 @@ def _cache_geometry(
     """(num_blocks, block_size, token_shape) of one cache, checking its layout."""
     if mode is CacheMode.NORM:
         _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
-        nb, bs, heads, dim = cache.shape
-        return nb, bs, (heads, dim)
-    _require_rank(name, cache, 4, "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]")
-    nb, fractals, bs, last = cache.shape
-    expected = nz_last_dim(itemsize)
-    if last != expected:
-        raise ValueError(
-            f"{name}: PA_NZ last dim must be 32 bytes / element size = {expected} for "
-            f"{cache.dtype}, got {last} (shape {tuple(cache.shape)})"
-        )
-    return nb, bs, (fractals * last,)
+    else:
+        _require_rank(name, cache, 4, "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]")
+        expected = nz_last_dim(itemsize)
+        if cache.shape[3] != expected:
+            raise ValueError(
+                f"{name}: PA_NZ last dim must be 32 bytes / element size = {expected} for "
+                f"{cache.dtype}, got {cache.shape[3]} (shape {tuple(cache.shape)})"
+            )
+    return cache.shape[0], cache.shape[block_size_axis(mode)], token_shape(cache.shape, mode)
 
 
 def _index_vector(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     CacheMode,
+    block_size_axis,
+    token_shape,
 )
 
 OP_NAME = "gather_pa_kv_cache"
@@ -47,14 +49,6 @@ def gather_pa_kv_cache(
     )
 
 
-def _token_shape(cache: torch.Tensor, mode: CacheMode) -> tuple:
-    if cache.dim() != 4:
-        raise ValueError(f"caches must have rank 4 ({mode.value}), got shape {tuple(cache.shape)}")
-    if mode is CacheMode.NORM:
-        return (cache.shape[2], cache.shape[3])
-    return (cache.shape[1] * cache.shape[3],)
-
-
 @gather_pa_kv_cache.register_fake
 def _gather_pa_kv_cache_fake(
     key_cache: torch.Tensor,
@@ -66,18 +60,21 @@ def _gather_pa_kv_cache_fake(
     is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     mode = CacheMode(cache_mode)  # ValueError for an unknown mode, at trace time
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        if cache.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 ({mode.value}), got shape {tuple(cache.shape)}")
     # Shape relations of the contract, so torch.export ties the symbols together.
     num_seqs = block_tables.shape[0]
     torch._check(value_cache.shape[0] == key_cache.shape[0])
-    slot_axis = 1 if mode is CacheMode.NORM else 2
+    slot_axis = block_size_axis(mode)
     torch._check(value_cache.shape[slot_axis] == key_cache.shape[slot_axis])
     torch._check(seq_lens.shape[0] == (num_seqs + 1 if is_seq_lens_cumsum else num_seqs))
     if seq_offset is not None:
         torch._check(seq_offset.shape[0] == num_seqs)
     # T depends on the values of seq_lens: a fresh unbacked size, shared by key and value.
     num_tokens = torch.library.get_ctx().new_dynamic_size()
-    key = key_cache.new_empty((num_tokens, *_token_shape(key_cache, mode)))
-    value = value_cache.new_empty((num_tokens, *_token_shape(value_cache, mode)))
+    key = key_cache.new_empty((num_tokens, *token_shape(key_cache.shape, mode)))
+    value = value_cache.new_empty((num_tokens, *token_shape(value_cache.shape, mode)))
     return key, value
 
 
