@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, plan_gather
+from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, GatherPlan, plan_gather
 
 
 def gather_pa_kv_cache(
@@ -45,21 +47,43 @@ def gather_pa_kv_cache(
         TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
-    plan = plan_gather(
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        seq_offset,
+    def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        device = key_cache.device
+        key = key_out if key_out is not None else torch.empty(plan.key_out_shape, dtype=plan.dtype, device=device)
+        value = value_out if value_out is not None else torch.empty(plan.value_out_shape, dtype=plan.dtype, device=device)
+        return key, value
+
+    return gather_with(
+        (key_cache, value_cache, block_tables, seq_lens, seq_offset),
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
         key_out=key_out,
         value_out=value_out,
+        backend=backend,
+        allocate=allocate,
+    )
+
+
+def gather_with(
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    *,
+    cache_mode: str | CacheMode,
+    is_seq_lens_cumsum: bool,
+    backend: str,
+    allocate: Callable[[GatherPlan], tuple[torch.Tensor, torch.Tensor]],
+    key_out: torch.Tensor | None = None,
+    value_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate, pick the backend, get outputs from ``allocate(plan)`` and gather into them.
+
+    The one path every Python caller takes (the public front, the ORT plugin's callback, which
+    allocates its outputs from ORT once the plan knows their shapes).
+    """
+    key_cache, value_cache = inputs[0], inputs[1]
+    plan = plan_gather(
+        *inputs, cache_mode=cache_mode, is_seq_lens_cumsum=is_seq_lens_cumsum, key_out=key_out, value_out=value_out
     )
     chosen = kernels.resolve_backend(backend, plan, key_cache)
-    if key_out is None:
-        key_out = torch.empty(plan.key_out_shape, dtype=plan.dtype, device=key_cache.device)
-    if value_out is None:
-        value_out = torch.empty(plan.value_out_shape, dtype=plan.dtype, device=value_cache.device)
-    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
-    return key_out, value_out
+    key, value = allocate(plan)
+    chosen.gather(plan, key_cache, value_cache, key, value)
+    return key, value

@@ -13,10 +13,10 @@ import atexit
 import ctypes
 import threading
 
-from pakv_onnx import kernels
+from pakv_onnx.ops import gather_with
 from pakv_onnx.runtime_plugin import _lib
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
-from pakv_onnx.spec import INPUT_NAMES, plan_gather
+from pakv_onnx.spec import INPUT_NAMES
 
 _install_lock = threading.Lock()
 _callback = None  # the CFUNCTYPE object must live as long as the library may call it
@@ -44,21 +44,18 @@ def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
 
 def _serve(req_ptr) -> None:
     req = req_ptr.contents
-    tensors = [_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES)]
-    key_cache, value_cache, block_tables, seq_lens, seq_offset = tensors
-    plan = plan_gather(
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        seq_offset,
+    inputs = tuple(_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES))
+
+    def allocate_from_ort(plan):
+        return _output(req_ptr, 0, plan.key_out_shape, plan.dtype), _output(req_ptr, 1, plan.value_out_shape, plan.dtype)
+
+    gather_with(
+        inputs,
         cache_mode=req.cache_mode.decode(),
         is_seq_lens_cumsum=bool(req.is_seq_lens_cumsum),
+        backend=req.backend.decode(),
+        allocate=allocate_from_ort,
     )
-    backend = kernels.resolve_backend(req.backend.decode(), plan, key_cache)
-    key_out = _output(req_ptr, 0, plan.key_out_shape, plan.dtype)
-    value_out = _output(req_ptr, 1, plan.value_out_shape, plan.dtype)
-    backend.gather(plan, key_cache, value_cache, key_out, value_out)
 
 
 def _entry(req_ptr) -> int:
