@@ -19,7 +19,6 @@ import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import random_case
 from pakv_onnx.export.builder import PAKV_OPSET
-from pakv_onnx.export.ort_io import run_session
 from pakv_onnx.spec import (
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
@@ -59,6 +58,12 @@ def feeds_for(session, case) -> dict[str, torch.Tensor]:
     return dict(zip(names, module_args(case)))
 
 
+def run_session(session, feeds: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every output of ``session`` in graph order, as torch tensors (any dtype, bytes untouched)."""
+    outputs = runtime_plugin.run(session, feeds)
+    return [outputs[o.name] for o in session.get_outputs()]
+
+
 def run_stock(model, case) -> list[torch.Tensor]:
     session = stock_session(model)
     return run_session(session, feeds_for(session, case))
@@ -66,8 +71,7 @@ def run_stock(model, case) -> list[torch.Tensor]:
 
 def run_plugin(model, case) -> list[torch.Tensor]:
     session = runtime_plugin.make_session(model, backend="native")
-    outputs = runtime_plugin.run(session, feeds_for(session, case))
-    return [outputs[o.name].clone() for o in session.get_outputs()]
+    return run_session(session, feeds_for(session, case))
 
 
 def gather_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
