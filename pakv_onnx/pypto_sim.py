@@ -289,6 +289,10 @@ def run_in_subprocess(
         hints = [line.strip() for line in log_text.splitlines() if _ERROR_HINT.search(line)]
         why = "timed out" if returncode is None else f"exited with code {returncode}"
         detail = f"subprocess {why}" + (f": {hints[-1][:300]}" if hints else "")
+    if not ok:
+        first_error = _first_logged_error(run_dir / "ascend_log")
+        if first_error and first_error not in detail:
+            detail = f"{detail}; PyPTO log: {first_error}"
     result = RunResult(
         case_id=str(case_id),
         ok=ok,
@@ -303,6 +307,16 @@ def run_in_subprocess(
         shutil.rmtree(run_dir, ignore_errors=True)
         result.log = result.run_dir = None
     return result
+
+
+def _first_logged_error(log_dir: Path) -> str | None:
+    """The message of the first ``[ERROR]`` line PyPTO logged (compile failures name their cause only there)."""
+    for path in sorted(log_dir.rglob("*.log")):
+        with open(path, errors="replace") as handle:
+            for line in handle:
+                if "[ERROR]" in line:
+                    return line.rsplit("]:", 1)[-1].strip()[:300]
+    return None
 
 
 def helper_is_built() -> bool:

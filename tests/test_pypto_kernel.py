@@ -214,3 +214,4 @@ def test_64_heads_seed_config_fails_to_compile_and_the_rule_compiles():
     assert chosen.aicore_us <= seed.aicore_us
     failing = _cost("heads64_k128_v128", pypto_nd.Tiles(16, 64 * 128, 32, 64 * 128))
     assert not failing.ok
+    assert "exceeds MEM_UB size [196608]" in failing.detail, failing.detail  # the reason from PyPTO's log
