@@ -23,3 +23,16 @@ def cache_dir(*parts: str) -> Path:
     path = base.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def pypto_output_env(base: Path) -> dict[str, str]:
+    """Environment variables that send everything PyPTO writes (outputs, logs, run records) under ``base``.
+
+    Without them PyPTO writes ``./output``, ``~/ascend/log`` and ``~/.pypto`` on import and on
+    every compile.
+    """
+    return {
+        "PYPTO_HOME": str(base / "home" / ".pypto"),
+        "TILE_FWK_OUTPUT_DIR": str(base / "output"),
+        "ASCEND_PROCESS_LOG_PATH": str(base / "ascend_log"),
+    }

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from pakv_onnx.cases import GatherCase, even_split, random_cache, seed_case, seed_cases
-from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
+from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir, pypto_output_env
 
 SMALL_NUM_BLOCKS = 64
 T4096_CASE = "t4096"
@@ -231,9 +231,7 @@ def subprocess_env(run_dir: Path) -> dict[str, str]:
         {
             CACHE_DIR_ENV: str(cache_dir()),  # keep the same cache whatever HOME says
             "HOME": str(home),
-            "PYPTO_HOME": str(home / ".pypto"),
-            "TILE_FWK_OUTPUT_DIR": str(run_dir / "output"),
-            "ASCEND_PROCESS_LOG_PATH": str(run_dir / "ascend_log"),
+            **pypto_output_env(run_dir),
             "TMPDIR": str(run_dir / "tmp"),
             "MPLBACKEND": "Agg",
             "PYTHONUNBUFFERED": "1",

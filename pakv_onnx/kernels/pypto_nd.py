@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 import torch
 
 from pakv_onnx.kernels import Backend, BackendUnavailableError
+from pakv_onnx.paths import cache_dir, pypto_output_env
 from pakv_onnx.spec import CacheMode, GatherPlan
 
 VECTOR_BUFFER_BYTES = 196_608
@@ -220,6 +222,10 @@ def run_kernel(
 
     ``kernel_fn`` replaces the kernel function (tests inject deliberately wrong kernels).
     """
+    # PyPTO writes into the cwd and home on import and on every compile unless told otherwise;
+    # a caller's own settings win.
+    for name, value in pypto_output_env(cache_dir("pypto", "in-process")).items():
+        os.environ.setdefault(name, value)
     from pakv_onnx.kernels import _pypto_kernel
 
     reason = unsupported_reason(plan, key_cache)
