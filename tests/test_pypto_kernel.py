@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +17,6 @@ from pakv_onnx import cli, pypto_sim
 from pakv_onnx.cases import random_case, seed_cases
 from pakv_onnx.kernels import pypto_nd
 from pakv_onnx.spec import CacheMode, plan_gather
-
-pypto_installed = pytest.mark.skipif(importlib.util.find_spec("pypto") is None, reason="pypto is not installed")
 
 
 # --------------------------------------------------------------------------- #
@@ -110,7 +108,6 @@ def test_another_pypto_version_is_refused(monkeypatch):
 # --------------------------------------------------------------------------- #
 # SIM compile + pass-verify interpreter (pypto needed)
 # --------------------------------------------------------------------------- #
-@pypto_installed
 def test_verify_kernel_cli_passes_small_cases(capsys):
     # bf16 seed case, fp16 (4 heads, 8-row blocks), bf16 with 1-row blocks, int8
     ids = ["level0", "random-0", "random-2", "random-5"]
@@ -121,7 +118,6 @@ def test_verify_kernel_cli_passes_small_cases(capsys):
     assert "4 passed, 0 failed" in out
 
 
-@pypto_installed
 @pytest.mark.slow
 def test_verify_kernel_64_heads_and_t4096(capsys):
     ids = ["heads64_k128_v128", "heads1_k128_v64", "t4096", "random-1", "random-3"]
@@ -131,56 +127,27 @@ def test_verify_kernel_64_heads_and_t4096(capsys):
     assert out.count(" PASS ") == len(ids), out
 
 
-WRONG_KERNEL = """
-import sys
-import pypto
-from pakv_onnx import pypto_sim
-
-DYN = pypto.DYNAMIC
-STATIC = pypto.STATIC
+# The deliberate bug: the product kernel, mutated to read one cache row too far.
+KERNEL_LINE = "src_row = block_tables[seq, first_col + blk] * block_size"
 
 
-def off_by_one_kernel(
-    key_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    value_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    block_tables: pypto.Tensor([DYN, DYN], pypto.DT_INT32),
-    seq_starts: pypto.Tensor([DYN], pypto.DT_INT32),
-    table_cols: pypto.Tensor([DYN], pypto.DT_INT32),
-    key_out: pypto.Tensor([DYN, STATIC]),
-    value_out: pypto.Tensor([DYN, STATIC]),
-    tiles: tuple,
-):
-    num_blocks = key_cache.shape[0]
-    block_size = key_cache.shape[1]
-    key_width = key_cache.shape[2] * key_cache.shape[3]
-    value_width = value_cache.shape[2] * value_cache.shape[3]
-    key_rows = pypto.reshape(key_cache, [num_blocks * block_size, key_width], inplace=True)
-    value_rows = pypto.reshape(value_cache, [num_blocks * block_size, value_width], inplace=True)
-    for seq in pypto.loop(block_tables.shape[0], name="seq_loop", idx_name="seq"):
-        first_row = seq_starts[seq]
-        length = seq_starts[seq + 1] - first_row
-        first_col = table_cols[seq]
-        for blk in pypto.loop(pypto.ceildiv(length, block_size), name="block_loop", idx_name="blk"):
-            # BUG (deliberate): reads one cache row too far
-            src_row = block_tables[seq, first_col + blk] * block_size + 1
-            done = blk * block_size
-            valid = (length - done).min(block_size)
-            pypto.set_vec_tile_shapes(tiles[0], tiles[1])
-            k = pypto.view(key_rows, [block_size, key_width], [src_row, 0], valid_shape=[valid, key_width])
-            pypto.assemble(k, [first_row + done, 0], key_out)
-            pypto.set_vec_tile_shapes(tiles[2], tiles[3])
-            v = pypto.view(value_rows, [block_size, value_width], [src_row, 0], valid_shape=[valid, value_width])
-            pypto.assemble(v, [first_row + done, 0], value_out)
+def off_by_one_kernel_script() -> str:
+    """The kernel module's own source with one line mutated, run as a verify worker."""
+    source = Path(_pypto_kernel_path()).read_text()
+    assert source.count(KERNEL_LINE) == 1, "the kernel changed: update the mutation"
+    mutated = source.replace(KERNEL_LINE, KERNEL_LINE + " + 1")
+    worker = "\nimport sys\nfrom pakv_onnx import pypto_sim\nsys.exit(pypto_sim.worker_main(sys.argv[1], kernel_fn=gather_nd_kernel))\n"
+    return mutated + worker
 
 
-sys.exit(pypto_sim.worker_main(sys.argv[1], kernel_fn=off_by_one_kernel))
-"""
+def _pypto_kernel_path() -> str:
+    spec = importlib.util.find_spec("pakv_onnx.kernels._pypto_kernel")
+    return spec.origin
 
 
-@pypto_installed
 def test_a_wrong_kernel_is_caught(tmp_path):
     script = tmp_path / "wrong_kernel.py"
-    script.write_text(textwrap.dedent(WRONG_KERNEL))
+    script.write_text(off_by_one_kernel_script())
     result = pypto_sim.run_in_subprocess({"mode": "verify", "case": "level0"}, worker=[sys.executable, str(script)])
     assert not result.ok
     assert "NOT bit-exact" in result.detail, result.detail  # a real mismatch, not a crash
@@ -197,7 +164,6 @@ def _seed_and_chosen(case_id: str) -> tuple[pypto_sim.RunResult, pypto_sim.RunRe
     return _cost(case_id, seed), _cost(case_id, pypto_nd.choose_tiles(plan))
 
 
-@pypto_installed
 @pytest.mark.parametrize("case_id,max_ratio", [("level5", 0.6), ("heads1_k128_v64", 1.0), ("t4096", 1.0)])
 def test_cost_model_time_beats_the_seed_config(case_id, max_ratio):
     seed, chosen = _seed_and_chosen(case_id)
@@ -205,7 +171,6 @@ def test_cost_model_time_beats_the_seed_config(case_id, max_ratio):
     assert chosen.aicore_us <= max_ratio * seed.aicore_us, (chosen.aicore_us, seed.aicore_us)
 
 
-@pypto_installed
 @pytest.mark.slow
 def test_64_heads_seed_config_fails_to_compile_and_the_rule_compiles():
     seed, chosen = _seed_and_chosen("heads64_k128_v128")
