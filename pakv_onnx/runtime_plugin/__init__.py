@@ -28,7 +28,7 @@ from pakv_onnx import kernels
 from pakv_onnx.runtime_plugin._lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
-__all__ = ["NATIVE", "LibraryNotBuiltError", "library_path", "make_session", "register", "run", "session_backend"]
+__all__ = ["NATIVE", "LibraryNotBuiltError", "bind", "library_path", "make_session", "register", "run", "session_backend"]
 
 NATIVE = "native"
 
@@ -100,21 +100,23 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
 
 
-def run(
+def bind(
     session: Any,
     feeds: Mapping[str, torch.Tensor | None],
     output_names: Sequence[str] | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
-) -> dict[str, torch.Tensor]:
-    """Run ``session`` on torch tensors through IOBinding: inputs are bound in place (BF16, FP8 and
-    every other dtype, no copy) and outputs come back as torch tensors of the right dtype that
-    share ORT's output memory. ``None`` feeds (an absent optional input) are skipped.
+) -> Any:
+    """An ``IOBinding`` of ``session`` over torch tensors, for serving loops that run it many times.
 
-    ``out`` optionally maps output names to preallocated contiguous CPU tensors of the exact
-    output shape and dtype; ORT then writes into them (no allocation, no page faults on reuse).
+    Inputs are bound in place (every contract dtype, BF16 and FP8 included; no copy). Outputs are
+    bound to the given ``out`` tensors (contiguous CPU tensors of the exact output shape and
+    dtype, which ORT then writes into: no allocation, no page faults on reuse) or left to ORT.
+    ``None`` feeds (an absent optional input) are skipped. The binding holds references to the
+    bound tensors (ORT only keeps their addresses); don't resize them while it is in use. Run it
+    with ``session.run_with_iobinding(binding)``.
     """
     binding = session.io_binding()
-    keep: list[torch.Tensor] = []
+    binding.pakv_bound_tensors = (dict(feeds), dict(out or {}))
     for name, tensor in feeds.items():
         if tensor is None:
             continue
@@ -122,27 +124,48 @@ def run(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
             raise ValueError(f"{name} must be a CPU tensor for the CPU execution provider, got {tensor.device}")
-        shape = list(tensor.shape)
-        if tensor.numel() == 0:
-            tensor = torch.empty(1, dtype=tensor.dtype)  # ORT wants a real address even for no elements
-        elif not tensor.is_contiguous():
-            tensor = tensor.contiguous()  # ORT tensors are dense row-major
-        keep.append(tensor)
-        binding.bind_input(name, "cpu", 0, onnx_type_of(tensor.dtype), shape, tensor.data_ptr())
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (ORT tensors are dense row-major): pass {name}.contiguous()")
+        binding.bind_input(name, "cpu", 0, onnx_type_of(tensor.dtype), list(tensor.shape), _address(tensor))
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
     out = out or {}
     for name in names:
         given = out.get(name)
         if given is None:
             binding.bind_output(name, "cpu")
-        else:
-            if not given.is_contiguous() or given.device.type != "cpu":
-                raise ValueError(f"out[{name!r}] must be a contiguous CPU tensor")
-            binding.bind_output(name, "cpu", 0, onnx_type_of(given.dtype), list(given.shape), given.data_ptr())
+            continue
+        if not given.is_contiguous() or given.device.type != "cpu":
+            raise ValueError(f"out[{name!r}] must be a contiguous CPU tensor")
+        binding.bind_output(name, "cpu", 0, onnx_type_of(given.dtype), list(given.shape), _address(given))
+    return binding
+
+
+def _address(tensor: torch.Tensor) -> int:
+    # ORT wants a real address even for a tensor with no elements (whose data_ptr may be 0).
+    return tensor.data_ptr() or _EMPTY.data_ptr()
+
+
+_EMPTY = torch.empty(8, dtype=torch.uint8)
+
+
+def run(
+    session: Any,
+    feeds: Mapping[str, torch.Tensor | None],
+    output_names: Sequence[str] | None = None,
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Run ``session`` (plugin or stock) on torch tensors through IOBinding (see :func:`bind`).
+
+    Returns every output as a torch tensor of the right dtype (ORT's Python API cannot return
+    BF16 as numpy): the ``out`` tensor where one was given, else a view sharing ORT's output
+    memory (kept alive by the tensor).
+    """
+    binding = bind(session, feeds, output_names, out)
+    names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
+    out = out or {}
     session.run_with_iobinding(binding)
-    outputs = binding.get_outputs()
     result = {}
-    for name, value in zip(names, outputs):
+    for name, value in zip(names, binding.get_outputs()):
         if out.get(name) is not None and value.data_ptr() == out[name].data_ptr():
             result[name] = out[name]
             continue
