@@ -56,6 +56,18 @@ SAMPLE_GRAPHS: dict[str, SampleGraph] = {
 MODEL_CHOICES = {"mla": ("mla",), "gqa": ("gqa", "gqa-bs128"), "all": tuple(SAMPLE_GRAPHS)}
 
 
+# Peak resident bytes per (head x T x T) fp32 score: dense attention over the packed batch keeps a
+# few [H, T, T] intermediates alive in torch and in each ORT session (measured 6.8 GB for GQA,
+# 32 heads, T = 2048).
+PEAK_BYTES_PER_SCORE = 13 * 4
+
+
+def estimated_peak_bytes(graph_names: Sequence[str], num_tokens: int) -> int:
+    """Rough peak memory of the demo for these graphs at ``num_tokens`` (dominated by attention)."""
+    heads = max(SAMPLE_GRAPHS[name].build(0).num_heads for name in graph_names)
+    return PEAK_BYTES_PER_SCORE * heads * num_tokens * num_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class RunResult:
     """One way of running one graph, compared with the torch reference."""

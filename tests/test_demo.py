@@ -40,3 +40,9 @@ def test_demo_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypat
 def test_demo_rejects_unknown_backend(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["demo", "--backend", "native,nope"]) == 2
     assert "backend 'nope' is unknown" in capsys.readouterr().err
+
+
+def test_demo_refuses_tokens_beyond_memory(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["demo", "--tokens", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "--tokens 100000 needs about" in err and "memory grows with T^2" in err

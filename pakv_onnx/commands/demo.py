@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,15 @@ def run(args: argparse.Namespace) -> int:
     if args.tokens < 1:
         print(f"error: --tokens must be >= 1, got {args.tokens}", file=sys.stderr)
         return 2
+    graphs = demo.MODEL_CHOICES[args.model]
+    need, have = demo.estimated_peak_bytes(graphs, args.tokens), _physical_memory_bytes()
+    if have and need > have:
+        print(
+            f"error: --tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs attend densely "
+            f"over the packed batch: memory grows with T^2) but this machine has {have / 2**30:.0f} GiB",
+            file=sys.stderr,
+        )
+        return 2
 
     def progress(message: str) -> None:
         print(f"  .. {message}", file=sys.stderr, flush=True)
@@ -31,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         out_dir = Path(args.out) if args.out else Path(tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         all_passed = True
-        for name in demo.MODEL_CHOICES[args.model]:
+        for name in graphs:
             graph = demo.SAMPLE_GRAPHS[name]
             results = demo.run_graph(
                 graph,
@@ -49,6 +59,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"gather outputs bit-exact, attention max abs error <= {demo.ATTENTION_ATOL:g}")
     print("PASS" if all_passed else "FAIL")
     return 0 if all_passed else 1
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -76,6 +93,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--out", metavar="DIR", help="keep the exported .onnx files in DIR (default: a temporary directory)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, caches and block tables (default: 0)")
-    parser.add_argument("--tokens", type=int, default=256, help="total tokens per batch, T (default: 256)")
+    parser.add_argument("--tokens", type=int, default=256, help="total tokens per batch, T (default: 256); memory grows with T^2 (about 7 GB at 2048)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per way, median reported (default: 5)")
     parser.set_defaults(run=run)
