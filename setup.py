@@ -34,7 +34,15 @@ plugin = Extension(
     PLUGIN,
     sources=[os.path.join(PLUGIN_DIR, "gather_pa_kv_cache.c")],
     depends=[os.path.join(PLUGIN_DIR, "ort_abi.h")],
-    extra_compile_args=["-std=c11", "-O3", "-fvisibility=hidden", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+    extra_compile_args=[
+        "-std=c11",
+        "-O3",
+        "-fvisibility=hidden",
+        "-pthread",
+        "-Wall",
+        "-Wextra",
+        "-Wno-unused-parameter",
+    ],
     extra_link_args=["-pthread"],
     py_limited_api=False,
 )

@@ -71,12 +71,16 @@ def gather_floor(case: GatherCase, plan, outs):
     inputs = [helper.make_tensor_value_info(f"{n}_rows", TensorProto.BFLOAT16, None) for n in ("key", "value")]
     inputs.append(helper.make_tensor_value_info("index", TensorProto.INT64, None))
     outputs = [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, None) for n in ("key", "value")]
-    model = helper.make_model(helper.make_graph(nodes, "floor", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(
+        helper.make_graph(nodes, "floor", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)]
+    )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     nb, bs = plan.num_blocks, plan.block_size
-    feeds = {"key_rows": case.key_cache.view(nb * bs, *case.key_cache.shape[2:]),
-             "value_rows": case.value_cache.view(nb * bs, *case.value_cache.shape[2:]), "index": index}
+    feeds = {
+        "key_rows": case.key_cache.view(nb * bs, *case.key_cache.shape[2:]),
+        "value_rows": case.value_cache.view(nb * bs, *case.value_cache.shape[2:]),
+        "index": index,
+    }
     result = runtime_plugin.run(session, feeds, out=outs)
     assert bitwise_equal(result["key"], case.golden()[0])
     return prebound(session, feeds, outs)
@@ -102,8 +106,11 @@ _PYOP_DEFINED = []
 def _define_pyop(onnx_op, d) -> None:
     """Register the PyOp once per process (onnxruntime-extensions refuses a second definition)."""
 
-    @onnx_op(op_type="PakvGatherU16", inputs=[d.dt_uint16, d.dt_uint16, d.dt_int64, d.dt_int64],
-             outputs=[d.dt_uint16, d.dt_uint16])
+    @onnx_op(
+        op_type="PakvGatherU16",
+        inputs=[d.dt_uint16, d.dt_uint16, d.dt_int64, d.dt_int64],
+        outputs=[d.dt_uint16, d.dt_uint16],
+    )
     def _gather(key_cache, value_cache, blocks, slots):
         return key_cache[blocks, slots], value_cache[blocks, slots]
 
@@ -112,15 +119,27 @@ def _define_pyop(onnx_op, d) -> None:
 
 def _run_pyop(case, block, slot, options, repeats):
     node = helper.make_node("PakvGatherU16", ["kc", "vc", "b", "s"], ["key", "value"], domain="ai.onnx.contrib")
-    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in
-              (("kc", TensorProto.UINT16), ("vc", TensorProto.UINT16), ("b", TensorProto.INT64), ("s", TensorProto.INT64))]
+    inputs = [
+        helper.make_tensor_value_info(n, t, None)
+        for n, t in (
+            ("kc", TensorProto.UINT16),
+            ("vc", TensorProto.UINT16),
+            ("b", TensorProto.INT64),
+            ("s", TensorProto.INT64),
+        )
+    ]
     outputs = [helper.make_tensor_value_info(n, TensorProto.UINT16, None) for n in ("key", "value")]
-    model = helper.make_model(helper.make_graph([node], "pyop", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)])
+    model = helper.make_model(
+        helper.make_graph([node], "pyop", inputs, outputs),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)],
+    )
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {"kc": case.key_cache.view(torch.int16).numpy().view(np.uint16),
-             "vc": case.value_cache.view(torch.int16).numpy().view(np.uint16),
-             "b": block.numpy(), "s": slot.numpy()}
+    feeds = {
+        "kc": case.key_cache.view(torch.int16).numpy().view(np.uint16),
+        "vc": case.value_cache.view(torch.int16).numpy().view(np.uint16),
+        "b": block.numpy(),
+        "s": slot.numpy(),
+    }
     return median_us(lambda: session.run(None, feeds), repeats, warmup=1)
 
 
@@ -130,8 +149,7 @@ def bench_case(label: str, case: GatherCase, repeats: int, with_pyop: bool) -> d
     feeds = feeds_for_case(case)
     golden = case.golden()
     outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
-    row = {"case": label, "T": plan.num_tokens,
-           "out_bytes": golden[0].numel() * 2 + golden[1].numel() * 2}
+    row = {"case": label, "T": plan.num_tokens, "out_bytes": golden[0].numel() * 2 + golden[1].numel() * 2}
     runs = {}
     for backend in ("native", "torch"):
         session = runtime_plugin.make_session(model, backend=backend)
@@ -150,14 +168,15 @@ def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int 
     """T = num_blocks * block_size tokens, one shuffled block table over 4 sequences."""
     gen = torch.Generator().manual_seed(0)
     shape = (num_blocks, block_size, heads, dim)
-    key_cache = torch.randint(-2**15, 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    value_cache = torch.randint(-2**15, 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    key_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    value_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
     q = 4
     perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
     per_seq = perm.shape[1] * block_size
     seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * per_seq
-    return GatherCase("large", "large T", key_cache, value_cache, perm.contiguous(), seq_lens, None,
-                      CacheMode.NORM, True)
+    return GatherCase(
+        "large", "large T", key_cache, value_cache, perm.contiguous(), seq_lens, None, CacheMode.NORM, True
+    )
 
 
 def main() -> None:
@@ -173,17 +192,27 @@ def main() -> None:
         rows.append(bench_case(case_id, case, args.repeats, not args.no_pyop))
         del case
     if args.large_blocks:
-        rows.append(bench_case(f"large T ({args.large_blocks}x128 tok, 8x128 bf16)", large_case(args.large_blocks),
-                               max(5, args.repeats // 5), False))
-    print("| case | T | output MB | native us | torch (callback) us | ORT Gather floor us | memcpy us | PyOp u16 us "
-          "| native / Gather | native / memcpy | PyOp / native |")
+        rows.append(
+            bench_case(
+                f"large T ({args.large_blocks}x128 tok, 8x128 bf16)",
+                large_case(args.large_blocks),
+                max(5, args.repeats // 5),
+                False,
+            )
+        )
+    print(
+        "| case | T | output MB | native us | torch (callback) us | ORT Gather floor us | memcpy us | PyOp u16 us "
+        "| native / Gather | native / memcpy | PyOp / native |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pyop = f"{r['pyop']:.0f}" if r["pyop"] else "-"
         pyop_ratio = f"{r['pyop'] / r['native']:.0f}x" if r["pyop"] else "-"
-        print(f"| {r['case']} | {r['T']} | {r['out_bytes'] / 1e6:.3f} | {r['native']:.1f} | {r['torch']:.1f} | "
-              f"{r['gather']:.1f} | {r['memcpy']:.1f} | {pyop} | {r['native'] / r['gather']:.2f} | "
-              f"{r['native'] / r['memcpy']:.2f} | {pyop_ratio} |")
+        print(
+            f"| {r['case']} | {r['T']} | {r['out_bytes'] / 1e6:.3f} | {r['native']:.1f} | {r['torch']:.1f} | "
+            f"{r['gather']:.1f} | {r['memcpy']:.1f} | {pyop} | {r['native'] / r['gather']:.2f} | "
+            f"{r['native'] / r['memcpy']:.2f} | {pyop_ratio} |"
+        )
 
 
 if __name__ == "__main__":

@@ -41,16 +41,22 @@ class SampleGraph:
 
 SAMPLE_GRAPHS: dict[str, SampleGraph] = {
     "mla": SampleGraph(
-        "mla", "DeepSeek-style MLA context attention, latent 512 + rope 64, block 128",
-        lambda seed: MlaContextAttention(seed=seed), num_seqs=4,
+        "mla",
+        "DeepSeek-style MLA context attention, latent 512 + rope 64, block 128",
+        lambda seed: MlaContextAttention(seed=seed),
+        num_seqs=4,
     ),
     "gqa": SampleGraph(
-        "gqa", "GQA 32 query / 8 KV heads x 128, block 16",
-        lambda seed: GqaPagedAttention(block_size=16, seed=seed), num_seqs=5,
+        "gqa",
+        "GQA 32 query / 8 KV heads x 128, block 16",
+        lambda seed: GqaPagedAttention(block_size=16, seed=seed),
+        num_seqs=5,
     ),
     "gqa-bs128": SampleGraph(
-        "gqa-bs128", "GQA 32 query / 8 KV heads x 128, block 128",
-        lambda seed: GqaPagedAttention(block_size=128, seed=seed), num_seqs=3,
+        "gqa-bs128",
+        "GQA 32 query / 8 KV heads x 128, block 128",
+        lambda seed: GqaPagedAttention(block_size=128, seed=seed),
+        num_seqs=3,
     ),
 }
 MODEL_CHOICES = {"mla": ("mla",), "gqa": ("gqa", "gqa-bs128"), "all": tuple(SAMPLE_GRAPHS)}
@@ -94,7 +100,9 @@ def _timed_runs(run: Callable[[], dict[str, torch.Tensor]], repeats: int) -> tup
     return outputs, statistics.median(times) * 1e3 if times else float("nan")
 
 
-def compare(runner: str, outputs: dict[str, torch.Tensor], reference: Sequence[torch.Tensor], latency_ms: float) -> RunResult:
+def compare(
+    runner: str, outputs: dict[str, torch.Tensor], reference: Sequence[torch.Tensor], latency_ms: float
+) -> RunResult:
     """Check one run's outputs against the reference ``(output, key, value)``."""
     ref_out, ref_key, ref_value = reference
     return RunResult(
@@ -133,7 +141,9 @@ def run_graph(
     with torch.no_grad():
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
     results = [compare("torch eager", eager_outputs, reference, eager_ms)]
-    sessions = [(f"plugin:{name}", lambda name=name: runtime_plugin.make_session(path, backend=name)) for name in backends]
+    sessions = [
+        (f"plugin:{name}", lambda name=name: runtime_plugin.make_session(path, backend=name)) for name in backends
+    ]
     sessions.append((STOCK_ORT, lambda: onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])))
     for runner, make in sessions:
         progress(f"running {graph.name} on {runner} ...")
@@ -142,7 +152,9 @@ def run_graph(
             outputs, ms = _timed_runs(lambda: runtime_plugin.run(session, feeds), repeats)
             results.append(compare(runner, outputs, reference, ms))
         except Exception as err:  # a failing runner is a FAIL row, not a crash of the demo
-            results.append(RunResult(runner, False, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}"))
+            results.append(
+                RunResult(runner, False, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}")
+            )
     return results
 
 

@@ -47,10 +47,13 @@ def gather_pa_kv_cache(
         TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
+
     def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
         device = key_cache.device
         key = key_out if key_out is not None else torch.empty(plan.key_out_shape, dtype=plan.dtype, device=device)
-        value = value_out if value_out is not None else torch.empty(plan.value_out_shape, dtype=plan.dtype, device=device)
+        value = (
+            value_out if value_out is not None else torch.empty(plan.value_out_shape, dtype=plan.dtype, device=device)
+        )
         return key, value
 
     return gather_with(

@@ -267,9 +267,7 @@ def _parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
     raise ValueError(f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
 
 
-def _cache_geometry(
-    name: str, cache: torch.Tensor, mode: CacheMode, itemsize: int
-) -> tuple[int, int, tuple[int, ...]]:
+def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode, itemsize: int) -> tuple[int, int, tuple[int, ...]]:
     """(num_blocks, block_size, token_shape) of one cache, checking its layout."""
     if mode is CacheMode.NORM:
         _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
@@ -295,9 +293,7 @@ def _first_bad(mask: torch.Tensor) -> int:
     return int(torch.nonzero(mask)[0, 0])
 
 
-def _lengths_and_starts(
-    seq_lens: torch.Tensor, is_cumsum: bool
-) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _lengths_and_starts(seq_lens: torch.Tensor, is_cumsum: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per-sequence lengths, output starts and T from ``seq_lens`` in either mode."""
     if is_cumsum:
         if seq_lens.numel() < 1:
@@ -433,9 +429,7 @@ def plan_gather(
     nb, bs, key_token = _cache_geometry("key_cache", key_cache, mode, itemsize)
     vnb, vbs, value_token = _cache_geometry("value_cache", value_cache, mode, itemsize)
     if (vnb, vbs) != (nb, bs):
-        raise ValueError(
-            f"value_cache num_blocks/block_size ({vnb}, {vbs}) must equal key_cache's ({nb}, {bs})"
-        )
+        raise ValueError(f"value_cache num_blocks/block_size ({vnb}, {vbs}) must equal key_cache's ({nb}, {bs})")
     if bs < 1:
         raise ValueError(f"key_cache block_size must be >= 1, got {bs}")
     _require_contiguous("key_cache", key_cache)
@@ -482,4 +476,3 @@ def plan_gather(
     _check_output("key_out", key_out, plan.key_out_shape, key_cache)
     _check_output("value_out", value_out, plan.value_out_shape, value_cache)
     return plan
-

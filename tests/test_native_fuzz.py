@@ -100,7 +100,13 @@ SCRIPT = textwrap.dedent(
 def test_malformed_inputs_never_crash_the_native_kernel(tmp_path) -> None:
     script = tmp_path / "fuzz.py"
     script.write_text(SCRIPT)
-    result = subprocess.run([sys.executable, str(script), "400"], capture_output=True, text=True, timeout=600,
-                            cwd=tmp_path, env={**__import__("os").environ, "ORT_LOGGING_LEVEL": "3"})
+    result = subprocess.run(
+        [sys.executable, str(script), "400"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**__import__("os").environ, "ORT_LOGGING_LEVEL": "3"},
+    )
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "stats" in result.stdout

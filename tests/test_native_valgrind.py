@@ -41,8 +41,17 @@ def test_c_library_is_clean_under_valgrind(driver, seed, parallel_min_bytes) -> 
     assert valgrind, "valgrind is required for this test (apt-get install valgrind)"
     env = {"PAKV_ONNX_PARALLEL_MIN_BYTES": parallel_min_bytes} if parallel_min_bytes else {}
     result = _run(
-        [valgrind, "-q", "--error-exitcode=99", "--leak-check=full", "--errors-for-leak-kinds=definite",
-         str(driver), runtime_plugin.library_path(), "3000", str(seed)],
+        [
+            valgrind,
+            "-q",
+            "--error-exitcode=99",
+            "--leak-check=full",
+            "--errors-for-leak-kinds=definite",
+            str(driver),
+            runtime_plugin.library_path(),
+            "3000",
+            str(seed),
+        ],
         env,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -198,16 +198,30 @@ def test_library_works_standalone_without_pakv_onnx(tmp_path) -> None:
     key, value = case.golden()
     model_path = tmp_path / "gather.onnx"
     model_path.write_bytes(model_for_case(case).SerializeToString())
-    bits = {name: t.view(torch.int16).numpy().view(np.uint16) for name, t in
-            (("key_cache", case.key_cache), ("value_cache", case.value_cache),
-             ("expected_key", key), ("expected_value", value))}
-    np.savez(tmp_path / "data.npz", block_tables=case.block_tables.numpy(), seq_lens=case.seq_lens.numpy(),
-             seq_offset=case.seq_offset.numpy(), **bits)
+    bits = {
+        name: t.view(torch.int16).numpy().view(np.uint16)
+        for name, t in (
+            ("key_cache", case.key_cache),
+            ("value_cache", case.value_cache),
+            ("expected_key", key),
+            ("expected_value", value),
+        )
+    }
+    np.savez(
+        tmp_path / "data.npz",
+        block_tables=case.block_tables.numpy(),
+        seq_lens=case.seq_lens.numpy(),
+        seq_offset=case.seq_offset.numpy(),
+        **bits,
+    )
     script = tmp_path / "standalone.py"
     script.write_text(STANDALONE)
     result = subprocess.run(
         [sys.executable, str(script), runtime_plugin.library_path(), str(model_path), str(tmp_path / "data.npz")],
-        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])

@@ -28,16 +28,25 @@ def _parallel_options() -> ort.SessionOptions:
 @pytest.mark.parametrize("backend", ["native", "golden"])
 def test_ort_parallel_several_nodes_and_eight_python_threads(backend: str) -> None:
     # Same dtypes/attributes for every node (one model), different data per node.
-    cases = [random_case(300 + i, dtype=torch.bfloat16, cache_mode=CacheMode.PA_NZ, is_seq_lens_cumsum=False,
-                         index_dtypes=(torch.int32, torch.int64, torch.int32), with_seq_offset=True)
-             for i in range(NODES)]
+    cases = [
+        random_case(
+            300 + i,
+            dtype=torch.bfloat16,
+            cache_mode=CacheMode.PA_NZ,
+            is_seq_lens_cumsum=False,
+            index_dtypes=(torch.int32, torch.int64, torch.int32),
+            with_seq_offset=True,
+        )
+        for i in range(NODES)
+    ]
     model = model_for_case(cases[0], num_nodes=NODES)
     session = runtime_plugin.make_session(model, backend=backend, sess_options=_parallel_options())
     feeds = {}
     for i, case in enumerate(cases):
         feeds.update(feeds_for_case(case, suffix=f"_{i}"))
-    expected = {f"{name}_{i}": out for i, case in enumerate(cases) for name, out in zip(("key", "value"),
-                                                                                         case.golden())}
+    expected = {
+        f"{name}_{i}": out for i, case in enumerate(cases) for name, out in zip(("key", "value"), case.golden())
+    }
     failures: list[str] = []
     runs_per_thread = 40 if backend == "native" else 15
 
@@ -75,7 +84,13 @@ def test_large_copies_take_the_threaded_path_bit_exact(monkeypatch) -> None:
     native = gather_pa_kv_cache(*args, backend="native")
     assert all(bitwise_equal(a, b) for a, b in zip(golden, native))
     case_session = runtime_plugin.make_session(
-        model_for_case(type("C", (), {"inputs": lambda self: (*args, None), "cache_mode": CacheMode.NORM,
-                                      "is_seq_lens_cumsum": True})()))
+        model_for_case(
+            type(
+                "C",
+                (),
+                {"inputs": lambda self: (*args, None), "cache_mode": CacheMode.NORM, "is_seq_lens_cumsum": True},
+            )()
+        )
+    )
     out = runtime_plugin.run(case_session, dict(zip(("key_cache", "value_cache", "block_tables", "seq_lens"), args)))
     assert bitwise_equal(out["key"], golden[0]) and bitwise_equal(out["value"], golden[1])

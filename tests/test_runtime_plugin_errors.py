@@ -19,15 +19,26 @@ from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case, one_
 from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
 
 # session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...").
-ORT_ERRORS = (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-              ort.capi.onnxruntime_pybind11_state.RuntimeException, ort.capi.onnxruntime_pybind11_state.InvalidGraph)
+ORT_ERRORS = (
+    RuntimeError,
+    ort.capi.onnxruntime_pybind11_state.Fail,
+    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+    ort.capi.onnxruntime_pybind11_state.RuntimeException,
+    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+)
 
 
 def base_case(mode=CacheMode.NORM, cumsum=True):
     """A valid case with seq_offset, several sequences and more than one block per sequence."""
     for seed in range(200, 400):
-        case = random_case(seed, dtype=torch.bfloat16, cache_mode=mode, is_seq_lens_cumsum=cumsum,
-                           index_dtypes=(torch.int32, torch.int64, torch.int32), with_seq_offset=True)
+        case = random_case(
+            seed,
+            dtype=torch.bfloat16,
+            cache_mode=mode,
+            is_seq_lens_cumsum=cumsum,
+            index_dtypes=(torch.int32, torch.int64, torch.int32),
+            with_seq_offset=True,
+        )
         plan = plan_gather(*case.inputs(), **case.attributes())
         if plan.num_seqs >= 2 and plan.block_size >= 2 and int(plan.seq_lengths[0]) > plan.block_size:
             return case
@@ -87,13 +98,20 @@ def test_every_rejection_names_the_input_and_the_session_survives(backend, mode)
     for label, name, feeds in mutations(case):
         # The contract (spec) rejects it too, naming the same input.
         with pytest.raises((TypeError, ValueError)) as spec_error:
-            plan_gather(*[feeds.get(n) for n in ("key_cache", "value_cache", "block_tables", "seq_lens",
-                                                 "seq_offset")], **case.attributes())
+            plan_gather(
+                *[feeds.get(n) for n in ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")],
+                **case.attributes(),
+            )
         assert name in str(spec_error.value), (label, str(spec_error.value))
-        model = model_for_case(types.SimpleNamespace(
-            inputs=lambda feeds=feeds: [feeds[n] for n in ("key_cache", "value_cache", "block_tables", "seq_lens",
-                                                          "seq_offset")],
-            cache_mode=case.cache_mode, is_seq_lens_cumsum=case.is_seq_lens_cumsum)).SerializeToString()
+        model = model_for_case(
+            types.SimpleNamespace(
+                inputs=lambda feeds=feeds: [
+                    feeds[n] for n in ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
+                ],
+                cache_mode=case.cache_mode,
+                is_seq_lens_cumsum=case.is_seq_lens_cumsum,
+            )
+        ).SerializeToString()
         if model not in sessions:
             sessions[model] = runtime_plugin.make_session(model, backend=backend)
         message = run_expecting_error(sessions[model], feeds)
@@ -139,9 +157,11 @@ def test_mismatched_cache_dtypes_are_refused_at_session_creation() -> None:
 
 @pytest.mark.parametrize(
     ("attrs", "pattern"),
-    [({"cache_mode": "ND"}, "cache_mode must be 'Norm' or 'PA_NZ', got 'ND'"),
-     ({"cache_mode": "Norm" * 40}, "cache_mode"),
-     ({"is_seq_lens_cumsum": 2}, "is_seq_lens_cumsum must be 0/1")],
+    [
+        ({"cache_mode": "ND"}, "cache_mode must be 'Norm' or 'PA_NZ', got 'ND'"),
+        ({"cache_mode": "Norm" * 40}, "cache_mode"),
+        ({"is_seq_lens_cumsum": 2}, "is_seq_lens_cumsum must be 0/1"),
+    ],
 )
 def test_bad_attributes_are_refused_at_session_creation(attrs, pattern) -> None:
     model = one_node_model([torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, None], **attrs)
@@ -193,8 +213,12 @@ def test_python_exception_in_a_backend_becomes_an_ort_error_with_its_message(mon
 
 def test_unavailable_backend_is_an_ort_error_naming_it(monkeypatch) -> None:
     module = types.ModuleType("pakv_test_backend_absent")
-    module.BACKEND = Backend(name="absent", description="test", gather=lambda *a: None,
-                             unavailable_reason=lambda: "its package is not installed")
+    module.BACKEND = Backend(
+        name="absent",
+        description="test",
+        gather=lambda *a: None,
+        unavailable_reason=lambda: "its package is not installed",
+    )
     monkeypatch.setitem(sys.modules, module.__name__, module)
     monkeypatch.setitem(kernels.BACKEND_MODULES, "absent", module.__name__)
     case = base_case()

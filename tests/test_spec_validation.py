@@ -70,7 +70,11 @@ def test_cache_dtype_outside_contract() -> None:
 
 
 def test_value_dtype_differs_from_key() -> None:
-    expect(TypeError, r"value_cache dtype torch.float16 must equal", value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float16))
+    expect(
+        TypeError,
+        r"value_cache dtype torch.float16 must equal",
+        value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float16),
+    )
 
 
 @pytest.mark.parametrize("name", ["block_tables", "seq_lens", "seq_offset"])
@@ -92,7 +96,10 @@ def test_non_contiguous_cache() -> None:
 
 @pytest.mark.parametrize(
     "value_shape, pattern",
-    [((7, 4, 1, 4), r"value_cache num_blocks/block_size \(7, 4\)"), ((6, 2, 1, 4), r"value_cache num_blocks/block_size \(6, 2\)")],
+    [
+        ((7, 4, 1, 4), r"value_cache num_blocks/block_size \(7, 4\)"),
+        ((6, 2, 1, 4), r"value_cache num_blocks/block_size \(6, 2\)"),
+    ],
 )
 def test_key_value_geometry_mismatch(value_shape: tuple, pattern: str) -> None:
     expect(ValueError, pattern, value_cache=torch.zeros(value_shape, dtype=torch.bfloat16))
@@ -194,7 +201,9 @@ def test_seq_offset_size() -> None:
 
 # --- block_tables ---------------------------------------------------------- #
 def test_row_too_short() -> None:
-    expect(ValueError, r"block_tables row 0 is too short: sequence 0 has 5 tokens", block_tables=torch.tensor([[0], [3]]))
+    expect(
+        ValueError, r"block_tables row 0 is too short: sequence 0 has 5 tokens", block_tables=torch.tensor([[0], [3]])
+    )
 
 
 def test_row_too_short_after_offset() -> None:
@@ -274,7 +283,9 @@ def test_malformed_inputs_only_raise_documented_errors(call, backend: str) -> No
     try:
         key, value = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend=backend)
     except (ValueError, TypeError) as err:
-        assert re.search(r"key_cache|value_cache|block_tables|seq_lens|seq_offset|cache_mode|is_seq_lens", str(err)), err
+        assert re.search(r"key_cache|value_cache|block_tables|seq_lens|seq_offset|cache_mode|is_seq_lens", str(err)), (
+            err
+        )
         return
     # Accepted: the result must then be what the golden says.
     want_key, want_value = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="golden")

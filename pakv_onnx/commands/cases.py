@@ -8,6 +8,7 @@ import time
 
 from pakv_onnx import kernels
 from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
+from pakv_onnx.commands._report import case_line, totals_line
 from pakv_onnx.ops import gather_pa_kv_cache
 from pakv_onnx.spec import bitwise_equal
 
@@ -60,13 +61,9 @@ def run(args: argparse.Namespace) -> int:
             passed, detail = False, f"error: {err}"
         failures += not passed
         elapsed = time.perf_counter() - start
-        print(
-            f"[{index}/{len(builders)}] {'PASS' if passed else 'FAIL'} {case_id}: {case.summary()} -> {detail} "
-            f"({elapsed:.1f}s)",
-            flush=True,
-        )
+        print(case_line(index, len(builders), passed, case_id, case.summary(), detail, elapsed), flush=True)
         del case
-    print(f"{len(builders) - failures} passed, {failures} failed (backend {args.backend})")
+    print(totals_line(len(builders), failures, f"backend {args.backend}"))
     print(PRECISION_FAIL if failures else PRECISION_PASS)
     return 1 if failures else 0
 

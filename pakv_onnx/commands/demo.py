@@ -85,14 +85,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "  pakv-onnx demo --backend native,golden,torch",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", choices=("mla", "gqa", "all"), default="all", help="which sample graphs (default: all)")
+    parser.add_argument(
+        "--model", choices=("mla", "gqa", "all"), default="all", help="which sample graphs (default: all)"
+    )
     parser.add_argument(
         "--backend",
         default="native,golden",
         help="comma-separated plugin backends to run each graph on, besides stock ORT (default: native,golden)",
     )
-    parser.add_argument("--out", metavar="DIR", help="keep the exported .onnx files in DIR (default: a temporary directory)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="keep the exported .onnx files in DIR (default: a temporary directory)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, caches and block tables (default: 0)")
-    parser.add_argument("--tokens", type=int, default=256, help="total tokens per batch, T (default: 256); memory grows with T^2 (about 7 GB at 2048)")
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=256,
+        help="total tokens per batch, T (default: 256); memory grows with T^2 (about 7 GB at 2048)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per way, median reported (default: 5)")
     parser.set_defaults(run=run)

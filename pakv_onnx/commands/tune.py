@@ -139,10 +139,9 @@ def run(args: argparse.Namespace) -> int:
         marks = [m for m, on in (("chosen", r["chosen"]), ("seed default", r["seed_default"])) if on]
         if r["status"] != "ok":
             marks.append(r["status"])
-        num = lambda x, f: format(x, f) if x is not None else "-"
         print(
-            f"{r['tile_k']:>6} {r['tile_v']:>6} {num(r['aicore_us'], '9.3f')} {num(r['tasks'], '5d')} "
-            f"{num(r['utilisation_pct'], '6.2f')}  {', '.join(marks)}"
+            f"{r['tile_k']:>6} {r['tile_v']:>6} {_num(r['aicore_us'], '9.3f')} {_num(r['tasks'], '5d')} "
+            f"{_num(r['utilisation_pct'], '6.2f')}  {', '.join(marks)}"
         )
     chosen_row = next(r for r in table if r["chosen"])
     seed_row = next(r for r in table if r["seed_default"])
@@ -151,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     elif chosen_row["aicore_us"]:
         print("seed default does not compile for this shape; the chosen tiles do")
     return 0 if chosen_row["status"] == "ok" else 1
+
+
+def _num(value, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pakv_onnx.commands._report import case_line, totals_line
 from pakv_onnx.paths import cache_dir
 
 DEFAULT_RANDOM = 8
@@ -70,12 +71,12 @@ def run(args: argparse.Namespace) -> int:
             extras.append(f"cost model {result.aicore_us:g} us")
         extra = f" [{', '.join(extras)}]" if extras else ""
         where = f" (log: {result.log})" if result.log else ""
+        detail = result.detail + extra
         print(
-            f"[{index}/{len(case_ids)}] {'PASS' if result.ok else 'FAIL'} {case_id}: {summaries[case_id]} -> "
-            f"{result.detail}{extra} ({result.seconds:.1f}s){where}",
+            case_line(index, len(case_ids), result.ok, case_id, summaries[case_id], detail, result.seconds) + where,
             flush=True,
         )
-    print(f"{len(case_ids) - failures} passed, {failures} failed (pypto SIM + pass-verify, bit-exact vs golden)")
+    print(totals_line(len(case_ids), failures, "pypto SIM + pass-verify, bit-exact vs golden"))
     return 1 if failures else 0
 
 

@@ -49,8 +49,12 @@ def gather_native(
     lengths = plan.seq_lengths.contiguous()
     starts = plan.out_starts.contiguous()
     col_starts = plan.table_col_starts.contiguous()
-    for name, tensor in (("key_cache", key_cache), ("value_cache", value_cache), ("key_out", key_out),
-                         ("value_out", value_out)):
+    for name, tensor in (
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("key_out", key_out),
+        ("value_out", value_out),
+    ):
         if not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"native backend: {name} must be a contiguous CPU tensor")
     error = ctypes.create_string_buffer(512)

@@ -28,7 +28,16 @@ from pakv_onnx import kernels
 from pakv_onnx.runtime_plugin._lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
-__all__ = ["NATIVE", "LibraryNotBuiltError", "bind", "library_path", "make_session", "register", "run", "session_backend"]
+__all__ = [
+    "NATIVE",
+    "LibraryNotBuiltError",
+    "bind",
+    "library_path",
+    "make_session",
+    "register",
+    "run",
+    "session_backend",
+]
 
 NATIVE = "native"
 

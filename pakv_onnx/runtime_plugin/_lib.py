@@ -95,7 +95,24 @@ def load() -> ctypes.CDLL:
     i64 = ctypes.c_int64
     vp = ctypes.c_void_p
     lib.pakv_gather_plan.argtypes = [
-        ctypes.c_int, i64, i64, vp, vp, i64, i64, vp, vp, i64, i64, vp, vp, vp, vp, i64, ctypes.c_char_p, ctypes.c_size_t
+        ctypes.c_int,
+        i64,
+        i64,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        vp,
+        i64,
+        i64,
+        vp,
+        vp,
+        vp,
+        vp,
+        i64,
+        ctypes.c_char_p,
+        ctypes.c_size_t,
     ]
     lib.pakv_gather_plan.restype = ctypes.c_int
     return lib

@@ -47,7 +47,9 @@ def _serve(req_ptr) -> None:
     inputs = tuple(_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES))
 
     def allocate_from_ort(plan):
-        return _output(req_ptr, 0, plan.key_out_shape, plan.dtype), _output(req_ptr, 1, plan.value_out_shape, plan.dtype)
+        return _output(req_ptr, 0, plan.key_out_shape, plan.dtype), _output(
+            req_ptr, 1, plan.value_out_shape, plan.dtype
+        )
 
     gather_with(
         inputs,

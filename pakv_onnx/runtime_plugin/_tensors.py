@@ -17,10 +17,21 @@ TORCH_TO_ONNX: dict[torch.dtype, int] = {v: k for k, v in ONNX_TO_TORCH.items()}
 
 # OrtValue.data_type() strings -> torch dtype.
 _ORT_NAMES = {
-    "float": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "double": torch.float64,
-    "int8": torch.int8, "uint8": torch.uint8, "int16": torch.int16, "uint16": torch.uint16,
-    "int32": torch.int32, "uint32": torch.uint32, "int64": torch.int64, "uint64": torch.uint64,
-    "bool": torch.bool, "float8e4m3fn": torch.float8_e4m3fn, "float8e5m2": torch.float8_e5m2,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int16": torch.int16,
+    "uint16": torch.uint16,
+    "int32": torch.int32,
+    "uint32": torch.uint32,
+    "int64": torch.int64,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+    "float8e4m3fn": torch.float8_e4m3fn,
+    "float8e5m2": torch.float8_e5m2,
 }
 ORT_TYPE_TO_TORCH = {f"tensor({k})": v for k, v in _ORT_NAMES.items()}
 

@@ -9,13 +9,13 @@ import torch
 
 from pakv_onnx.runtime_plugin._tensors import onnx_type_of
 from pakv_onnx.spec import (
+    ATTR_CACHE_MODE,
+    ATTR_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     INPUT_NAMES,
     OP_TYPE,
     OPSET_VERSION,
     OUTPUT_NAMES,
-    ATTR_CACHE_MODE,
-    ATTR_IS_SEQ_LENS_CUMSUM,
     CacheMode,
 )
 
