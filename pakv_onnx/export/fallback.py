@@ -41,6 +41,7 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     INPUT_NAMES,
+    INT64_MAX,
     OP_TYPE,
     OPSET_VERSION,
     OUTPUT_NAMES,
@@ -49,7 +50,6 @@ from pakv_onnx.spec import (
 
 # String Equal (to read cache_mode) exists from opset 19.
 MIN_OPSET = 19
-INT64_MAX = 2**63 - 1
 
 
 class _Body:
