@@ -114,6 +114,14 @@ def cache_dtype(name_or_dtype: str | torch.dtype) -> DType:
         raise ValueError(f"cache dtype {name_or_dtype} is not in the contract (allowed: {allowed})") from None
 
 
+def index_dtype(dtype: torch.dtype) -> DType:
+    """Look up an index dtype (int32 or int64) by torch dtype; ``ValueError`` if outside the contract."""
+    try:
+        return _INDEX_BY_TORCH[dtype]
+    except KeyError:
+        raise ValueError(f"index dtype {dtype} is not in the contract (allowed: int32, int64)") from None
+
+
 def nz_last_dim(itemsize: int) -> int:
     """E of the PA_NZ layout: elements in one 32-byte fractal row."""
     return NZ_FRACTAL_BYTES // itemsize

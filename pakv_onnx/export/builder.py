@@ -30,6 +30,7 @@ from pakv_onnx.spec import (
     OUTPUT_NAMES,
     CacheMode,
     cache_dtype,
+    index_dtype,
 )
 
 __all__ = ["PAKV_OPSET", "gather_node", "make_gather_model"]
@@ -82,7 +83,7 @@ def make_gather_model(
     mode = CacheMode(cache_mode)
     elem = cache_dtype(dtype).onnx_type
     index_types = {
-        name: h.np_dtype_to_tensor_dtype(torch.empty(0, dtype=d).numpy().dtype)
+        name: index_dtype(d).onnx_type
         for name, d in zip(("block_tables", "seq_lens", "seq_offset"), index_dtypes)
     }
     if mode is CacheMode.NORM:
