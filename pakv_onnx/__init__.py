@@ -4,19 +4,49 @@
 - :mod:`pakv_onnx.golden`   the torch reference
 - :mod:`pakv_onnx.kernels`  compute backends and their registry
 - :mod:`pakv_onnx.cases`    reproducible test cases (the seed sweep, random cases)
+
+The public names below are imported on first use (PEP 562), so ``import pakv_onnx`` and the
+CLI's start (``--version``, ``--help``, Ctrl-C during start-up) don't wait for torch.
 """
 
-from pakv_onnx.kernels import BackendUnavailableError, backend_names
-from pakv_onnx.ops import gather_pa_kv_cache
-from pakv_onnx.spec import CacheMode, GatherPlan, plan_gather
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
 
-__all__ = [
-    "BackendUnavailableError",
-    "CacheMode",
-    "GatherPlan",
-    "backend_names",
-    "gather_pa_kv_cache",
-    "plan_gather",
-]
+# public name -> module that defines it
+_EXPORTS = {
+    "BackendUnavailableError": "pakv_onnx.kernels",
+    "backend_names": "pakv_onnx.kernels",
+    "gather_pa_kv_cache": "pakv_onnx.ops",
+    "CacheMode": "pakv_onnx.spec",
+    "GatherPlan": "pakv_onnx.spec",
+    "plan_gather": "pakv_onnx.spec",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from pakv_onnx.kernels import BackendUnavailableError, backend_names
+    from pakv_onnx.ops import gather_pa_kv_cache
+    from pakv_onnx.spec import CacheMode, GatherPlan, plan_gather
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    try:  # ``pakv_onnx.spec`` etc. after a bare ``import pakv_onnx``
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as err:
+        if err.name != f"{__name__}.{name}":
+            raise
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

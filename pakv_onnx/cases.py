@@ -129,6 +129,44 @@ def even_split(total: int, parts: int) -> list[int]:
     return [base + (1 if q < extra else 0) for q in range(parts)]
 
 
+# Elements per randn call in seeded_randn: ~16 MB of fp32, a few ms, so Ctrl-C lands promptly.
+RANDN_CHUNK = 1 << 22
+
+
+def seeded_randn(
+    shape: tuple[int, ...], generator: torch.Generator, dtype: torch.dtype, chunk: int = RANDN_CHUNK
+) -> torch.Tensor:
+    """``torch.randn(shape, generator=generator).to(dtype)``, bit for bit, made chunk by chunk.
+
+    One randn + cast over the seed's 361M-element key cache is two C calls of about 2 s each
+    that Ctrl-C cannot interrupt (Python handles signals between calls) and a 1.4 GB fp32
+    temporary. CPU randn draws one uniform per element in order and transforms them in groups
+    of 16 (re-drawing the last 16 when the size is not a multiple of 16), so consecutive calls
+    over chunks that are multiples of 16, the last one at least 16 long, draw the same stream
+    and give the same values and generator state (``tests/test_cli_cases.py`` checks this).
+
+    Args:
+        shape: output shape.
+        generator: CPU generator, advanced exactly as one ``randn(shape)`` would advance it.
+        dtype: output dtype (the cast is per chunk).
+        chunk: elements per call, a multiple of 16.
+    """
+    if chunk % 16:
+        raise ValueError(f"chunk must be a multiple of 16, got {chunk}")
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    total = flat.numel()
+    if total < 2 * chunk:
+        flat.copy_(torch.randn(total, generator=generator))
+        return out
+    bounds = list(range(0, total, chunk))
+    if total - bounds[-1] < 16:  # a last piece under 16 would take randn's serial path
+        bounds.pop()
+    for start, stop in zip(bounds, [*bounds[1:], total]):
+        flat[start:stop].copy_(torch.randn(stop - start, generator=generator))
+    return out
+
+
 def _build_seed_case(spec: SeedCaseSpec) -> GatherCase:
     nb, bs = spec.key_cache_shape[0], spec.key_cache_shape[1]
     lengths = even_split(spec.total_tokens, spec.q_count)
@@ -142,8 +180,8 @@ def _build_seed_case(spec: SeedCaseSpec) -> GatherCase:
             block_tables[q, col] = counter % nb
             counter += 1
     generator = torch.Generator().manual_seed(spec.seed)
-    key_cache = torch.randn(spec.key_cache_shape, generator=generator).to(torch.bfloat16)
-    value_cache = torch.randn(spec.value_cache_shape, generator=generator).to(torch.bfloat16)
+    key_cache = seeded_randn(spec.key_cache_shape, generator, torch.bfloat16)
+    value_cache = seeded_randn(spec.value_cache_shape, generator, torch.bfloat16)
     return GatherCase(
         case_id=spec.case_id,
         description=spec.description,

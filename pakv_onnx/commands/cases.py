@@ -8,27 +8,55 @@ import time
 
 from pakv_onnx import kernels
 from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
+from pakv_onnx.commands._args import non_negative_int, runnable_backend
 from pakv_onnx.commands._report import case_line, totals_line
 from pakv_onnx.ops import gather_pa_kv_cache
-from pakv_onnx.spec import bitwise_equal
+from pakv_onnx.spec import bitwise_equal, plan_gather
 
 PRECISION_PASS = "[PRECISION_PASS]"
 PRECISION_FAIL = "[PRECISION_FAIL]"
 
 
-def check_case(case: GatherCase, backend: str) -> tuple[bool, str]:
-    """Run ``case`` on ``backend`` and compare bit-exact with the golden: (passed, detail)."""
-    key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=backend)
+def check_case(case: GatherCase, backend: str) -> tuple[bool, str, str]:
+    """Run ``case`` on ``backend`` and compare bit-exact with the golden: (passed, detail, backend run).
+
+    The backend run is what ``auto`` resolved to for this case; the detail names it too.
+    """
+    plan = plan_gather(*case.inputs(), **case.attributes())
+    chosen = kernels.resolve_backend(backend, plan, case.key_cache).name
+    key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=chosen)
     golden_key, golden_value = case.golden()
     mismatched = [
         name
         for name, got, want in (("key", key, golden_key), ("value", value, golden_value))
         if not bitwise_equal(got, want)
     ]
-    shapes = f"key={list(key.shape)} value={list(value.shape)}"
+    shapes = f"on {chosen}: key={list(key.shape)} value={list(value.shape)}"
     if mismatched:
-        return False, f"{shapes} mismatch in {', '.join(mismatched)}"
-    return True, shapes
+        return False, f"{shapes} mismatch in {', '.join(mismatched)}", chosen
+    return True, shapes, chosen
+
+
+def describe_backend(name: str) -> str:
+    """``native`` or, for ``auto``, what it resolves to here: ``auto -> native (pypto: why not)``."""
+    if name != kernels.AUTO:
+        return name
+    skipped = []
+    for candidate in kernels.AUTO_PREFERENCE:
+        reason = kernels.get_backend(candidate).unavailable_reason()
+        if reason is None:
+            why = f" (skipped {'; '.join(skipped)})" if skipped else ""
+            return f"auto -> {candidate} where it can run a case{why}"
+        skipped.append(f"{candidate}: {reason}")
+    return f"auto -> no backend can run here ({'; '.join(skipped)})"
+
+
+def known_case_id(text: str) -> str:
+    """A seed case id (argparse type: an unknown id is a usage error listing the known ones)."""
+    try:
+        return seed_case(text).case_id
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,28 +70,26 @@ def run(args: argparse.Namespace) -> int:
                 f"cols={spec.block_table_cols} seed={spec.seed}"
             )
         return 0
-    try:
-        chosen = [seed_case(i) for i in args.ids] if args.ids else list(specs)
-        if args.backend != kernels.AUTO:
-            kernels.get_backend(args.backend)  # fail on a typo before building 800 MB caches
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    # Ids and backend were checked while parsing, before any 800 MB cache is built.
+    chosen = [seed_case(i) for i in args.ids] if args.ids else list(specs)
+    print(f"backend: {describe_backend(args.backend)}", flush=True)
     builders = [(spec.case_id, spec.build) for spec in chosen]
     builders += [(f"random-{args.seed + i}", lambda s=args.seed + i: random_case(s)) for i in range(args.random)]
-    failures = 0
+    failures, ran = 0, []
     for index, (case_id, build) in enumerate(builders, 1):
         start = time.perf_counter()
         case = build()
         try:
-            passed, detail = check_case(case, args.backend)
+            passed, detail, backend = check_case(case, args.backend)
+            ran += [backend] if backend not in ran else []
         except (ValueError, TypeError, kernels.BackendUnavailableError) as err:
             passed, detail = False, f"error: {err}"
         failures += not passed
         elapsed = time.perf_counter() - start
         print(case_line(index, len(builders), passed, case_id, case.summary(), detail, elapsed), flush=True)
         del case
-    print(totals_line(len(builders), failures, f"backend {args.backend}"))
+    resolved = f" -> {', '.join(ran)}" if args.backend == kernels.AUTO and ran else ""
+    print(totals_line(len(builders), failures, f"backend {args.backend}{resolved}"))
     print(PRECISION_FAIL if failures else PRECISION_PASS)
     return 1 if failures else 0
 
@@ -82,15 +108,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "  pakv-onnx cases --random 50 --seed 7",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("ids", nargs="*", metavar="ID", help="case ids to run (default: all 12; see --list)")
+    parser.add_argument(
+        "ids", nargs="*", metavar="ID", type=known_case_id, help="case ids to run (default: all 12; see --list)"
+    )
     parser.add_argument("--list", action="store_true", help="list the case ids with their shapes and exit")
     parser.add_argument(
         "--backend",
         default=kernels.AUTO,
-        help=f"backend to check: auto or one of {', '.join(kernels.backend_names())} (default: auto)",
+        type=runnable_backend,
+        help=f"backend to check: auto or one of {', '.join(kernels.backend_names())}; it must be able to run "
+        "here (default: auto, the first of " + ", ".join(kernels.AUTO_PREFERENCE) + " that can run each case)",
     )
     parser.add_argument(
-        "--random", type=int, default=0, metavar="N", help="also run N random small cases (all dtypes and layouts)"
+        "--random",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="also run N random small cases (all dtypes and layouts)",
     )
     parser.add_argument("--seed", type=int, default=0, help="first seed of the random cases (default: 0)")
     parser.set_defaults(run=run)
