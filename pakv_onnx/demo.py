@@ -123,8 +123,13 @@ def run_graph(
     seed: int,
     repeats: int,
     progress: Callable[[str], None],
+    on_data: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None,
 ) -> list[RunResult]:
-    """Export ``graph`` into ``out_dir`` and run it every requested way; one result per way."""
+    """Export ``graph`` into ``out_dir`` and run it every requested way; one result per way.
+
+    ``on_data(inputs, expected)``, if given, receives the graph's input feeds and the torch
+    reference outputs by graph name (``pakv-onnx demo --out`` saves them next to the model).
+    """
     model = graph.build(seed).eval()
     batch = model.random_batch(num_tokens, graph.num_seqs, seed)
     hidden = model.random_hidden_states(num_tokens, seed)
@@ -137,6 +142,8 @@ def run_graph(
     start = time.perf_counter()
     model.export_onnx(inputs, path)
     progress(f"exported {graph.name} in {time.perf_counter() - start:.1f}s")
+    if on_data is not None:
+        on_data(feeds, dict(zip(MODEL_OUTPUT_NAMES, reference)))
 
     with torch.no_grad():
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
