@@ -9,6 +9,7 @@ import os
 import sys
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 PLUGIN = "pakv_onnx.runtime_plugin.libpakv_ort"
@@ -47,4 +48,16 @@ plugin = Extension(
     py_limited_api=False,
 )
 
-setup(ext_modules=[plugin], cmdclass={"build_ext": BuildPlugin})
+class PlatformWheel(bdist_wheel):
+    """Tag the wheel ``py3-none-<platform>``: the plugin is a plain C library with no Python ABI.
+
+    So one wheel serves every supported Python on a platform (as onnxruntime-extensions ships
+    its custom-op library); the platform tag stays, since the .so is native code.
+    """
+
+    def get_tag(self):
+        _python, _abi, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+setup(ext_modules=[plugin], cmdclass={"build_ext": BuildPlugin, "bdist_wheel": PlatformWheel})

@@ -1,0 +1,175 @@
+"""Packaging: the wheel's tag and contents, the sdist's contents (its tests collect), the bare library.
+
+The wheel and sdist are built from a copy of the source tree without any build output (no
+``libpakv_ort.so``, no ``build/``), so the library in the wheel must have been compiled by the
+build itself.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import textwrap
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import pakv_onnx
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD_OUTPUT = (".git", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".pytest_cache", ".hypothesis")
+# Files the tests import or compile besides the test modules (the sdist must ship them).
+TEST_HELPERS = ("tests/per_token_reference.py", "tests/broken_backend.py", "tests/native/fake_ort_driver.c")
+
+
+@pytest.fixture(scope="module")
+def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the source tree with no build output in it."""
+    dest = tmp_path_factory.mktemp("src") / "pakv-onnx"
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(*BUILD_OUTPUT))
+    assert not list(dest.rglob("*.so"))
+    return dest
+
+
+def _platform_tag() -> str:
+    return sysconfig.get_platform().replace("-", "_").replace(".", "_")
+
+
+def test_wheel_is_py3_none_platform_and_carries_the_built_library(clean_tree: Path, tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(clean_tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    (wheel,) = tmp_path.glob("*.whl")
+    assert wheel.name == f"pakv_onnx-{pakv_onnx.__version__}-py3-none-{_platform_tag()}.whl"
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+        dist_info = f"pakv_onnx-{pakv_onnx.__version__}.dist-info"
+        metadata = archive.read(f"{dist_info}/METADATA").decode()
+        wheel_file = archive.read(f"{dist_info}/WHEEL").decode()
+    assert "pakv_onnx/runtime_plugin/libpakv_ort.so" in names  # compiled by the build: the copy had none
+    assert f"{dist_info}/licenses/LICENSE" in names
+    assert "License-Expression: Apache-2.0" in metadata.splitlines()
+    assert f"Version: {pakv_onnx.__version__}" in metadata.splitlines()
+    assert "Root-Is-Purelib: false" in wheel_file
+
+
+def test_build_backend_pin_accepts_the_license_form_and_is_met_here() -> None:
+    """``project.license`` is an SPDX string (setuptools >= 77) and the pinned range includes this setuptools."""
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+    import setuptools
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["license"] == "Apache-2.0"
+    assert (ROOT / project["project"]["license-files"][0]).read_text().lstrip().startswith("Apache License")
+    (backend,) = [Requirement(r) for r in project["build-system"]["requires"] if r.startswith("setuptools")]
+    assert not backend.specifier.contains("76.9"), "setuptools < 77 rejects the SPDX license string"
+    assert backend.specifier.contains(Version(setuptools.__version__)), (backend, setuptools.__version__)
+
+
+def test_sdist_ships_the_test_helpers_and_its_tests_collect(clean_tree: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dist"
+    out.mkdir()
+    subprocess.run(
+        [sys.executable, "-c", f"from setuptools import build_meta; build_meta.build_sdist({str(out)!r})"],
+        cwd=clean_tree,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    (sdist,) = out.glob("*.tar.gz")
+    top = f"pakv_onnx-{pakv_onnx.__version__}"
+    with tarfile.open(sdist) as archive:
+        names = {name.removeprefix(top + "/") for name in archive.getnames()}
+        archive.extractall(tmp_path / "x", filter="data")
+    for needed in (*TEST_HELPERS, "LICENSE", "README.md", "pakv_onnx/runtime_plugin/gather_pa_kv_cache.c"):
+        assert needed in names, f"the sdist lacks {needed}"
+    shipped_tests = {n for n in names if n.startswith("tests/test_") and n.endswith(".py")}
+    assert shipped_tests == {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
+    assert not any(n.endswith(".so") for n in names)
+
+    unpacked = tmp_path / "x" / top
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=unpacked,
+        env={**_clean_env(), "PYTHONPATH": str(unpacked)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " tests collected" in result.stdout and "error" not in result.stdout.splitlines()[-1]
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+# Runs in a process where torch cannot be imported and pakv_onnx is never imported: only
+# onnxruntime, numpy and onnx, as on a serving host that only copied libpakv_ort.so. float16 caches
+# (numpy has them), so this works on every supported onnxruntime, 1.16 included.
+BARE_ORT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None  # importing torch now fails
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    lib = sys.argv[1]
+    names = ["key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"]
+    types = [TensorProto.FLOAT16, TensorProto.FLOAT16] + [TensorProto.INT32] * 3
+    node = helper.make_node("GatherPaKvCache", names, ["key", "value"], domain="pakv")
+    graph = helper.make_graph(
+        [node], "g",
+        [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types)],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in ("key", "value")],
+    )
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("pakv", 1)], ir_version=8
+    )
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(lib)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    kc = rng.standard_normal((6, 4, 2, 8)).astype(np.float16)
+    vc = rng.standard_normal((6, 4, 3, 5)).astype(np.float16)
+    bt = np.array([[5, 0, 2], [9, 1, 3]], np.int32)  # 9: an unused column may hold anything
+    sl = np.array([0, 7, 13], np.int32)
+    so = np.array([0, 4], np.int32)  # sequence 1 starts at column 1
+    key, value = session.run(None, dict(zip(names, (kc, vc, bt, sl, so))))
+    rows = [(5, t) if t < 4 else (0, t - 4) for t in range(7)] + [(1, t) if t < 4 else (3, t - 4) for t in range(6)]
+    assert np.array_equal(key, np.stack([kc[b, s] for b, s in rows]))
+    assert np.array_equal(value, np.stack([vc[b, s] for b, s in rows]))
+    try:
+        session.run(None, dict(zip(names, (kc, vc, np.array([[6, 0, 2], [9, 1, 3]], np.int32), sl, so))))
+    except Exception as err:
+        assert "block_tables" in str(err), err
+    else:
+        raise AssertionError("an out-of-range block id was accepted")
+    print("bare onnxruntime", ort.__version__, "ok")
+    """
+)
+
+
+def test_library_runs_under_bare_onnxruntime_without_torch(tmp_path: Path) -> None:
+    """The .so alone, in onnxruntime without torch or pakv_onnx: bit-exact, and a bad id is an ORT error."""
+    from pakv_onnx.runtime_plugin import library_path
+
+    script = tmp_path / "bare.py"
+    script.write_text(BARE_ORT_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(library_path())], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout
