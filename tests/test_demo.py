@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import subprocess
 
+import onnx
 import pytest
+import torch
 
-from pakv_onnx import cli, kernels
+from pakv_onnx import cli, gather_pa_kv_cache, kernels
+from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
+from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH
+from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
 
 
 def test_demo_passes_end_to_end(tmp_path) -> None:
@@ -25,6 +30,29 @@ def test_demo_passes_end_to_end(tmp_path) -> None:
     for runner in ("torch eager", "plugin:native", "plugin:golden", "stock-ort"):
         assert sum(runner in line and line.rstrip().endswith("PASS") for line in lines) == 3, runner
     assert "exporting mla" in result.stderr  # progress goes to stderr
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left
+    for name in ("mla", "gqa", "gqa-bs128"):
+        check_saved_sample_data(tmp_path, name)
+
+
+def _load(path) -> torch.Tensor:
+    """A TensorProto file as a torch tensor of its element type (bf16 included)."""
+    proto = onnx.load_tensor(str(path))
+    dtype = ONNX_TO_TORCH[proto.data_type]
+    return torch.frombuffer(bytearray(proto.raw_data), dtype=torch.uint8).view(dtype).reshape(list(proto.dims))
+
+
+def check_saved_sample_data(out_dir, name: str) -> None:
+    """--out keeps the graph's feeds and reference outputs; they are coherent (gather them again)."""
+    inputs = {p.stem: _load(p) for p in (out_dir / f"{name}.inputs").glob("*.pb")}
+    expected = {p.stem: _load(p) for p in (out_dir / f"{name}.expected").glob("*.pb")}
+    assert sorted(inputs) == sorted(MODEL_INPUT_NAMES) and sorted(expected) == sorted(MODEL_OUTPUT_NAMES)
+    assert inputs["key_cache"].dtype == torch.bfloat16 and inputs["hidden_states"].dtype == torch.float32
+    graph = onnx.load(str(out_dir / f"{name}.onnx"))
+    assert [i.name for i in graph.graph.input] == list(MODEL_INPUT_NAMES)
+    key, value = gather_pa_kv_cache(*(inputs[n] for n in INPUT_NAMES), backend="golden")
+    assert bitwise_equal(key, expected["key"]) and bitwise_equal(value, expected["value"])
+    assert expected["output"].shape == inputs["hidden_states"].shape
 
 
 def test_demo_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
