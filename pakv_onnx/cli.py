@@ -59,7 +59,7 @@ def environment_message(err: OSError) -> str | None:
         return str(err)
     if err.errno not in ENVIRONMENT_ERRNOS or not err.filename:
         return None
-    return f"cannot write {err.filename}: {err.strerror}{_cache_hint(str(err.filename))}"
+    return f"{err.filename}: {err.strerror}{_cache_hint(str(err.filename))}"
 
 
 def _cache_hint(filename: str) -> str:
