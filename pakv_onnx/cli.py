@@ -74,6 +74,9 @@ def _cache_hint(filename: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code (see the module docstring)."""
+    if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
+        print(f"pakv-onnx {__version__}")  # without loading the subcommands (and torch)
+        return 0
     try:
         try:
             args = build_parser().parse_args(argv)
