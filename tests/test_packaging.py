@@ -173,3 +173,17 @@ def test_library_runs_under_bare_onnxruntime_without_torch(tmp_path: Path) -> No
     )
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
+
+
+def test_the_stated_onnxruntime_range_is_the_one_ci_tests() -> None:
+    """README, pyproject's floor and .ci/run's pins name the same oldest onnxruntime releases."""
+    import re
+
+    pins = re.findall(r'"onnxruntime==([0-9.]+)"', (ROOT / ".ci" / "run").read_text())
+    assert len(pins) == 2, pins
+    python_oldest, library_oldest = pins
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert f"onnxruntime {python_oldest}" in readme and f"onnxruntime {library_oldest}" in readme
+    floor = ".".join(python_oldest.split(".")[:2])
+    dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"onnxruntime>={floor}" in dependencies, dependencies
