@@ -54,12 +54,8 @@ def gather_pa_kv_cache(
 
     def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
         device = key_cache.device
-        key = key_out if key_out is not None else torch.empty(plan.key_out_shape, dtype=plan.key_dtype, device=device)
-        value = (
-            value_out
-            if value_out is not None
-            else torch.empty(plan.value_out_shape, dtype=plan.value_dtype, device=device)
-        )
+        key = key_out if key_out is not None else _empty("key", plan.key_out_shape, plan.key_dtype, device)
+        value = value_out if value_out is not None else _empty("value", plan.value_out_shape, plan.value_dtype, device)
         return key, value
 
     return gather_with(
@@ -71,6 +67,16 @@ def gather_pa_kv_cache(
         backend=backend,
         allocate=allocate,
     )
+
+
+def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, with torch's size-arithmetic overflow (huge T of empty rows) as a ValueError."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        raise ValueError(f"{name} output of shape {list(shape)} cannot be described by a torch tensor ({exc})") from None
 
 
 def gather_with(
