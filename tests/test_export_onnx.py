@@ -13,7 +13,8 @@ import pytest
 import torch
 from onnxscript import FLOAT16, INT32, script
 from onnxscript import opset20 as op
-from test_export_torch import GatherModule, assert_matches_golden, module_args, sized_case
+from conftest import assert_matches_golden
+from test_export_torch import GatherModule, module_args, sized_case
 
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin

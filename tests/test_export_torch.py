@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import assert_matches_golden
 
 import pakv_onnx.export as pe
 from pakv_onnx.cases import GatherCase, random_cache, random_case
@@ -86,13 +87,6 @@ def module_args(case: GatherCase) -> tuple:
     """Positional args for :class:`GatherModule` (seq_offset left out when absent)."""
     inputs = case.inputs()
     return inputs if case.seq_offset is not None else inputs[:4]
-
-
-def assert_matches_golden(outputs, case: GatherCase) -> None:
-    golden = case.golden()
-    assert len(outputs) == 2
-    for got, want, name in zip(outputs, golden, ("key", "value")):
-        assert bitwise_equal(got, want), f"{name} differs from the golden for {case.summary()}"
 
 
 @pytest.mark.parametrize("seed", range(12))
