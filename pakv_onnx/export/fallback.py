@@ -68,10 +68,9 @@ CHECKS: dict[str, str] = {
     "num_blocks": "key_cache must have rank 4",  # (the Split of key_cache's shape)
     "value_blocks": "value_cache must have rank 4",
     "num_seqs": "block_tables must have rank 2",
-    "starts": "seq_lens must have Q+1 entries (cumsum)",  # (the Split of seq_lens)
-    "lengths_given": "seq_lens must have Q entries (lengths)",
+    "counted_lens": "seq_lens must have Q+1 entries (cumsum) or Q (lengths)",  # (the Split of seq_lens)
     "offsets": "seq_offset must have Q entries",
-    "inputs_ok": "seq_lens and seq_offset must have rank 1",  # (the Concat fails on mixed ranks)
+    "low": "seq_lens and seq_offset must have rank 1",  # (the Concat fails on mixed ranks)
     "check_inputs": (
         "the inputs break the contract (pakv_onnx.spec.plan_gather says which): value_cache's num_blocks "
         "and block_size must be key_cache's, block_size >= 1; seq_lens must start at 0 and not decrease "
@@ -143,41 +142,40 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
 
     num_seqs, cols = op.Split(op.Shape(block_tables), op.Constant(value_ints=[1, 1]))
 
-    # Per sequence: output starts, ends and lengths from either seq_lens form. The Splits check
-    # the entry count (Q+1 or Q); a rank other than 1 makes the Concat of the checks below fail.
+    # Per sequence: output starts, ends and lengths from either seq_lens form. One Split checks
+    # the entry count (Q+1 cumsum, Q lengths); a rank other than 1 fails the checks' Concat below.
     lens = op.Cast(seq_lens, to=7)
-    if is_cumsum:
-        starts, num_tokens = op.Split(lens, op.Concat(num_seqs, one, axis=0))
-        ends = op.Slice(lens, one, to_end)
-        # Compared, not subtracted: no wrap-around.
-        lens_ok = op.Concat(op.Equal(op.Slice(lens, zero, one), zero), op.GreaterOrEqual(ends, starts), axis=0)
-    else:
-        lengths_given = op.Split(lens, num_seqs)
-        ends = op.CumSum(lengths_given, op.Constant(value_int=0))
-        starts = op.Sub(ends, lengths_given)
-        # Partial sums of non-negative values turn negative at the first int64 overflow.
-        lens_ok = op.And(op.GreaterOrEqual(lengths_given, zero), op.GreaterOrEqual(ends, zero))
-        num_tokens = op.ReduceSum(lengths_given, keepdims=1)
-    lengths = op.Sub(ends, starts)
+    counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
     offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
+    # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
+    # than one compare per rule); non_negative values are paired with zeros.
+    if is_cumsum:
+        starts = op.Identity(counted_lens)
+        num_tokens = op.Identity(last_len)
+        ends = op.Slice(lens, one, to_end)
+        first = op.Slice(lens, zero, one)
+        lens_low = op.Concat(first, zero, starts, axis=0)  # seq_lens[0] == 0, non-decreasing
+        lens_high = op.Concat(zero, first, ends, axis=0)  # (compared, not subtracted: no wrap-around)
+        non_negative = op.Identity(offsets)
+    else:
+        ends = op.CumSum(counted_lens, op.Constant(value_int=0))
+        starts = op.Sub(ends, counted_lens)
+        num_tokens = op.ReduceSum(counted_lens, keepdims=1)
+        lens_low = op.Identity(zero)
+        lens_high = op.Identity(zero)
+        # Partial sums of non-negative lengths turn negative at the first int64 overflow.
+        non_negative = op.Concat(offsets, counted_lens, ends, axis=0)
 
     # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
     first_column_token = op.Sub(offsets, op.Mod(offsets, block_size))
     row_tokens = op.Mul(cols, block_size)
-    # The row holds the sequence (an empty sequence fits anywhere, hence the Min).
-    rows_fit = op.LessOrEqual(op.Add(op.Min(first_column_token, row_tokens), lengths), row_tokens)
+    # The row holds the sequence: min(first, row) + end <= row + start (an empty sequence fits anywhere).
+    fit_low = op.Add(op.Min(first_column_token, row_tokens), ends)
+    fit_high = op.Add(row_tokens, starts)
 
-    # Every value rule but the entry counts and ranks (above), in one check.
-    inputs_ok = op.Concat(
-        op.Equal(num_blocks, value_blocks),
-        op.Equal(key_block_size, value_block_size),
-        op.GreaterOrEqual(key_block_size, one),
-        lens_ok,
-        op.GreaterOrEqual(offsets, zero),
-        rows_fit,
-        axis=0,
-    )
-    check_inputs = op.Cast(op.Where(inputs_ok, passed, failed), to=7)
+    low = op.Concat(num_blocks, value_blocks, key_block_size, value_block_size, one, lens_low, op.Mul(non_negative, zero), fit_low, axis=0)
+    high = op.Concat(value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, lens_high, non_negative, fit_high, axis=0)
+    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), passed, failed), to=7)
 
     # Token t of sequence q sits at position t + base[q] of the table flattened into token
     # slots, base[q] = q*cols*bs + first_column_token[q] - starts[q]. A scatter-add of base's
@@ -188,12 +186,15 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one)), starts, step, axis=0, reduction="add")
     position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
     slot = op.Mod(position, block_size)
-    read_block = op.Gather(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Div(position, block_size))
-    # A negative id would wrap around in the gathers: num_blocks instead, which they reject.
-    block = op.Where(op.GreaterOrEqual(read_block, zero), read_block, num_blocks)
+    # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
+    # of at least 2**62, which they reject with the rest of the out-of-range ids.
+    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Constant(value_ints=[9223372036854775807]))
+    block = op.Gather(tables, op.Div(position, block_size))
 
     if is_nz:
         # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row (block*F + f)*bs + slot.
+        # Out-of-range ids become num_blocks first, so the row arithmetic cannot wrap into range.
+        block = op.Min(block, num_blocks)
         key_source = op.Reshape(key_cache, op.Concat(minus_one, key_d3, axis=0))
         key_index = op.Unsqueeze(
             op.Add(
