@@ -169,8 +169,9 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
     first_column_token = op.Sub(offsets, op.Mod(offsets, block_size))
     row_tokens = op.Mul(cols, block_size)
-    # The row holds the sequence: min(first, row) + end <= row + start (an empty sequence fits anywhere).
-    fit_low = op.Add(op.Min(first_column_token, row_tokens), ends)
+    # The row holds the sequence from its first column: first + end <= row + start (as spec:
+    # ceil(length / bs) <= cols - first column; an empty sequence's first column must exist or be the end).
+    fit_low = op.Add(first_column_token, ends)
     fit_high = op.Add(row_tokens, starts)
 
     low = op.Concat(num_blocks, value_blocks, key_block_size, value_block_size, one, lens_low, op.Mul(non_negative, zero), fit_low, axis=0)
@@ -183,7 +184,10 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     local_base = op.Sub(first_column_token, starts)
     previous = op.Concat(op.Add(row_tokens, one), op.Slice(local_base, zero, minus_one), axis=0)
     step = op.Add(op.Sub(local_base, previous), row_tokens)  # step[0] = base[0] - 1
-    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one)), starts, step, axis=0, reduction="add")
+    # The array's size waits for the check (its zeros add nothing), so ORT runs the check before
+    # anything that a broken input could make fail with a less clear message.
+    gate = op.ReduceSum(check_inputs, keepdims=1)
+    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, op.Add(one, gate))), starts, step, axis=0, reduction="add")
     position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
