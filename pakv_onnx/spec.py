@@ -72,6 +72,40 @@ class CacheMode(str, enum.Enum):
 DEFAULT_CACHE_MODE = CacheMode.NORM
 DEFAULT_IS_SEQ_LENS_CUMSUM = True
 
+# The op's signature, in order: the tensor inputs (INPUT_NAMES; OPTIONAL_INPUTS may be None),
+# then the attributes with their defaults. The torch op's schema, its fake and eager
+# implementations, the ONNX translations, the OpSchema and the builder derive theirs from this.
+ATTRIBUTE_DEFAULTS: dict[str, str | bool] = {
+    ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value,
+    ATTR_IS_SEQ_LENS_CUMSUM: DEFAULT_IS_SEQ_LENS_CUMSUM,
+}
+PARAMETER_NAMES: tuple[str, ...] = (*INPUT_NAMES, *ATTRIBUTE_DEFAULTS)
+
+
+def bind_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's positional/keyword arguments as ``{name: value}`` in contract order, defaults filled.
+
+    Raises:
+        TypeError: too many arguments, an unknown or repeated name, or a missing required input.
+    """
+    if len(args) > len(PARAMETER_NAMES):
+        raise TypeError(f"{OP_TYPE} takes at most {len(PARAMETER_NAMES)} arguments, got {len(args)}")
+    bound = dict(zip(PARAMETER_NAMES, args))
+    for name, value in kwargs.items():
+        if name not in PARAMETER_NAMES:
+            raise TypeError(f"{OP_TYPE} got an unknown argument {name!r} (arguments: {', '.join(PARAMETER_NAMES)})")
+        if name in bound:
+            raise TypeError(f"{OP_TYPE} got {name!r} twice")
+        bound[name] = value
+    for name in INPUT_NAMES:
+        if name not in bound:
+            if name not in OPTIONAL_INPUTS:
+                raise TypeError(f"{OP_TYPE} is missing the required input {name!r}")
+            bound[name] = None
+    for name, default in ATTRIBUTE_DEFAULTS.items():
+        bound.setdefault(name, default)
+    return {name: bound[name] for name in PARAMETER_NAMES}
+
 # Bytes of one FRACTAL_NZ fractal row: the PA_NZ last dim is this / element size.
 NZ_FRACTAL_BYTES = 32
 

@@ -39,6 +39,9 @@ class Backend:
         reads_pool_views: the backend reads caches strided on dim 0 (views of a larger pool,
             see :mod:`pakv_onnx.spec`) in place; a backend without it is refused such caches
             by name (so ``auto`` skips it) instead of being handed a copy of the pool.
+        mixed_dtypes: the backend takes each cache's element size from its own dtype
+            (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
+            value caches of different dtypes by name.
     """
 
     name: str
@@ -47,10 +50,16 @@ class Backend:
     unavailable_reason: Callable[[], str | None] = lambda: None
     unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = lambda plan, cache: None
     reads_pool_views: bool = False
+    mixed_dtypes: bool = False
 
     def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
         reason = self.unavailable_reason() or self.unsupported_reason(plan, caches[0])
+        if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
+            return (
+                f"it takes one element type for both caches, and key_cache is {plan.key_dtype} "
+                f"while value_cache is {plan.value_dtype}"
+            )
         if reason is None and not self.reads_pool_views:
             for name, cache in zip(("key_cache", "value_cache"), caches):
                 if not cache.is_contiguous():

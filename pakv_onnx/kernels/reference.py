@@ -12,4 +12,5 @@ BACKEND = Backend(
     description="torch reference, one copy per (sequence, block); the ground truth (any device, pool views)",
     gather=gather_golden,
     reads_pool_views=True,
+    mixed_dtypes=True,
 )

@@ -90,4 +90,5 @@ BACKEND = Backend(
     description="vectorised torch index_select on a precomputed token index (any device, pool views)",
     gather=gather_torch,
     reads_pool_views=True,
+    mixed_dtypes=True,
 )
