@@ -174,3 +174,15 @@ def test_value_cache_alone_strided_is_seen() -> None:
     contiguous_only = kernels.Backend(name="c", description="c", gather=backend.gather)
     reason = contiguous_only.refusal(plan, (case.key_cache, case.value_cache))
     assert reason is not None and "value_cache is a pool view" in reason
+
+
+def test_backend_without_mixed_dtypes_is_refused_by_name() -> None:
+    case = with_value_dtype(random_case(2404, dtype=torch.float8_e4m3fn, cache_mode=CacheMode.NORM), torch.bfloat16, 1)
+    plan = pakv_onnx.plan_gather(*case.inputs(), **case.attributes())
+    one_dtype = kernels.Backend(name="one_dtype", description="d", gather=kernels.get_backend("golden").gather)
+    reason = one_dtype.refusal(plan, (case.key_cache, case.value_cache))
+    assert reason == (
+        "it takes one element type for both caches, and key_cache is torch.float8_e4m3fn while value_cache is "
+        "torch.bfloat16"
+    )
+    assert kernels.resolve_backend("auto", plan, case.key_cache, case.value_cache).mixed_dtypes
