@@ -349,7 +349,7 @@ HUGE_BLOCK = 2**56  # a zero-element cache may claim any block size: 128 blocks 
 def empty_row_call(num_tokens: int) -> tuple[tuple, dict]:
     """PA_NZ caches with no fractals (rows of zero bytes), one sequence of ``num_tokens``."""
     key_cache = torch.zeros(2, 0, HUGE_BLOCK, 16, dtype=torch.bfloat16)
-    value_cache = torch.zeros(2, 0, HUGE_BLOCK, 32, dtype=torch.int8)
+    value_cache = torch.zeros(2, 0, HUGE_BLOCK, 16, dtype=torch.bfloat16)
     tables = torch.zeros(1, 128, dtype=torch.int64)
     return (key_cache, value_cache, tables, torch.tensor([0, num_tokens])), {"cache_mode": "PA_NZ"}
 
@@ -365,7 +365,7 @@ def test_zero_byte_rows_with_huge_t(num_tokens: int, backend: str, monkeypatch) 
     monkeypatch.setattr(pakv_onnx.GatherPlan, "token_slots", no_per_token_state)
     key, value = pakv_onnx.gather_pa_kv_cache(*args, **attrs, backend=backend)
     assert key.shape == (num_tokens, 0) and value.shape == (num_tokens, 0)
-    assert (key.dtype, value.dtype) == (torch.bfloat16, torch.int8)
+    assert key.dtype == value.dtype == torch.bfloat16
 
 
 def test_runs_and_token_slots_never_overflow_near_int64_max() -> None:
