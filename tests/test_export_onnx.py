@@ -282,13 +282,8 @@ def test_legacy_export_runs(with_offset):
     )
     module = GatherModule(case.cache_mode, case.is_seq_lens_cumsum)
     names = list(INPUT_NAMES[: 5 if with_offset else 4])
-    axes = {
-        "key_cache": {0: "num_blocks"},
-        "value_cache": {0: "num_blocks"},
-        "block_tables": {0: "num_seqs", 1: "table_cols"},
-        "seq_lens": {0: "num_seqs"},
-        "seq_offset": {0: "num_seqs"},
-    }
+    # Dynamic axes per contract input (names from spec, in INPUT_NAMES order).
+    axes = dict(zip(INPUT_NAMES, ({0: "num_blocks"}, {0: "num_blocks"}, {0: "num_seqs", 1: "table_cols"}, {0: "num_seqs"}, {0: "num_seqs"})))
     model = pe.export_legacy(
         module,
         module_args(case),
