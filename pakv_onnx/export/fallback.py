@@ -148,35 +148,43 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
     offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
     # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
-    # than one compare per rule); non_negative values are paired with zeros.
+    # than one compare per rule). Each branch gives the same number of pieces.
     if is_cumsum:
         starts = op.Identity(counted_lens)
         num_tokens = op.Identity(last_len)
         ends = op.Slice(lens, one, to_end)
         first = op.Slice(lens, zero, one)
-        lens_low = op.Concat(first, zero, starts, axis=0)  # seq_lens[0] == 0, non-decreasing
-        lens_high = op.Concat(zero, first, ends, axis=0)  # (compared, not subtracted: no wrap-around)
-        non_negative = op.Identity(offsets)
+        # seq_lens[0] == 0 and non-decreasing (compared, not subtracted: no wrap-around).
+        low_a, low_b, low_c = op.Identity(first), op.Identity(zero), op.Identity(starts)
+        high_a, high_b, high_c = op.Identity(zero), op.Identity(first), op.Identity(ends)
     else:
         ends = op.CumSum(counted_lens, op.Constant(value_int=0))
         starts = op.Sub(ends, counted_lens)
         num_tokens = op.ReduceSum(counted_lens, keepdims=1)
-        lens_low = op.Identity(zero)
-        lens_high = op.Identity(zero)
-        # Partial sums of non-negative lengths turn negative at the first int64 overflow.
-        non_negative = op.Concat(offsets, counted_lens, ends, axis=0)
+        # Lengths non-negative; partial sums of non-negative lengths turn negative at the first
+        # int64 overflow, so the ends must be non-negative too.
+        low_a, low_b, low_c = op.Identity(zero), op.Mul(counted_lens, zero), op.Mul(ends, zero)
+        high_a, high_b, high_c = op.Identity(zero), op.Identity(counted_lens), op.Identity(ends)
 
     # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
-    first_column_token = op.Sub(offsets, op.Mod(offsets, block_size))
+    offset_remainder = op.Mod(offsets, block_size)  # in [0, bs): <= seq_offset iff seq_offset >= 0
+    first_column_token = op.Sub(offsets, offset_remainder)
     row_tokens = op.Mul(cols, block_size)
     # The row holds the sequence from its first column: first + end <= row + start (as spec:
     # ceil(length / bs) <= cols - first column; an empty sequence's first column must exist or be the end).
     fit_low = op.Add(first_column_token, ends)
     fit_high = op.Add(row_tokens, starts)
 
-    low = op.Concat(num_blocks, value_blocks, key_block_size, value_block_size, one, lens_low, op.Mul(non_negative, zero), fit_low, axis=0)
-    high = op.Concat(value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, lens_high, non_negative, fit_high, axis=0)
-    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), passed, failed), to=7)
+    low = op.Concat(
+        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, fit_low,
+        axis=0,
+    )
+    high = op.Concat(
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, fit_high,
+        axis=0,
+    )
+    # "1" where the pair holds; "" fails to parse. The max of the ones is the 1 that sizes the array below.
+    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), op.Constant(value_string="1"), failed), to=7)
 
     # Token t of sequence q sits at position t + base[q] of the table flattened into token
     # slots, base[q] = q*cols*bs + first_column_token[q] - starts[q]. A scatter-add of base's
@@ -184,10 +192,10 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     local_base = op.Sub(first_column_token, starts)
     previous = op.Concat(op.Add(row_tokens, one), op.Slice(local_base, zero, minus_one), axis=0)
     step = op.Add(op.Sub(local_base, previous), row_tokens)  # step[0] = base[0] - 1
-    # The array's size waits for the check (its zeros add nothing), so ORT runs the check before
-    # anything that a broken input could make fail with a less clear message.
-    gate = op.ReduceSum(check_inputs, keepdims=1)
-    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, op.Add(one, gate))), starts, step, axis=0, reduction="add")
+    # The array's size (T + 1) waits for the check, so ORT runs the check before anything a
+    # broken input could make fail with a less clear message.
+    one_after_check = op.ReduceMax(check_inputs, keepdims=1)
+    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one_after_check)), starts, step, axis=0, reduction="add")
     position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
