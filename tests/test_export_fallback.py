@@ -277,3 +277,28 @@ def test_the_fallback_reads_like_the_contract() -> None:
     assert (function.domain, function.name) == ("pakv", "GatherPaKvCache")
     assert list(function.input) == list(INPUT_NAMES) and list(function.output) == ["key", "value"]
     assert {a.name for a in function.attribute_proto} == {"cache_mode", "is_seq_lens_cumsum"}
+
+
+@pytest.mark.parametrize("opset", [19, 21, 23])
+def test_every_default_opset_from_19(opset: int) -> None:
+    case = unaligned_offsets(random_case(3300 + opset, dtype=torch.float16), opset)
+    model = model_for(case, opset_version=opset)
+    onnx.checker.check_model(model, full_check=True)
+    assert_pair_equal(run_stock(case, model), reference_outputs(case), f"opset {opset}")
+
+
+@pytest.mark.parametrize("mode, is_cumsum", FORMS, ids=FORM_IDS)
+def test_unoptimized_session_runs_the_ifs_and_checks(mode: CacheMode, is_cumsum: bool) -> None:
+    """With ORT's graph optimizations off the Ifs on the attributes run as subgraphs: same rows, same errors."""
+    base = random_case(3400, dtype=torch.int16, cache_mode=mode, is_seq_lens_cumsum=is_cumsum, with_seq_offset=True)
+    case = unaligned_offsets(base, 3)
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model_for(case).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
+    outputs = runtime_plugin.run(session, feeds)
+    assert_pair_equal([outputs["key"], outputs["value"]], reference_outputs(case), "unoptimized")
+    bad = dict(feeds, seq_offset=-feeds["seq_offset"] - 1)
+    with pytest.raises(Exception, match=INPUTS_RULE):
+        runtime_plugin.run(session, bad)
