@@ -1,8 +1,11 @@
 """The torch reference for GatherPaKvCache: the ground truth every backend is tested against.
 
 Written to be read, not to be fast: one slice copy per (sequence, used block), straight
-from the contract in :mod:`pakv_onnx.spec`. It never validates on its own; callers hand
-it a :class:`~pakv_onnx.spec.GatherPlan` from :func:`~pakv_onnx.spec.plan_gather`.
+from the contract in :mod:`pakv_onnx.spec` (its FLOOR RULE: sequence q starts at slot 0 of
+column ``seq_offset[q] // bs``, kept in ``plan.table_col_starts``). It never validates on its
+own; callers hand it a :class:`~pakv_onnx.spec.GatherPlan` from
+:func:`~pakv_onnx.spec.plan_gather`. Caches may have different dtypes and may be pool views
+strided on dim 0: it indexes them as they are and never copies a whole cache.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ def gather_golden(
 
     Args:
         plan: a validated plan for these tensors.
-        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``).
-        key_out: ``[T, *plan.key_token_shape]``, written in place.
-        value_out: ``[T, *plan.value_token_shape]``, written in place.
+        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``; dtypes
+            ``plan.key_dtype`` / ``plan.value_dtype``; any block stride).
+        key_out: ``[T, *plan.key_token_shape]`` of ``plan.key_dtype``, written in place.
+        value_out: ``[T, *plan.value_token_shape]`` of ``plan.value_dtype``, written in place.
     """
     bs = plan.block_size
     for q in range(plan.num_seqs):

@@ -28,20 +28,24 @@ def gather_pa_kv_cache(
     Args:
         key_cache: ``[num_blocks, block_size, Hk, Dk]`` (Norm) or
             ``[num_blocks, Hk*Dk // E, block_size, E]`` (PA_NZ, E = 32 bytes / itemsize).
-        value_cache: same layout, dtype and (num_blocks, block_size) as ``key_cache``.
+        value_cache: same layout and (num_blocks, block_size) as ``key_cache``; any contract
+            dtype (it may differ from ``key_cache``'s). Either cache may be a view of a larger
+            pool strided on dim 0 only (no copy is made; backends that cannot read such views
+            are skipped by ``auto``).
         block_tables: int32/int64 ``[Q, max_blocks_per_seq]`` physical block ids.
         seq_lens: int32/int64 ``[Q+1]`` cumulative token counts starting at 0
             (``is_seq_lens_cumsum=True``) or ``[Q]`` per-sequence lengths.
-        seq_offset: optional int32/int64 ``[Q]`` token offsets (multiples of block_size)
-            of each sequence's first block-table column.
+        seq_offset: optional int32/int64 ``[Q]`` non-negative token offsets; sequence q starts
+            at slot 0 of block-table column ``seq_offset[q] // block_size`` (floor).
         cache_mode: ``"Norm"`` or ``"PA_NZ"``.
         is_seq_lens_cumsum: whether ``seq_lens`` is cumulative.
-        key_out, value_out: optional outputs to write in place (like AscendC's key_ref/value_ref).
+        key_out, value_out: optional outputs to write in place (like AscendC's key_ref/value_ref);
+            contiguous, of their own cache's dtype, overlapping neither each other nor any input.
         backend: a name from :func:`pakv_onnx.kernels.backend_names` or ``"auto"``.
 
     Returns:
         ``(key, value)``: ``[T, Hk, Dk]`` / ``[T, Hv, Dv]`` (Norm) or ``[T, Hk*Dk]`` /
-        ``[T, Hv*Dv]`` (PA_NZ), the caches' dtype, on the caches' device.
+        ``[T, Hv*Dv]`` (PA_NZ), each of its own cache's dtype, on the caches' device.
 
     Raises:
         TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
@@ -50,10 +54,8 @@ def gather_pa_kv_cache(
 
     def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
         device = key_cache.device
-        key = key_out if key_out is not None else torch.empty(plan.key_out_shape, dtype=plan.dtype, device=device)
-        value = (
-            value_out if value_out is not None else torch.empty(plan.value_out_shape, dtype=plan.dtype, device=device)
-        )
+        key = key_out if key_out is not None else _empty("key", plan.key_out_shape, plan.key_dtype, device)
+        value = value_out if value_out is not None else _empty("value", plan.value_out_shape, plan.value_dtype, device)
         return key, value
 
     return gather_with(
@@ -65,6 +67,16 @@ def gather_pa_kv_cache(
         backend=backend,
         allocate=allocate,
     )
+
+
+def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, with torch's size-arithmetic overflow (huge T of empty rows) as a ValueError."""
+    try:
+        return torch.empty(shape, dtype=dtype, device=device)
+    except RuntimeError as exc:
+        if "overflow" not in str(exc):
+            raise
+        raise ValueError(f"{name} output of shape {list(shape)} cannot be described by a torch tensor ({exc})") from None
 
 
 def gather_with(
@@ -86,7 +98,7 @@ def gather_with(
     plan = plan_gather(
         *inputs, cache_mode=cache_mode, is_seq_lens_cumsum=is_seq_lens_cumsum, key_out=key_out, value_out=value_out
     )
-    chosen = kernels.resolve_backend(backend, plan, key_cache)
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
     key, value = allocate(plan)
     chosen.gather(plan, key_cache, value_cache, key, value)
     return key, value

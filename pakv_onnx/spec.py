@@ -12,12 +12,26 @@ Layouts (``nb`` = num_blocks, ``bs`` = block_size, ``T`` = total tokens)::
 
     is_seq_lens_cumsum = 1: seq_lens [Q+1], starts at 0, non-decreasing; T = seq_lens[-1]
     is_seq_lens_cumsum = 0: seq_lens [Q] are per-sequence lengths; T = sum(seq_lens)
-    seq_offset [Q] (optional): non-negative multiples of bs; sequence q's block-table
-                               row starts at column seq_offset[q] // bs
+    seq_offset [Q] (optional): any non-negative token offsets (see FLOOR RULE below)
 
     token t of sequence q:  block = block_tables[q, seq_offset[q] // bs + t // bs]
                             slot  = t % bs
                             out[out_start[q] + t] = cache[block, slot]   (Norm)
+
+FLOOR RULE (the one statement of it; AscendC, op-plugin's and ATB's goldens and vLLM floor
+the same way): sequence q's first block-table column is ``seq_offset[q] // bs`` (floor
+division), and its token 0 is slot 0 of that column's block, whatever ``seq_offset[q] % bs``
+is. The remainder is ignored; only negative offsets are an error.
+
+dtypes: each cache may have any contract dtype, and the two may differ (e.g. a float8 key
+cache with a bfloat16 value cache); the key output has key_cache's dtype, the value output
+value_cache's. PA_NZ's E is per cache (32 bytes / that cache's element size).
+
+Pool views: a cache may be a view of a larger pool that is strided on dim 0 only (each
+block's inner dims row-major contiguous, any block stride ``cache.stride(0)`` in elements),
+e.g. ``pool[:, 0]`` of a ``[nb, 2, bs, H, D]`` pool. Other non-contiguous layouts are
+refused. Caller-given outputs must be contiguous and must not overlap each other or any
+input (checked before anything is written).
 
 Only the block-table entries a sequence actually uses are validated; unused
 columns may hold anything (padding, stale ids).
@@ -27,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,6 +71,40 @@ class CacheMode(str, enum.Enum):
 
 DEFAULT_CACHE_MODE = CacheMode.NORM
 DEFAULT_IS_SEQ_LENS_CUMSUM = True
+
+# The op's signature, in order: the tensor inputs (INPUT_NAMES; OPTIONAL_INPUTS may be None),
+# then the attributes with their defaults. The torch op's schema, its fake and eager
+# implementations, the ONNX translations, the OpSchema and the builder derive theirs from this.
+ATTRIBUTE_DEFAULTS: dict[str, str | bool] = {
+    ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value,
+    ATTR_IS_SEQ_LENS_CUMSUM: DEFAULT_IS_SEQ_LENS_CUMSUM,
+}
+PARAMETER_NAMES: tuple[str, ...] = (*INPUT_NAMES, *ATTRIBUTE_DEFAULTS)
+
+
+def bind_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The op's positional/keyword arguments as ``{name: value}`` in contract order, defaults filled.
+
+    Raises:
+        TypeError: too many arguments, an unknown or repeated name, or a missing required input.
+    """
+    if len(args) > len(PARAMETER_NAMES):
+        raise TypeError(f"{OP_TYPE} takes at most {len(PARAMETER_NAMES)} arguments, got {len(args)}")
+    bound = dict(zip(PARAMETER_NAMES, args))
+    for name, value in kwargs.items():
+        if name not in PARAMETER_NAMES:
+            raise TypeError(f"{OP_TYPE} got an unknown argument {name!r} (arguments: {', '.join(PARAMETER_NAMES)})")
+        if name in bound:
+            raise TypeError(f"{OP_TYPE} got {name!r} twice")
+        bound[name] = value
+    for name in INPUT_NAMES:
+        if name not in bound:
+            if name not in OPTIONAL_INPUTS:
+                raise TypeError(f"{OP_TYPE} is missing the required input {name!r}")
+            bound[name] = None
+    for name, default in ATTRIBUTE_DEFAULTS.items():
+        bound.setdefault(name, default)
+    return {name: bound[name] for name in PARAMETER_NAMES}
 
 # Bytes of one FRACTAL_NZ fractal row: the PA_NZ last dim is this / element size.
 NZ_FRACTAL_BYTES = 32
@@ -171,10 +220,12 @@ class GatherPlan:
         num_tokens: T, rows of each output.
         key_token_shape, value_token_shape: shape of one output row
             (``(H, D)`` for Norm, ``(H*D,)`` for PA_NZ).
-        dtype: the caches' (and outputs') element type.
+        key_dtype, value_dtype: element type of key_cache / value_cache (and of the
+            key / value output); they may differ.
         seq_lengths: tokens of each sequence.
         out_starts: first output row of each sequence.
-        table_col_starts: first block-table column of each sequence (``seq_offset // bs``).
+        table_col_starts: first block-table column of each sequence (``seq_offset // bs``,
+            floored: see the module doc's FLOOR RULE).
         block_tables: the block table as int64 ``[Q, cols]`` (only used entries validated).
     """
 
@@ -186,7 +237,8 @@ class GatherPlan:
     num_tokens: int
     key_token_shape: tuple[int, ...]
     value_token_shape: tuple[int, ...]
-    dtype: torch.dtype
+    key_dtype: torch.dtype
+    value_dtype: torch.dtype
     seq_lengths: torch.Tensor
     out_starts: torch.Tensor
     table_col_starts: torch.Tensor
@@ -200,31 +252,75 @@ class GatherPlan:
     def value_out_shape(self) -> tuple[int, ...]:
         return (self.num_tokens, *self.value_token_shape)
 
+    @property
+    def key_row_bytes(self) -> int:
+        """Bytes of one key output row (0 for an empty token shape)."""
+        return math.prod(self.key_token_shape) * _itemsize(self.key_dtype)
+
+    @property
+    def value_row_bytes(self) -> int:
+        """Bytes of one value output row (0 for an empty token shape)."""
+        return math.prod(self.value_token_shape) * _itemsize(self.value_dtype)
+
+    def blocks_per_seq(self) -> torch.Tensor:
+        """int64 ``[Q]``: blocks each sequence reads, ``ceil(len / bs)`` without forming ``len + bs - 1``."""
+        return self.seq_lengths // self.block_size + (self.seq_lengths % self.block_size != 0).to(torch.int64)
+
     def runs(self) -> torch.Tensor:
         """Contiguous copy runs, int64 ``[R, 4]``: (physical block, rows, out row, seq).
 
         One run per (sequence, used block); every run starts at slot 0 of its block and
         covers ``rows`` <= block_size slots. Zero-length sequences contribute no run.
+
+        Raises:
+            ValueError: more than :data:`MAX_LISTED_INDICES` runs (a plan whose T is near
+                INT64_MAX, e.g. with zero-byte rows: a backend must not list such a plan).
         """
         bs = self.block_size
-        blocks_per_seq = (self.seq_lengths + bs - 1) // bs
+        blocks_per_seq = self.blocks_per_seq()
+        # Each count is <= its length and the lengths sum to T <= INT64_MAX: no overflow.
         num_runs = int(blocks_per_seq.sum())
+        _require_listable("runs()", num_runs, "copy runs")
         seq = torch.repeat_interleave(torch.arange(self.num_seqs), blocks_per_seq)
         first_run_of_seq = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
         block_index = torch.arange(num_runs) - first_run_of_seq[seq]
         physical = self.block_tables[seq, self.table_col_starts[seq] + block_index]
+        # block_index * bs < len <= T: no overflow.
         rows = torch.clamp(self.seq_lengths[seq] - block_index * bs, max=bs)
         out_row = self.out_starts[seq] + block_index * bs
         return torch.stack((physical, rows, out_row, seq), dim=1)
 
     def token_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per output row, int64 ``[T]``: the physical block and slot it is read from."""
+        """Per output row, int64 ``[T]``: the physical block and slot it is read from.
+
+        Raises:
+            ValueError: T above :data:`MAX_LISTED_INDICES` (see :meth:`runs`).
+        """
+        _require_listable("token_slots()", self.num_tokens, "tokens")
         runs = self.runs()
         physical, rows, out_row = runs[:, 0], runs[:, 1], runs[:, 2]
         token_block = torch.repeat_interleave(physical, rows)
         run_first_token = torch.repeat_interleave(out_row, rows)
         slot = torch.arange(self.num_tokens) - run_first_token
         return token_block, slot
+
+
+# Per-run / per-token index tensors above this many entries are refused rather than built:
+# 2**36 int64 entries are 512 GiB, far past any output a backend could hold, and the number
+# keeps every derived product (x4 columns, x8 bytes) inside int64.
+MAX_LISTED_INDICES = 2**36
+
+
+def _require_listable(where: str, count: int, what: str) -> None:
+    if count > MAX_LISTED_INDICES:
+        raise ValueError(
+            f"GatherPlan.{where}: {count} {what} is more than the {MAX_LISTED_INDICES} a per-token or "
+            "per-run index may hold; backends skip such lists for outputs of zero bytes"
+        )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # --------------------------------------------------------------------------- #
@@ -239,9 +335,30 @@ def _require_tensor(name: str, value: object) -> torch.Tensor:
 def _require_contiguous(name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_contiguous():
         raise ValueError(
-            f"{name} must be contiguous (row-major, as ONNX tensors are); got strides "
+            f"{name} must be contiguous (row-major); got strides "
             f"{tuple(tensor.stride())} for shape {tuple(tensor.shape)}: pass {name}.contiguous()"
         )
+
+
+def blocks_are_row_major(cache: torch.Tensor) -> bool:
+    """True when every dim but 0 is row-major contiguous (dim 0, the block axis, may have any stride)."""
+    expected = 1
+    for size, stride in zip(reversed(cache.shape[1:]), reversed(cache.stride()[1:])):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _require_pool_view(name: str, cache: torch.Tensor) -> None:
+    """A cache may be strided on dim 0 only (a view of a larger pool); refuse any other layout."""
+    if cache.numel() == 0 or blocks_are_row_major(cache):
+        return
+    raise ValueError(
+        f"{name} must be row-major contiguous within each block (only dim 0, the block axis, may be "
+        f"strided, as in pool[:, 0] of a [num_blocks, 2, ...] pool); got strides {tuple(cache.stride())} "
+        f"for shape {tuple(cache.shape)}: pass {name}.contiguous() (a copy of the whole cache)"
+    )
 
 
 def _require_rank(name: str, tensor: torch.Tensor, rank: int, layout: str) -> None:
@@ -275,8 +392,16 @@ def _parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
     raise ValueError(f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
 
 
-def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode, itemsize: int) -> tuple[int, int, tuple[int, ...]]:
-    """(num_blocks, block_size, token_shape) of one cache, checking its layout."""
+def _require_cache_dtype(name: str, cache: torch.Tensor) -> None:
+    if cache.dtype not in _CACHE_BY_TORCH:
+        allowed = ", ".join(d.name for d in CACHE_DTYPES)
+        raise TypeError(f"{name} dtype {cache.dtype} is not in the contract (allowed: {allowed})")
+
+
+def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode) -> tuple[int, int, tuple[int, ...]]:
+    """(num_blocks, block_size, token_shape) of one cache, checking its dtype and layout."""
+    _require_cache_dtype(name, cache)
+    itemsize = cache.element_size()
     if mode is CacheMode.NORM:
         _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
     else:
@@ -338,12 +463,7 @@ def _table_col_starts(seq_offset: torch.Tensor | None, num_seqs: int, block_size
     if num_seqs and bool((offsets < 0).any()):
         i = _first_bad(offsets < 0)
         raise ValueError(f"seq_offset must be non-negative, got seq_offset[{i}] = {int(offsets[i])}")
-    if num_seqs and bool((offsets % block_size != 0).any()):
-        i = _first_bad(offsets % block_size != 0)
-        raise ValueError(
-            f"seq_offset must be a multiple of block_size = {block_size}, got seq_offset[{i}] = {int(offsets[i])}"
-        )
-    return offsets // block_size
+    return offsets // block_size  # the FLOOR RULE (module doc): the remainder is ignored
 
 
 def _check_used_blocks(
@@ -374,17 +494,51 @@ def _check_used_blocks(
         )
 
 
-def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], cache: torch.Tensor) -> None:
+def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], cache_name: str, cache: torch.Tensor) -> None:
     if out is None:
         return
     out = _require_tensor(name, out)
     if tuple(out.shape) != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(out.shape)}")
     if out.dtype != cache.dtype:
-        raise TypeError(f"{name} must have the caches' dtype {cache.dtype}, got {out.dtype}")
+        raise TypeError(f"{name} must have {cache_name}'s dtype {cache.dtype}, got {out.dtype}")
     if out.device != cache.device:
         raise ValueError(f"{name} must be on the caches' device {cache.device}, got {out.device}")
     _require_contiguous(name, out)
+
+
+def byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, end)`` addresses of the bytes ``tensor`` can touch; ``None`` for no elements.
+
+    Works on raw addresses (``data_ptr`` includes the storage offset), so two tensors of any
+    dtypes over one untyped storage, or over two views of one allocation, compare correctly.
+    """
+    if tensor.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    first = tensor.data_ptr()
+    return first, first + (span + 1) * tensor.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device:
+        return False
+    ra, rb = byte_range(a), byte_range(b)
+    return ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]
+
+
+def _check_no_aliasing(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Outputs may overlap neither each other nor any input (checked before anything is written)."""
+    given = [(name, out) for name, out in outputs.items() if out is not None]
+    for i, (name, out) in enumerate(given):
+        for other_name, other in given[i + 1 :]:
+            if _overlaps(out, other):
+                raise ValueError(f"{name} and {other_name} overlap in memory; pass two separate tensors")
+        for input_name, tensor in inputs.items():
+            if tensor is not None and _overlaps(out, tensor):
+                raise ValueError(
+                    f"{name} overlaps {input_name} in memory: an output must not share bytes with any input"
+                )
 
 
 def plan_gather(
@@ -402,15 +556,17 @@ def plan_gather(
     """Validate one GatherPaKvCache call and return its plan.
 
     Args:
-        key_cache: ``[nb, bs, Hk, Dk]`` (Norm) or ``[nb, Hk*Dk // E, bs, E]`` (PA_NZ).
-        value_cache: same layout and dtype as ``key_cache``; its heads/dim may differ.
+        key_cache: ``[nb, bs, Hk, Dk]`` (Norm) or ``[nb, Hk*Dk // E, bs, E]`` (PA_NZ); any
+            contract dtype; may be strided on dim 0 (a pool view, see the module doc).
+        value_cache: same layout, nb and bs as ``key_cache``; its heads/dim and dtype may differ.
         block_tables: int32/int64 ``[Q, cols]``, physical block ids per sequence.
         seq_lens: int32/int64 ``[Q+1]`` cumulative (``is_seq_lens_cumsum``) or ``[Q]`` lengths.
-        seq_offset: optional int32/int64 ``[Q]``, token offset of each sequence's first
-            block-table column (a multiple of bs).
+        seq_offset: optional int32/int64 ``[Q]``, non-negative token offsets; sequence q starts
+            at block-table column ``seq_offset[q] // bs`` (the FLOOR RULE of the module doc).
         cache_mode: ``"Norm"`` or ``"PA_NZ"``.
         is_seq_lens_cumsum: how ``seq_lens`` is given.
-        key_out, value_out: optional caller-given outputs ``[T, ...]`` to check.
+        key_out, value_out: optional caller-given outputs ``[T, ...]`` to check: contiguous, of
+            their own cache's dtype, overlapping neither each other nor any input.
 
     Raises:
         TypeError: a non-tensor input or a dtype outside the contract.
@@ -426,22 +582,18 @@ def plan_gather(
     if seq_offset is not None:
         seq_offset = _require_tensor("seq_offset", seq_offset)
 
-    if key_cache.dtype not in _CACHE_BY_TORCH:
-        allowed = ", ".join(d.name for d in CACHE_DTYPES)
-        raise TypeError(f"key_cache dtype {key_cache.dtype} is not in the contract (allowed: {allowed})")
-    if value_cache.dtype != key_cache.dtype:
-        raise TypeError(f"value_cache dtype {value_cache.dtype} must equal key_cache dtype {key_cache.dtype}")
+    _require_cache_dtype("key_cache", key_cache)
+    _require_cache_dtype("value_cache", value_cache)
     if value_cache.device != key_cache.device:
         raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}")
-    itemsize = key_cache.element_size()
-    nb, bs, key_token = _cache_geometry("key_cache", key_cache, mode, itemsize)
-    vnb, vbs, value_token = _cache_geometry("value_cache", value_cache, mode, itemsize)
+    nb, bs, key_token = _cache_geometry("key_cache", key_cache, mode)
+    vnb, vbs, value_token = _cache_geometry("value_cache", value_cache, mode)
     if (vnb, vbs) != (nb, bs):
         raise ValueError(f"value_cache num_blocks/block_size ({vnb}, {vbs}) must equal key_cache's ({nb}, {bs})")
     if bs < 1:
         raise ValueError(f"key_cache block_size must be >= 1, got {bs}")
-    _require_contiguous("key_cache", key_cache)
-    _require_contiguous("value_cache", value_cache)
+    _require_pool_view("key_cache", key_cache)
+    _require_pool_view("value_cache", value_cache)
 
     _require_index_dtype("block_tables", block_tables)
     _require_rank("block_tables", block_tables, 2, "[Q, max_blocks_per_seq]")
@@ -459,8 +611,8 @@ def plan_gather(
     col_starts = _table_col_starts(seq_offset, num_seqs, bs)
     _check_used_blocks(tables, lengths, col_starts, bs, nb)
 
-    for name, token_shape in (("key", key_token), ("value", value_token)):
-        row_bytes = itemsize
+    for name, token_shape, cache in (("key", key_token, key_cache), ("value", value_token, value_cache)):
+        row_bytes = cache.element_size()
         for dim in token_shape:
             row_bytes *= dim
         if total * row_bytes > INT64_MAX:
@@ -475,12 +627,17 @@ def plan_gather(
         num_tokens=total,
         key_token_shape=tuple(int(d) for d in key_token),
         value_token_shape=tuple(int(d) for d in value_token),
-        dtype=key_cache.dtype,
+        key_dtype=key_cache.dtype,
+        value_dtype=value_cache.dtype,
         seq_lengths=lengths,
         out_starts=out_starts,
         table_col_starts=col_starts,
         block_tables=tables,
     )
-    _check_output("key_out", key_out, plan.key_out_shape, key_cache)
-    _check_output("value_out", value_out, plan.value_out_shape, value_cache)
+    _check_output("key_out", key_out, plan.key_out_shape, "key_cache", key_cache)
+    _check_output("value_out", value_out, plan.value_out_shape, "value_cache", value_cache)
+    _check_no_aliasing(
+        {"key_out": key_out, "value_out": value_out},
+        dict(zip(INPUT_NAMES, (key_cache, value_cache, block_tables, seq_lens, seq_offset))),
+    )
     return plan

@@ -7,7 +7,7 @@ It gathers correctly, then shifts every output by one row (an off-by-one output 
 from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.kernels.torch_cpu import gather_torch
+from pakv_onnx.kernels.torch_index import gather_torch
 
 
 def gather_off_by_one(plan, key_cache, value_cache, key_out, value_out) -> None:

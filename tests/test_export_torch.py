@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from conftest import assert_matches_golden
 
 import pakv_onnx.export as pe
 from pakv_onnx.cases import GatherCase, random_cache, random_case
@@ -86,13 +87,6 @@ def module_args(case: GatherCase) -> tuple:
     """Positional args for :class:`GatherModule` (seq_offset left out when absent)."""
     inputs = case.inputs()
     return inputs if case.seq_offset is not None else inputs[:4]
-
-
-def assert_matches_golden(outputs, case: GatherCase) -> None:
-    golden = case.golden()
-    assert len(outputs) == 2
-    for got, want, name in zip(outputs, golden, ("key", "value")):
-        assert bitwise_equal(got, want), f"{name} differs from the golden for {case.summary()}"
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -177,3 +171,68 @@ def test_torch_compile_matches_golden():
         key, value, scores = compiled(*case.inputs())
         assert_matches_golden((key, value), case)
         assert torch.equal(scores, case.golden()[0].float().sum(dim=(1, 2)))
+
+
+# --------------------------------------------------------------------------- #
+# The op's signature comes from spec; torch.library.opcheck (as vLLM runs on its custom ops)
+# --------------------------------------------------------------------------- #
+def test_torch_schema_is_spec_signature():
+    from pakv_onnx.export import torch_op
+    from pakv_onnx.spec import ATTRIBUTE_DEFAULTS, PARAMETER_NAMES
+
+    schema = torch.ops.pakv.gather_pa_kv_cache.default._schema
+    assert tuple(a.name for a in schema.arguments) == PARAMETER_NAMES
+    defaults = {a.name: a.default_value for a in schema.arguments if a.name in ATTRIBUTE_DEFAULTS}
+    assert defaults == ATTRIBUTE_DEFAULTS
+    assert str(schema).endswith(torch_op.torch_schema().split("->")[-1].strip())
+
+
+def test_translation_signatures_are_checked_against_spec():
+    from pakv_onnx.export import translation
+
+    def wrong(key_cache, value_cache, block_tables, seq_lens, seq_offset=None, cache_mode="ND", is_seq_lens_cumsum=True):
+        return None
+
+    with pytest.raises(AssertionError, match=r"default of cache_mode is 'ND'"):
+        translation.check_signature(wrong)
+
+
+OPCHECK_CASES = [
+    (40, torch.bfloat16, CacheMode.NORM, True),
+    (41, torch.float16, CacheMode.PA_NZ, False),
+    (42, torch.int8, CacheMode.NORM, False),
+    (43, torch.uint16, CacheMode.PA_NZ, True),  # (opcheck's own schema test cannot multiply float8)
+    (44, torch.float32, CacheMode.NORM, True),
+]
+
+
+@pytest.mark.parametrize("seed, dtype, mode, is_cumsum", OPCHECK_CASES, ids=lambda v: str(v))
+def test_opcheck(seed, dtype, mode, is_cumsum):
+    case = random_case(seed, dtype=dtype, cache_mode=mode, is_seq_lens_cumsum=is_cumsum)
+    kwargs = {"cache_mode": mode.value, "is_seq_lens_cumsum": is_cumsum}
+    result = torch.library.opcheck(torch.ops.pakv.gather_pa_kv_cache.default, case.inputs(), kwargs)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_opcheck_mixed_dtypes():
+    from conftest import with_value_dtype
+
+    case = with_value_dtype(random_case(45, dtype=torch.bfloat16, cache_mode=CacheMode.PA_NZ), torch.int8, 1)
+    kwargs = {"cache_mode": "PA_NZ", "is_seq_lens_cumsum": case.is_seq_lens_cumsum}
+    result = torch.library.opcheck(torch.ops.pakv.gather_pa_kv_cache.default, case.inputs(), kwargs)
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+@pytest.mark.parametrize("key_dtype, value_dtype", [(torch.float8_e4m3fn, torch.bfloat16), (torch.int8, torch.float16)])
+def test_torch_export_mixed_dtypes(key_dtype, value_dtype):
+    from conftest import with_value_dtype
+
+    cases = [
+        with_value_dtype(sized_case(s, dtype=key_dtype, min_size=m), value_dtype, s) for s, m in ((50, 2), (51, 1))
+    ]
+    module = GatherModule(CacheMode.NORM, True)
+    program = torch.export.export(module, module_args(cases[0]), dynamic_shapes=pe.op_dynamic_shapes())
+    for case in cases:
+        key, value = program.module()(*module_args(case))
+        assert (key.dtype, value.dtype) == (key_dtype, value_dtype)
+        assert_matches_golden((key, value), case)

@@ -1,4 +1,4 @@
-"""The golden and the torch backend against an independent per-token reference."""
+"""The golden and the torch backend against an independent per-token reference (tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from conftest import assert_matches_reference
 from per_token_reference import gather_per_token
 
 import pakv_onnx
@@ -13,27 +14,6 @@ from pakv_onnx.cases import GatherCase, random_case
 from pakv_onnx.spec import CACHE_DTYPES, CacheMode, bitwise_equal
 
 BACKENDS = ("golden", "torch")
-
-
-def junk_like(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor of ``tensor``'s shape and dtype filled with a byte pattern, so an unwritten row shows."""
-    raw = torch.full((tensor.numel() * tensor.element_size(),), 0x5A, dtype=torch.uint8)
-    return raw.view(tensor.dtype).view(tensor.shape)
-
-
-def assert_matches_reference(case: GatherCase, backend: str, *, caller_outputs: bool = False) -> None:
-    want_key, want_value = gather_per_token(
-        *case.inputs(), cache_mode=case.cache_mode.value, is_seq_lens_cumsum=case.is_seq_lens_cumsum
-    )
-    kwargs = {}
-    if caller_outputs:
-        kwargs = {"key_out": junk_like(want_key), "value_out": junk_like(want_value)}
-    key, value = pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=backend, **kwargs)
-    if caller_outputs:
-        assert key.data_ptr() == kwargs["key_out"].data_ptr()
-        assert value.data_ptr() == kwargs["value_out"].data_ptr()
-    assert bitwise_equal(key, want_key), f"key differs for {case.summary()}"
-    assert bitwise_equal(value, want_value), f"value differs for {case.summary()}"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

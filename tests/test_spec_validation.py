@@ -69,12 +69,35 @@ def test_cache_dtype_outside_contract() -> None:
     )
 
 
-def test_value_dtype_differs_from_key() -> None:
-    expect(
-        TypeError,
-        r"value_cache dtype torch.float16 must equal",
-        value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float16),
+def test_value_cache_dtype_outside_contract() -> None:
+    expect(TypeError, r"value_cache dtype torch.float64 is not in the contract", value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "key_dtype, value_dtype",
+    [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16), (torch.bfloat16, torch.int8)],
+)
+def test_key_and_value_dtypes_may_differ(key_dtype: torch.dtype, value_dtype: torch.dtype) -> None:
+    inputs, attrs = norm_inputs(
+        key_cache=torch.zeros(6, 4, 2, 8, dtype=key_dtype), value_cache=torch.zeros(6, 4, 1, 4, dtype=value_dtype)
     )
+    plan = plan_gather(**inputs, **attrs)
+    assert (plan.key_dtype, plan.value_dtype) == (key_dtype, value_dtype)
+    assert not hasattr(plan, "dtype")  # one dtype for both is gone for good
+    # Each caller output must match its own cache.
+    with pytest.raises(TypeError, match=rf"value_out must have value_cache's dtype {value_dtype}"):
+        plan_gather(**inputs, **attrs, value_out=torch.zeros(8, 1, 4, dtype=key_dtype))
+
+
+def test_pa_nz_e_is_per_cache() -> None:
+    """E = 32 bytes / itemsize of that cache: 32 for an int8 key cache, 16 for a bf16 value cache."""
+    inputs, attrs = norm_inputs(
+        cache_mode="PA_NZ",
+        key_cache=torch.zeros(6, 1, 4, 32, dtype=torch.int8),
+        value_cache=torch.zeros(6, 2, 4, 16, dtype=torch.bfloat16),
+    )
+    plan = plan_gather(**inputs, **attrs)
+    assert plan.key_out_shape == (8, 32) and plan.value_out_shape == (8, 32)
 
 
 @pytest.mark.parametrize("name", ["block_tables", "seq_lens", "seq_offset"])
@@ -89,9 +112,23 @@ def test_non_tensor_input() -> None:
 
 
 # --- layout ---------------------------------------------------------------- #
-def test_non_contiguous_cache() -> None:
-    strided = torch.zeros(6, 4, 8, 2, dtype=torch.bfloat16).transpose(2, 3)
-    expect(ValueError, r"key_cache must be contiguous", key_cache=strided)
+@pytest.mark.parametrize(
+    "name, make",
+    [
+        ("key_cache", lambda: torch.zeros(6, 4, 8, 2, dtype=torch.bfloat16).transpose(2, 3)),
+        ("value_cache", lambda: torch.zeros(6, 8, 1, 4, dtype=torch.bfloat16)[:, ::2]),  # strided slots
+        ("key_cache", lambda: torch.zeros(6, 4, 2, 16, dtype=torch.bfloat16)[..., :8]),  # strided rows
+    ],
+)
+def test_cache_strided_inside_a_block_is_refused(name: str, make) -> None:
+    expect(ValueError, rf"{name} must be row-major contiguous within each block \(only dim 0", **{name: make()})
+
+
+def test_pool_views_strided_on_dim_0_are_accepted() -> None:
+    pool = torch.zeros(6, 2, 4, 2, 8, dtype=torch.bfloat16)  # [nb, K/V, bs, H, D]
+    inputs, attrs = norm_inputs(key_cache=pool[:, 0], value_cache=torch.zeros(12, 4, 1, 4, dtype=torch.bfloat16)[::2])
+    assert not inputs["key_cache"].is_contiguous() and not inputs["value_cache"].is_contiguous()
+    assert plan_gather(**inputs, **attrs).num_tokens == 8
 
 
 @pytest.mark.parametrize(
@@ -178,9 +215,11 @@ def test_output_bytes_overflow_with_wide_blocks() -> None:
     key = mock.MagicMock(spec=torch.Tensor)
     key.dtype, key.device, key.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 2, 8])
     key.dim.return_value, key.element_size.return_value, key.is_contiguous.return_value = 4, 2, True
+    key.numel.return_value, key.stride.return_value = 6 * 2**62 * 16, (2**62 * 16, 16, 8, 1)
     value = mock.MagicMock(spec=torch.Tensor)
     value.dtype, value.device, value.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 1, 4])
     value.dim.return_value, value.element_size.return_value, value.is_contiguous.return_value = 4, 2, True
+    value.numel.return_value, value.stride.return_value = 6 * 2**62 * 4, (2**62 * 4, 4, 4, 1)
     inputs.update(key_cache=key, value_cache=value)
     with pytest.raises(ValueError, match=r"key output of 2305843009213693952 tokens x 32 bytes overflows int64"):
         plan_gather(**inputs, **attrs)
@@ -191,8 +230,12 @@ def test_seq_offset_negative() -> None:
     expect(ValueError, r"seq_offset must be non-negative, got seq_offset\[1\] = -4", seq_offset=torch.tensor([0, -4]))
 
 
-def test_seq_offset_not_block_multiple() -> None:
-    expect(ValueError, r"multiple of block_size = 4, got seq_offset\[0\] = 2", seq_offset=torch.tensor([2, 0]))
+@pytest.mark.parametrize("offsets, columns", [([2, 0], [0, 0]), ([3, 7], [0, 1]), ([5, 4], [1, 1])])
+def test_seq_offset_is_floored_to_a_column(offsets: list, columns: list) -> None:
+    """The FLOOR RULE: column seq_offset // bs, slot 0 of that block; the remainder is ignored."""
+    inputs, attrs = norm_inputs(seq_offset=torch.tensor(offsets), block_tables=torch.tensor([[0, 5, 1], [3, 2, 4]]))
+    plan = plan_gather(**inputs, **attrs)
+    assert plan.table_col_starts.tolist() == columns
 
 
 def test_seq_offset_size() -> None:
@@ -232,13 +275,120 @@ def test_unused_entries_may_hold_anything() -> None:
     [
         ("key_out", torch.zeros(7, 2, 8, dtype=torch.bfloat16), ValueError, r"key_out must have shape \[8, 2, 8\]"),
         ("value_out", torch.zeros(8, 4, dtype=torch.bfloat16), ValueError, r"value_out must have shape \[8, 1, 4\]"),
-        ("key_out", torch.zeros(8, 2, 8, dtype=torch.float16), TypeError, r"key_out must have the caches' dtype"),
+        ("key_out", torch.zeros(8, 2, 8, dtype=torch.float16), TypeError, r"key_out must have key_cache's dtype"),
         ("value_out", torch.zeros(16, 1, 4, dtype=torch.bfloat16)[::2], ValueError, r"value_out must be contiguous"),
         ("key_out", "not a tensor", TypeError, r"key_out must be a torch.Tensor"),
     ],
 )
 def test_caller_outputs(name: str, value: object, error: type, pattern: str) -> None:
     expect(error, pattern, **{name: value})
+
+
+# --- aliasing: outputs overlapping each other or an input (issue 10.6) ----- #
+def square_inputs(**overrides):
+    """norm_inputs with value rows shaped like key rows, so one tensor could serve as both outputs."""
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(6, 4, 2, 8, generator=gen).to(torch.bfloat16)
+    return norm_inputs(**{"key_cache": cache, "value_cache": cache.clone(), **overrides})
+
+
+def aliasing_calls() -> dict:
+    inputs, _ = square_inputs()
+    caches = {"key_cache": inputs["key_cache"], "value_cache": inputs["value_cache"]}
+    shared = torch.zeros(8, 2, 8, dtype=torch.bfloat16)
+    buffer = torch.zeros(300, dtype=torch.bfloat16)
+    tables = torch.zeros(2, 40, dtype=torch.int64)
+    tables[0, :2], tables[1, 0] = torch.tensor([0, 5]), 3
+    return {
+        "same-tensor": ({"key_out": shared, "value_out": shared}, r"key_out and value_out overlap"),
+        "partial": (
+            {"key_out": buffer[:128].view(8, 2, 8), "value_out": buffer[127:255].view(8, 2, 8)},
+            r"key_out and value_out overlap",
+        ),
+        "into-key-cache": (
+            {**caches, "key_out": inputs["key_cache"].view(-1)[64:192].view(8, 2, 8)},
+            r"key_out overlaps key_cache",
+        ),
+        "into-value-cache": (
+            {**caches, "value_out": inputs["value_cache"][2:].reshape(-1)[:128].view(8, 2, 8)},
+            r"value_out overlaps value_cache",
+        ),
+        # Another dtype over the same untyped storage: the int64 block table seen as bf16.
+        "into-block-tables-other-dtype": (
+            {"block_tables": tables, "value_out": tables.view(torch.bfloat16).view(-1)[:128].view(8, 2, 8)},
+            r"value_out overlaps block_tables",
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", list(aliasing_calls()))
+@pytest.mark.parametrize("backend", ["golden", "torch"])
+def test_aliased_outputs_are_refused_before_anything_is_written(name: str, backend: str) -> None:
+    overrides, pattern = aliasing_calls()[name]
+    inputs, attrs = square_inputs(**overrides)
+    before = {n: t.clone() for n, t in inputs.items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ValueError, match=pattern):
+        pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend=backend)
+    for n, t in before.items():
+        assert bitwise_equal(inputs[n], t), f"{n} was written before the error"
+
+
+def test_adjacent_outputs_in_one_buffer_are_fine() -> None:
+    inputs, attrs = square_inputs()
+    buffer = torch.zeros(256, dtype=torch.bfloat16)
+    key, value = buffer[:128].view(8, 2, 8), buffer[128:].view(8, 2, 8)
+    got = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, key_out=key, value_out=value, backend="golden")
+    want = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="golden")
+    assert bitwise_equal(got[0], want[0]) and bitwise_equal(got[1], want[1])
+
+
+# --- zero-byte rows and T near INT64_MAX (issue 10.8) ---------------------- #
+HUGE_BLOCK = 2**56  # a zero-element cache may claim any block size: 128 blocks cover INT64_MAX tokens
+
+
+def empty_row_call(num_tokens: int) -> tuple[tuple, dict]:
+    """PA_NZ caches with no fractals (rows of zero bytes), one sequence of ``num_tokens``."""
+    key_cache = torch.zeros(2, 0, HUGE_BLOCK, 16, dtype=torch.bfloat16)
+    value_cache = torch.zeros(2, 0, HUGE_BLOCK, 16, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 128, dtype=torch.int64)
+    return (key_cache, value_cache, tables, torch.tensor([0, num_tokens])), {"cache_mode": "PA_NZ"}
+
+
+@pytest.mark.parametrize("num_tokens", [2**41, INT64_MAX], ids=["2^41", "INT64_MAX"])
+@pytest.mark.parametrize("backend", ["golden", "torch", "native", "auto"])
+def test_zero_byte_rows_with_huge_t(num_tokens: int, backend: str, monkeypatch) -> None:
+    args, attrs = empty_row_call(num_tokens)
+
+    def no_per_token_state(self):
+        raise AssertionError("a backend built a per-token index for rows of zero bytes")
+
+    monkeypatch.setattr(pakv_onnx.GatherPlan, "token_slots", no_per_token_state)
+    key, value = pakv_onnx.gather_pa_kv_cache(*args, **attrs, backend=backend)
+    assert key.shape == (num_tokens, 0) and value.shape == (num_tokens, 0)
+    assert key.dtype == value.dtype == torch.bfloat16
+
+
+def test_runs_and_token_slots_never_overflow_near_int64_max() -> None:
+    args, attrs = empty_row_call(INT64_MAX)
+    plan = plan_gather(*args, **attrs)
+    runs = plan.runs()  # ceil(len / bs) without len + bs - 1: 128 runs, rows summing to T
+    assert runs.shape == (128, 4) and int(runs[:, 1].sum()) == INT64_MAX and int(runs[-1, 2]) == 127 * HUGE_BLOCK
+    with pytest.raises(ValueError, match=r"token_slots\(\): 9223372036854775807 tokens is more than"):
+        plan.token_slots()
+    # A plan with more runs than any index could hold is refused by runs() itself.
+    import dataclasses
+
+    many = dataclasses.replace(plan, block_size=1, seq_lengths=torch.tensor([2**40]))
+    with pytest.raises(ValueError, match=r"runs\(\): 1099511627776 copy runs is more than"):
+        many.runs()
+
+
+def test_outputs_torch_cannot_describe_are_a_value_error() -> None:
+    """Norm rows [3, 0] at T = INT64_MAX: torch's size arithmetic overflows; say so as a ValueError."""
+    key_cache = torch.zeros(2, HUGE_BLOCK, 3, 0, dtype=torch.bfloat16)
+    tables = torch.zeros(1, 128, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"key output of shape \[9223372036854775807, 3, 0\] cannot be described"):
+        pakv_onnx.gather_pa_kv_cache(key_cache, key_cache, tables, torch.tensor([0, INT64_MAX]), backend="golden")
 
 
 def test_unknown_backend() -> None:

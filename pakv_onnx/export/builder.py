@@ -27,6 +27,7 @@ from pakv_onnx.spec import (
     INPUT_NAMES,
     OP_TYPE,
     OPSET_VERSION,
+    OPTIONAL_INPUTS,
     OUTPUT_NAMES,
     CacheMode,
     cache_dtype,
@@ -68,6 +69,7 @@ def gather_node(
 def make_gather_model(
     dtype: torch.dtype,
     *,
+    value_dtype: torch.dtype | None = None,
     cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
     is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
     with_seq_offset: bool = True,
@@ -78,27 +80,28 @@ def make_gather_model(
     """A model with one GatherPaKvCache node; every input dim symbolic, outputs typed.
 
     Inputs are named as in the contract (``key_cache`` ...), outputs ``key`` and ``value``.
+    ``dtype`` is key_cache's element type, ``value_dtype`` value_cache's (default: ``dtype``).
     """
     register_schema()
     mode = CacheMode(cache_mode)
-    elem = cache_dtype(dtype).onnx_type
-    index_types = {
-        name: index_dtype(d).onnx_type
-        for name, d in zip(("block_tables", "seq_lens", "seq_offset"), index_dtypes)
-    }
+    key_elem = cache_dtype(dtype).onnx_type
+    value_elem = cache_dtype(value_dtype if value_dtype is not None else dtype).onnx_type
+    index_names = INPUT_NAMES[2:]  # block_tables, seq_lens, seq_offset
+    index_types = {name: index_dtype(d).onnx_type for name, d in zip(index_names, index_dtypes)}
     if mode is CacheMode.NORM:
         key_shape, value_shape = ["num_blocks", "block_size", "Hk", "Dk"], ["num_blocks", "block_size", "Hv", "Dv"]
     else:
         key_shape, value_shape = ["num_blocks", "Fk", "block_size", "E"], ["num_blocks", "Fv", "block_size", "E"]
     seq_lens_dim = "num_seqs_plus_1" if is_seq_lens_cumsum else "num_seqs"
+    key_cache, value_cache, block_tables, seq_lens, seq_offset = INPUT_NAMES
     shapes = {
-        "key_cache": (elem, key_shape),
-        "value_cache": (elem, value_shape),
-        "block_tables": (index_types["block_tables"], ["num_seqs", "table_cols"]),
-        "seq_lens": (index_types["seq_lens"], [seq_lens_dim]),
-        "seq_offset": (index_types["seq_offset"], ["num_seqs"]),
+        key_cache: (key_elem, key_shape),
+        value_cache: (value_elem, value_shape),
+        block_tables: (index_types[block_tables], ["num_seqs", "table_cols"]),
+        seq_lens: (index_types[seq_lens], [seq_lens_dim]),
+        seq_offset: (index_types[seq_offset], ["num_seqs"]),
     }
-    names = [n for n in INPUT_NAMES if with_seq_offset or n != "seq_offset"]
+    names = [n for n in INPUT_NAMES if with_seq_offset or n not in OPTIONAL_INPUTS]
     inputs = [h.make_tensor_value_info(n, *shapes[n]) for n in names]
     node = gather_node(*names, cache_mode=mode, is_seq_lens_cumsum=is_seq_lens_cumsum, name="gather")
     graph = h.make_graph([node], "gather_pa_kv_cache", inputs, [])

@@ -4,23 +4,22 @@ With it in ``ModelProto.functions``, stock ONNX Runtime (no plugin registered) i
 function and runs the model; with the plugin registered, ORT picks the plugin's kernel
 (a registered kernel takes precedence over a model-local function of the same op).
 
-The body is branch-free index arithmetic (no ``If``), polymorphic in the cache and index
-types, and handles both attributes from the node:
+The body is the onnxscript function :func:`GatherPaKvCache` below, written to read like
+:mod:`pakv_onnx.golden`. Both attributes are read from the node; once ORT inlines the
+function they are constants, so ORT folds every ``If`` on them at session creation and runs
+only the branch of the node's layout and ``seq_lens`` form.
 
-* ``is_seq_lens_cumsum`` -> ``c`` (0/1): ``lengths = seq_lens[c:] - c * [0, seq_lens][c:-1]``
-  is the per-sequence length in either form; output starts are its exclusive cumsum.
-* ``cache_mode`` -> ``m`` (0 Norm, 1 PA_NZ): both layouts are rows of ``E`` elements,
-  ``cache [nb, F, bs, E]`` with ``F = 1, E = H*D`` for Norm (``[nb, bs, H, D]``), so the
-  fractal ``f`` of token (block, slot) is row ``(block*F + f)*bs + slot`` — the PA_NZ
-  "transpose" of the fractal and slot axes is folded into that index.
-* per token ``t``: sequence id from a scatter-add of sequence ends plus a cumsum (O(T+Q)),
-  then local index, block-table column (``seq_offset // bs`` + local // bs), physical block
-  and slot. int32 indices are cast to int64.
+Gather: token t of sequence q sits at position ``t + base[q]`` of the block table flattened
+into token slots (``base[q] = (q * cols + seq_offset[q] // bs) * bs - out_start[q]``, the
+FLOOR RULE of :mod:`pakv_onnx.spec`); ``position // bs`` indexes the flattened table and
+``position % bs`` is the slot. ``base`` reaches every token through a scatter-add of its
+steps at the sequences' output starts and one cumsum (O(T + Q), no per-token search).
 
-Out-of-range block ids or too-short block-table rows are turned into an out-of-range
-``Gather`` index, so ORT raises an error instead of reading a wrong row (no silent garbage).
-The body does not check the rest of the contract (e.g. non-decreasing cumsum): feed it
-valid inputs, as for any backend.
+Never silently wrong: every rule of :func:`pakv_onnx.spec.plan_gather` that standard ops can
+express has a check node, named after the rule (ORT's error names the node, e.g.
+``Name:'_inlfunc_GatherPaKvCache_pakv check: seq_offset ...'``), so the run fails with an ORT
+error instead of returning rows; see :data:`CHECKS`. Rules it cannot express are listed in
+:data:`UNCHECKED_RULES`.
 
 An absent ``seq_offset`` cannot be read inside an ONNX function in ORT (its inliner
 turns the missing input into "" and rejects every use, even inside an ``If`` branch
@@ -30,9 +29,15 @@ not taken). :func:`attach_fallback` therefore gives such nodes an explicit all-z
 
 from __future__ import annotations
 
+import functools
+import re
+
 import onnx
 from onnx import TensorProto
 from onnx import helper as h
+from onnxscript import opset19 as op
+from onnxscript import script
+from onnxscript.values import Opset
 
 from pakv_onnx.spec import (
     ATTR_CACHE_MODE,
@@ -50,158 +55,246 @@ from pakv_onnx.spec import (
 
 # String Equal (to read cache_mode) exists from opset 19.
 MIN_OPSET = 19
+_I64 = TensorProto.INT64
+_PAKV = Opset(DOMAIN, OPSET_VERSION)
+_NORM, _PA_NZ = CacheMode.NORM.value, CacheMode.PA_NZ.value
+
+# Check nodes: Python variable of the check (its output name) -> the rule, which becomes the
+# node's name and so appears in ORT's error. A check is Cast(Where(ok, "0", ""), to=INT64):
+# the empty string fails to parse wherever ``ok`` is false.
+CHECKS: dict[str, str] = {
+    "check_cache_mode": f"{ATTR_CACHE_MODE} must be '{_NORM}' or '{_PA_NZ}'",
+    "check_cumsum_flag": f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0 or 1",
+    "num_blocks": "key_cache must have rank 4",  # (the Split of key_cache's shape)
+    "value_blocks": "value_cache must have rank 4",
+    "num_seqs": "block_tables must have rank 2",
+    "counted_lens": "seq_lens must have Q+1 entries (cumsum) or Q (lengths)",  # (the Split of seq_lens)
+    "offsets": "seq_offset must have Q entries",
+    "low": "seq_lens and seq_offset must have rank 1",  # (the Concat fails on mixed ranks)
+    "check_inputs": (
+        "the inputs break the contract (pakv_onnx.spec.plan_gather says which): value_cache's num_blocks "
+        "and block_size must be key_cache's, block_size >= 1; seq_lens must start at 0 and not decrease "
+        "(cumsum) or be non-negative and sum within int64 (lengths); seq_offset must be non-negative; "
+        "each block_tables row must hold its sequence's blocks from column seq_offset // block_size"
+    ),
+    "key_rows_read": "block_tables entry used by a sequence is outside [0, num_blocks) (key rows)",
+    "value_rows_read": "block_tables entry used by a sequence is outside [0, num_blocks) (value rows)",
+}
+CHECK_PREFIX = "pakv check: "
+
+# Rules of spec.plan_gather that the function does not check, and why.
+UNCHECKED_RULES: dict[str, str] = {
+    "cache and index dtypes in the contract": (
+        "a function body cannot branch on an input's element type; the graph's declared input "
+        "types fix them (float8 caches fail at session creation: no standard Gather takes them)"
+    ),
+    "PA_NZ last dim = 32 bytes / itemsize": "the element size of a type is not readable with standard ops",
+    "output byte size fits int64": "needs the element size; ORT's allocation fails instead",
+    "block ids when every row holds zero bytes": (
+        "with empty rows the gathers read nothing and so check nothing (the output is empty either way)"
+    ),
+    "offsets and lengths within block_size of INT64_MAX": (
+        "the row-fit check adds seq_offset and the length in int64, which can wrap for such values"
+    ),
+}
 
 
-class _Body:
-    """Collects the nodes of the function body with short unique names."""
+@script(_PAKV, default_opset=op)
+def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    seq_offset,
+    cache_mode: str = "Norm",
+    is_seq_lens_cumsum: int = 1,
+):
+    """Stock-ONNX body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."""
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    minus_one = op.Constant(value_ints=[-1])
+    to_end = op.Constant(value_ints=[9223372036854775807])
+    passed = op.Constant(value_string="0")
+    failed = op.Constant(value_string="")
 
-    def __init__(self) -> None:
-        self.nodes: list[onnx.NodeProto] = []
-        self._count = 0
+    # Attributes: constants once ORT inlines the function; it folds them and every If on them.
+    mode = op.Constant(value_string=cache_mode)
+    is_nz = op.Equal(mode, op.Constant(value_string="PA_NZ"))
+    check_cache_mode = op.Cast(op.Where(op.Or(is_nz, op.Equal(mode, op.Constant(value_string="Norm"))), passed, failed), to=7)
+    cumsum_flag = op.Constant(value_int=is_seq_lens_cumsum)
+    is_cumsum = op.Equal(cumsum_flag, op.Constant(value_int=1))
+    flag_ok = op.Or(is_cumsum, op.Equal(cumsum_flag, op.Constant(value_int=0)))
+    check_cumsum_flag = op.Cast(op.Where(flag_ok, passed, failed), to=7)
 
-    def __call__(self, op_type: str, inputs: list[str], outputs: int = 1, **attrs) -> str | list[str]:
-        names = [f"_{op_type.lower()}{self._count}_{i}" for i in range(outputs)]
-        self._count += 1
-        self.nodes.append(h.make_node(op_type, inputs, names, **attrs))
-        return names[0] if outputs == 1 else names
+    # Cache geometry, [1]-shaped dims (Split by 1s fails on any rank but 4):
+    # Norm [nb, bs, H, D], PA_NZ [nb, F, bs, E].
+    key_shape = op.Shape(key_cache)
+    value_shape = op.Shape(value_cache)
+    num_blocks, key_d1, key_d2, key_d3 = op.Split(key_shape, op.Constant(value_ints=[1, 1, 1, 1]))
+    value_blocks, value_d1, value_d2, value_d3 = op.Split(value_shape, op.Constant(value_ints=[1, 1, 1, 1]))
+    if is_nz:
+        key_block_size = op.Identity(key_d2)
+        value_block_size = op.Identity(value_d2)
+    else:
+        key_block_size = op.Identity(key_d1)
+        value_block_size = op.Identity(value_d1)
+    block_size = op.Max(key_block_size, one)  # never 0 (a divisor), even before its check fails
 
-    def const(self, values: list[int] | int) -> str:
-        if isinstance(values, list):
-            return self("Constant", [], value_ints=values)
-        return self("Constant", [], value_int=values)
+    num_seqs, cols = op.Split(op.Shape(block_tables), op.Constant(value_ints=[1, 1]))
 
-    def ref_attr(self, attr_name: str, constant_field: str, attr_type: int) -> str:
-        """A ``Constant`` whose value is the function attribute ``attr_name``."""
-        name = f"_attr_{attr_name}"
-        node = h.make_node("Constant", [], [name])
-        ref = onnx.AttributeProto(name=constant_field, ref_attr_name=attr_name, type=attr_type)
-        node.attribute.append(ref)
-        self.nodes.append(node)
-        return name
+    # Per sequence: output starts, ends and lengths from either seq_lens form. One Split checks
+    # the entry count (Q+1 cumsum, Q lengths); a rank other than 1 fails the checks' Concat below.
+    lens = op.Cast(seq_lens, to=7)
+    counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
+    offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
+    # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
+    # than one compare per rule). Each branch gives the same number of pieces.
+    if is_cumsum:
+        starts = op.Identity(counted_lens)
+        num_tokens = op.Identity(last_len)
+        ends = op.Slice(lens, one, to_end)
+        first = op.Slice(lens, zero, one)
+        # seq_lens[0] == 0 and non-decreasing (compared, not subtracted: no wrap-around).
+        low_a, low_b, low_c = op.Identity(first), op.Identity(zero), op.Identity(starts)
+        high_a, high_b, high_c = op.Identity(zero), op.Identity(first), op.Identity(ends)
+    else:
+        ends = op.CumSum(counted_lens, op.Constant(value_int=0))
+        starts = op.Sub(ends, counted_lens)
+        num_tokens = op.ReduceSum(counted_lens, keepdims=1)
+        # Lengths non-negative; partial sums of non-negative lengths turn negative at the first
+        # int64 overflow, so the ends must be non-negative too.
+        low_a, low_b, low_c = op.Identity(zero), op.Mul(counted_lens, zero), op.Mul(ends, zero)
+        high_a, high_b, high_c = op.Identity(zero), op.Identity(counted_lens), op.Identity(ends)
+
+    # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
+    offset_remainder = op.Mod(offsets, block_size)  # in [0, bs): <= seq_offset iff seq_offset >= 0
+    first_column_token = op.Sub(offsets, offset_remainder)
+    row_tokens = op.Mul(cols, block_size)
+    # The row holds the sequence from its first column: first + end <= row + start (as spec:
+    # ceil(length / bs) <= cols - first column; an empty sequence's first column must exist or be the end).
+    fit_low = op.Add(first_column_token, ends)
+    fit_high = op.Add(row_tokens, starts)
+
+    low = op.Concat(
+        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, fit_low,
+        axis=0,
+    )
+    high = op.Concat(
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, fit_high,
+        axis=0,
+    )
+    # "1" where the pair holds; "" fails to parse. The max of the ones is the 1 that sizes the array below.
+    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), op.Constant(value_string="1"), failed), to=7)
+
+    # Token t of sequence q sits at position t + base[q] of the table flattened into token
+    # slots, base[q] = q*cols*bs + first_column_token[q] - starts[q]. A scatter-add of base's
+    # steps at the output starts over ones (which add t + 1), then one cumsum, gives every position.
+    local_base = op.Sub(first_column_token, starts)
+    previous = op.Concat(op.Add(row_tokens, one), op.Slice(local_base, zero, minus_one), axis=0)
+    step = op.Add(op.Sub(local_base, previous), row_tokens)  # step[0] = base[0] - 1
+    # The array's size (T + 1) waits for the check, so ORT runs the check before anything a
+    # broken input could make fail with a less clear message.
+    one_after_check = op.ReduceMax(check_inputs, keepdims=1)
+    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one_after_check)), starts, step, axis=0, reduction="add")
+    position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
+    slot = op.Mod(position, block_size)
+    # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
+    # of at least 2**62, which they reject with the rest of the out-of-range ids.
+    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Constant(value_ints=[9223372036854775807]))
+    block = op.Gather(tables, op.Div(position, block_size))
+
+    if is_nz:
+        # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row (block*F + f)*bs + slot.
+        # Out-of-range ids become num_blocks first, so the row arithmetic cannot wrap into range.
+        block = op.Min(block, num_blocks)
+        key_source = op.Reshape(key_cache, op.Concat(minus_one, key_d3, axis=0))
+        key_index = op.Unsqueeze(
+            op.Add(
+                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, key_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(key_d1), op.Squeeze(one))), block_size),
+                op.Unsqueeze(slot, one),
+            ),
+            op.Constant(value_ints=[2]),
+        )  # [T, F, 1]
+        value_source = op.Reshape(value_cache, op.Concat(minus_one, value_d3, axis=0))
+        value_index = op.Unsqueeze(
+            op.Add(
+                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, value_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(value_d1), op.Squeeze(one))), block_size),
+                op.Unsqueeze(slot, one),
+            ),
+            op.Constant(value_ints=[2]),
+        )
+    else:
+        # [nb, bs, H, D]: one (block, slot) index per token reads its [H, D] row.
+        key_source = op.Identity(key_cache)
+        value_source = op.Identity(value_cache)
+        key_index = op.Concat(op.Unsqueeze(block, one), op.Unsqueeze(slot, one), axis=1)  # [T, 2]
+        value_index = op.Identity(key_index)
+    # Outside the If, so ORT's error names this node: GatherND rejects the out-of-range ids.
+    key_rows_read = op.GatherND(key_source, key_index)
+    value_rows_read = op.GatherND(value_source, value_index)
+    if is_nz:
+        key = op.Reshape(key_rows_read, op.Concat(num_tokens, op.Mul(key_d1, key_d3), axis=0), allowzero=1)
+        value = op.Reshape(value_rows_read, op.Concat(num_tokens, op.Mul(value_d1, value_d3), axis=0), allowzero=1)
+    else:
+        key = op.Identity(key_rows_read)
+        value = op.Identity(value_rows_read)
+    return key, value
 
 
-def _gather_one(
-    b: _Body, cache: str, out: str, m: str, is_nz: str, block: str, block_ok: str, slot: str, t_len: str
-) -> None:
-    """Gather one cache into ``out``: rows of E elements, F rows (fractals) per token."""
-    shape = b("Shape", [cache])
-    s1 = b("Slice", [shape, b.const([1]), b.const([2])])
-    s2 = b("Slice", [shape, b.const([2]), b.const([3])])
-    s3 = b("Slice", [shape, b.const([3]), b.const([4])])
-    bs = b("Squeeze", [b("Where", [is_nz, s2, s1])])
-    fractals = b("Squeeze", [b("Where", [is_nz, s1, b.const([1])])])
-    row_len = b("Where", [is_nz, s3, b("Mul", [s2, s3])])
-    rows = b("Reshape", [cache, b("Concat", [b.const([-1]), row_len], axis=0)])
-    num_rows = b("Shape", [rows], start=0, end=1)
+def _check_signature(function: onnx.FunctionProto) -> None:
+    """The onnxscript signature (Python names and defaults) must be the contract's."""
+    defaults = {a.name: onnx.helper.get_attribute_value(a) for a in function.attribute_proto}
+    expected = {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value.encode(), ATTR_IS_SEQ_LENS_CUMSUM: int(DEFAULT_IS_SEQ_LENS_CUMSUM)}
+    if (function.domain, function.name) != (DOMAIN, OP_TYPE) or list(function.input) != list(INPUT_NAMES):
+        raise AssertionError(f"fallback signature {function.domain}::{function.name}{list(function.input)} is not the contract's")
+    if defaults != expected:
+        raise AssertionError(f"fallback attribute defaults {defaults} are not the contract's {expected}")
 
-    # row = (block*F + f)*bs + slot, shape [T, F]; invalid blocks get an out-of-range row.
-    f = b("Range", [b.const(0), fractals, b.const(1)])
-    first = b("Unsqueeze", [b("Mul", [block, fractals]), b.const([1])])
-    row = b("Add", [b("Mul", [b("Add", [first, f]), bs]), b("Unsqueeze", [slot, b.const([1])])])
-    bad_row = b("Neg", [b("Add", [num_rows, b.const([1])])])
-    row = b("Where", [b("Unsqueeze", [block_ok, b.const([1])]), row, bad_row])
-    gathered = b("Gather", [rows, row], axis=0)  # [T, F, E]
-    # Output shape: [T, H, D] (Norm: [s2, s3]) or [T, H*D] (PA_NZ: [s1*s3]).
-    tails = b("Concat", [s2, s3, b("Mul", [s1, s3])], axis=0)
-    tail = b("Slice", [tails, b("Mul", [m, b.const([2])]), b("Add", [m, b.const([2])])])
-    target = b("Concat", [t_len, tail], axis=0)
-    b.nodes.append(h.make_node("Reshape", [gathered, target], [out], allowzero=1))
+
+def _base_name(value_name: str) -> str:
+    """onnxscript renames values assigned in If branches (``key_rows_read_12``): the Python name."""
+    return re.sub(r"_\d+$", "", value_name)
+
+
+def _name_checks(graph_nodes) -> None:
+    """Name every check node after its rule (recursively into If branches)."""
+    for node in graph_nodes:
+        # A node is a check when its first output is a key of CHECKS.
+        output = node.output[0] if node.output else ""
+        rule = CHECKS.get(output) or CHECKS.get(_base_name(output))
+        if rule is not None:
+            node.name = CHECK_PREFIX + rule
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                _name_checks(attr.g.node)
+
+
+@functools.cache
+def _function_template() -> bytes:
+    function = GatherPaKvCache.to_function_proto()
+    _check_signature(function)
+    _name_checks(function.node)
+    # Formal outputs named as the contract's (onnxscript numbers If outputs).
+    renames = dict(zip(function.output, OUTPUT_NAMES))
+    for node in function.node:
+        node.output[:] = [renames.get(o, o) for o in node.output]
+    function.output[:] = list(OUTPUT_NAMES)
+    function.doc_string = "Stock-ONNX fallback body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."
+    return function.SerializeToString()
 
 
 def make_function(opset_version: int) -> onnx.FunctionProto:
-    """The fallback ``FunctionProto`` for ``pakv::GatherPaKvCache`` against default-domain ``opset_version``."""
+    """The fallback ``FunctionProto`` for ``pakv::GatherPaKvCache`` against default-domain ``opset_version``.
+
+    The body uses only ops unchanged from opset 19 on, so it is declared against the model's
+    own default-domain version (ONNX Runtime wants a function's opsets to match the model's).
+    """
     if opset_version < MIN_OPSET:
         raise ValueError(f"the fallback function needs opset >= {MIN_OPSET}, the model uses {opset_version}")
-    key_cache, value_cache, block_tables, seq_lens, seq_offset = INPUT_NAMES
-    b = _Body()
-    i64 = TensorProto.INT64
-
-    # Attributes -> c (cumsum flag, [1]) and m (PA_NZ flag, [1]).
-    c_scalar = b.ref_attr(ATTR_IS_SEQ_LENS_CUMSUM, "value_int", onnx.AttributeProto.INT)
-    c = b("Reshape", [c_scalar, b.const([1])])
-    mode_str = b.ref_attr(ATTR_CACHE_MODE, "value_string", onnx.AttributeProto.STRING)
-    nz_str = b("Constant", [], value_string=CacheMode.PA_NZ.value)
-    is_nz = b("Reshape", [b("Equal", [mode_str, nz_str]), b.const([1])])
-    m = b("Cast", [is_nz], to=i64)
-
-    # Per-sequence lengths and output starts, either seq_lens form.
-    lens_in = b("Cast", [seq_lens], to=i64)
-    padded = b("Concat", [b.const([0]), lens_in], axis=0)
-    current = b("Slice", [lens_in, c, b.const([INT64_MAX])])
-    previous = b("Slice", [padded, c, b.const([-1])])
-    lengths = b("Sub", [current, b("Mul", [previous, c])])  # [Q]
-    ends = b("CumSum", [lengths, b.const(0)])
-    starts = b("Sub", [ends, lengths])
-    t_scalar = b("ReduceSum", [lengths], keepdims=0)
-    t_len = b("Reshape", [t_scalar, b.const([1])])  # [1]
-
-    # Sequence id of each token: #{q : ends[q] <= t}.
-    marks = b(
-        "ScatterElements",
-        [
-            b("ConstantOfShape", [b("Add", [t_len, b.const([1])])], value=h.make_tensor("zero", i64, [1], [0])),
-            ends,
-            b("ConstantOfShape", [b("Shape", [ends])], value=h.make_tensor("one", i64, [1], [1])),
-        ],
-        axis=0,
-        reduction="add",
-    )
-    seq = b("Slice", [b("CumSum", [marks, b.const(0)]), b.const([0]), t_len])  # [T]
-    token = b("Range", [b.const(0), t_scalar, b.const(1)])
-    local = b("Sub", [token, b("Gather", [starts, seq], axis=0)])
-
-    # Block size from key_cache (value_cache shares it): shape[1] Norm, shape[2] PA_NZ.
-    key_shape = b("Shape", [key_cache])
-    bs = b(
-        "Squeeze",
-        [
-            b(
-                "Where",
-                [
-                    is_nz,
-                    b("Slice", [key_shape, b.const([2]), b.const([3])]),
-                    b("Slice", [key_shape, b.const([1]), b.const([2])]),
-                ],
-            )
-        ],
-    )
-    num_blocks = b("Squeeze", [b("Slice", [key_shape, b.const([0]), b.const([1])])])
-
-    col_starts = b("Div", [b("Cast", [seq_offset], to=i64), bs])
-    col = b("Add", [b("Gather", [col_starts, seq], axis=0), b("Div", [local, bs])])
-    slot = b("Mod", [local, bs])
-    tables = b("Cast", [block_tables], to=i64)
-    cols = b("Squeeze", [b("Shape", [tables], start=1, end=2)])
-    flat_tables = b("Reshape", [tables, b.const([-1])])
-    num_entries = b("Shape", [flat_tables])
-    # A column past the row's end would read the next row: poison it instead.
-    col_ok = b("And", [b("GreaterOrEqual", [col, b.const(0)]), b("Less", [col, cols])])
-    entry = b(
-        "Where", [col_ok, b("Add", [b("Mul", [seq, cols]), col]), b("Neg", [b("Add", [num_entries, b.const([1])])])]
-    )
-    block = b("Gather", [flat_tables, entry], axis=0)  # [T]
-    # Negative or too large block ids are poisoned per cache row (Gather wraps negatives around).
-    block_ok = b("And", [b("GreaterOrEqual", [block, b.const(0)]), b("Less", [block, num_blocks])])
-
-    key_out, value_out = OUTPUT_NAMES
-    _gather_one(b, key_cache, key_out, m, is_nz, block, block_ok, slot, t_len)
-    _gather_one(b, value_cache, value_out, m, is_nz, block, block_ok, slot, t_len)
-
-    function = h.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(INPUT_NAMES),
-        list(OUTPUT_NAMES),
-        b.nodes,
-        [h.make_opsetid("", opset_version)],
-        doc_string="Stock-ONNX fallback body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback).",
-    )
-    function.attribute_proto.extend(
-        [
-            h.make_attribute(ATTR_CACHE_MODE, DEFAULT_CACHE_MODE.value),
-            h.make_attribute(ATTR_IS_SEQ_LENS_CUMSUM, int(DEFAULT_IS_SEQ_LENS_CUMSUM)),
-        ]
-    )
+    function = onnx.FunctionProto()
+    function.ParseFromString(_function_template())
+    del function.opset_import[:]
+    function.opset_import.append(h.make_opsetid("", opset_version))
     return function
 
 

@@ -4,7 +4,7 @@ Registering it with :mod:`onnx.defs` lets ``onnx.checker.check_model(full_check=
 ``onnx.shape_inference`` and the dynamo exporter (onnxscript) understand graphs containing
 the op. Every name, attribute default and dtype comes from :mod:`pakv_onnx.spec`.
 
-Inference: outputs have the caches' element type; shapes ``[T, H, D]`` (Norm) or
+Inference: each output has its own cache's element type (key_cache -> key, value_cache -> value); shapes ``[T, H, D]`` (Norm) or
 ``[T, H*D]`` (PA_NZ). T is a number when ``seq_lens`` is a constant (initializer or
 ``Constant``), otherwise a symbolic dim named after the node, unique per node, shared by
 its two outputs.
@@ -38,9 +38,19 @@ from pakv_onnx.spec import (
     CacheMode,
 )
 
-# Type-constraint names: caches/outputs, then one per index input (they may differ).
-_CACHE_T = "T"
-_INDEX_T = {"block_tables": "TB", "seq_lens": "TS", "seq_offset": "TO"}
+# Type-constraint names: one per cache (key and value dtypes may differ; each output takes its
+# cache's), then one per index input (they may differ too).
+_KEY_CACHE, _VALUE_CACHE = INPUT_NAMES[:2]
+_CACHE_T = {_KEY_CACHE: "TK", _VALUE_CACHE: "TV"}
+_OUTPUT_T = dict(zip(OUTPUT_NAMES, (_CACHE_T[_KEY_CACHE], _CACHE_T[_VALUE_CACHE])))
+_INDEX_T = {name: f"T{i}" for i, name in enumerate(INPUT_NAMES[2:], start=2)}
+
+_DOC = (
+    "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors (see pakv_onnx.spec). "
+    "Token t of sequence q is slot t % bs of block block_tables[q, seq_offset[q] // bs + t // bs]: the first "
+    "column is seq_offset[q] // bs (floor; any non-negative offset). key_cache and value_cache may have "
+    "different element types; each output has its cache's."
+)
 
 _lock = threading.Lock()
 _symbol_counter = itertools.count()
@@ -53,7 +63,10 @@ def onnx_type_str(onnx_type: int) -> str:
 
 def _type_constraints() -> list[tuple[str, list[str], str]]:
     index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
-    constraints = [(_CACHE_T, [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES], "cache and output element type")]
+    cache_types = [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES]
+    constraints = [
+        (symbol, list(cache_types), f"{name} element type (and its output's)") for name, symbol in _CACHE_T.items()
+    ]
     for name, symbol in _INDEX_T.items():
         constraints.append((symbol, list(index_types), f"{name} index type"))
     return constraints
@@ -67,7 +80,8 @@ def _formal_inputs() -> list[onnx.defs.OpSchema.FormalParameter]:
             if name in OPTIONAL_INPUTS
             else onnx.defs.OpSchema.FormalParameterOption.Single
         )
-        params.append(onnx.defs.OpSchema.FormalParameter(name, _INDEX_T.get(name, _CACHE_T), param_option=option))
+        symbol = _CACHE_T.get(name) or _INDEX_T[name]
+        params.append(onnx.defs.OpSchema.FormalParameter(name, symbol, param_option=option))
     return params
 
 
@@ -166,9 +180,9 @@ def make_schema() -> onnx.defs.OpSchema:
         OP_TYPE,
         DOMAIN,
         OPSET_VERSION,
-        "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors (see pakv_onnx.spec).",
+        _DOC,
         inputs=_formal_inputs(),
-        outputs=[onnx.defs.OpSchema.FormalParameter(name, _CACHE_T) for name in OUTPUT_NAMES],
+        outputs=[onnx.defs.OpSchema.FormalParameter(name, _OUTPUT_T[name]) for name in OUTPUT_NAMES],
         type_constraints=_type_constraints(),
         attributes=_attributes(),
         node_determinism=onnx.defs.OpSchema.NodeDeterminism.Deterministic,

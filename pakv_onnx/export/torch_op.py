@@ -15,10 +15,15 @@ import torch
 
 from pakv_onnx import ops
 from pakv_onnx.spec import (
-    DEFAULT_CACHE_MODE,
-    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    ATTR_CACHE_MODE,
+    ATTR_IS_SEQ_LENS_CUMSUM,
+    ATTRIBUTE_DEFAULTS,
     DOMAIN,
+    INPUT_NAMES,
+    OPTIONAL_INPUTS,
+    OUTPUT_NAMES,
     CacheMode,
+    bind_arguments,
     block_size_axis,
     token_shape,
 )
@@ -27,40 +32,40 @@ OP_NAME = "gather_pa_kv_cache"
 QUALIFIED_NAME = f"{DOMAIN}::{OP_NAME}"
 
 
-@torch.library.custom_op(QUALIFIED_NAME, mutates_args=())
-def gather_pa_kv_cache(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_offset: torch.Tensor | None = None,
-    cache_mode: str = DEFAULT_CACHE_MODE.value,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """GatherPaKvCache as a torch op; arguments and results as :func:`pakv_onnx.gather_pa_kv_cache`."""
+def _attribute_decl(name: str, default: str | bool) -> str:
+    if isinstance(default, bool):
+        return f"bool {name}={default}"
+    return f'str {name}="{default}"'
+
+
+def torch_schema() -> str:
+    """The op's torch schema string, from spec's signature.
+
+    ``(Tensor key_cache, ..., Tensor? seq_offset=None, str cache_mode="Norm",
+    bool is_seq_lens_cumsum=True) -> (Tensor, Tensor)``
+    """
+    tensors = [f"Tensor? {n}=None" if n in OPTIONAL_INPUTS else f"Tensor {n}" for n in INPUT_NAMES]
+    attributes = [_attribute_decl(n, d) for n, d in ATTRIBUTE_DEFAULTS.items()]
+    outputs = ", ".join("Tensor" for _ in OUTPUT_NAMES)
+    return f"({', '.join(tensors + attributes)}) -> ({outputs})"
+
+
+@torch.library.custom_op(QUALIFIED_NAME, mutates_args=(), schema=torch_schema())
+def gather_pa_kv_cache(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GatherPaKvCache as a torch op; arguments (spec.PARAMETER_NAMES) and results as :func:`pakv_onnx.gather_pa_kv_cache`."""
+    bound = bind_arguments(args, kwargs)
     return ops.gather_pa_kv_cache(
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        seq_offset,
-        cache_mode=cache_mode,
-        is_seq_lens_cumsum=is_seq_lens_cumsum,
+        *(bound[name] for name in INPUT_NAMES), **{name: bound[name] for name in ATTRIBUTE_DEFAULTS}
     )
 
 
 @gather_pa_kv_cache.register_fake
-def _gather_pa_kv_cache_fake(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_offset: torch.Tensor | None = None,
-    cache_mode: str = DEFAULT_CACHE_MODE.value,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    mode = CacheMode(cache_mode)  # ValueError for an unknown mode, at trace time
-    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    bound = bind_arguments(args, kwargs)
+    key_cache, value_cache, block_tables, seq_lens, seq_offset = (bound[name] for name in INPUT_NAMES)
+    mode = CacheMode(bound[ATTR_CACHE_MODE])  # ValueError for an unknown mode, at trace time
+    is_seq_lens_cumsum = bool(bound[ATTR_IS_SEQ_LENS_CUMSUM])
+    for name, cache in zip(INPUT_NAMES[:2], (key_cache, value_cache)):
         if cache.dim() != 4:
             raise ValueError(f"{name} must have rank 4 ({mode.value}), got shape {tuple(cache.shape)}")
     # Shape relations of the contract, so torch.export ties the symbols together.
@@ -72,6 +77,7 @@ def _gather_pa_kv_cache_fake(
     if seq_offset is not None:
         torch._check(seq_offset.shape[0] == num_seqs)
     # T depends on the values of seq_lens: a fresh unbacked size, shared by key and value.
+    # Each output takes its own cache's dtype (key and value dtypes may differ).
     num_tokens = torch.library.get_ctx().new_dynamic_size()
     key = key_cache.new_empty((num_tokens, *token_shape(key_cache.shape, mode)))
     value = value_cache.new_empty((num_tokens, *token_shape(value_cache.shape, mode)))
@@ -80,4 +86,4 @@ def _gather_pa_kv_cache_fake(
 
 def op_overload() -> torch._ops.OpOverload:
     """``torch.ops.pakv.gather_pa_kv_cache.default`` (the overload exporters key on)."""
-    return getattr(torch.ops, DOMAIN).gather_pa_kv_cache.default
+    return getattr(getattr(torch.ops, DOMAIN), OP_NAME).default

@@ -11,6 +11,7 @@ module deals with that case (see :mod:`pakv_onnx.export.fallback`).
 
 from __future__ import annotations
 
+import inspect
 import threading
 
 import onnxscript
@@ -21,12 +22,15 @@ from pakv_onnx.export import torch_op
 from pakv_onnx.spec import (
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
+    ATTRIBUTE_DEFAULTS,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     OP_TYPE,
     OPSET_VERSION,
+    OPTIONAL_INPUTS,
     OUTPUT_NAMES,
+    PARAMETER_NAMES,
     CacheMode,
 )
 
@@ -56,6 +60,21 @@ def gather_pa_kv_cache_onnx(
     return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(OUTPUT_NAMES))
 
 
+def check_signature(function, *, leading: int = 0) -> None:
+    """``function``'s parameters (after ``leading`` ones) must be spec's signature: names, order, defaults.
+
+    The translations keep a Python signature (the exporters dispatch on it); this ties it to spec.
+    """
+    params = list(inspect.signature(function).parameters.values())[leading:]
+    names = tuple(p.name for p in params)
+    if names != PARAMETER_NAMES:
+        raise AssertionError(f"{function.__name__} takes {names}, spec says {PARAMETER_NAMES}")
+    for param in params:
+        expected = ATTRIBUTE_DEFAULTS.get(param.name, None if param.name in OPTIONAL_INPUTS else inspect.Parameter.empty)
+        if param.default != expected:
+            raise AssertionError(f"{function.__name__}: default of {param.name} is {param.default!r}, spec says {expected!r}")
+
+
 def translation_table() -> dict:
     """``custom_translation_table`` entry for ``torch.onnx.export(..., dynamo=True)``."""
     return {torch_op.op_overload(): gather_pa_kv_cache_onnx}
@@ -68,7 +87,16 @@ _legacy_lock = threading.Lock()
 _legacy_registered: set[int] = set()
 
 
-def _legacy_symbolic(g, key_cache, value_cache, block_tables, seq_lens, seq_offset, cache_mode, is_seq_lens_cumsum):
+def _legacy_symbolic(
+    g,
+    key_cache,
+    value_cache,
+    block_tables,
+    seq_lens,
+    seq_offset=None,
+    cache_mode: str = DEFAULT_CACHE_MODE.value,
+    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+):
     from torch.onnx import symbolic_helper
 
     mode = symbolic_helper._maybe_get_const(cache_mode, "s")
@@ -84,7 +112,7 @@ def _legacy_symbolic(g, key_cache, value_cache, block_tables, seq_lens, seq_offs
         is_seq_lens_cumsum_i=attrs[ATTR_IS_SEQ_LENS_CUMSUM],
         outputs=len(OUTPUT_NAMES),
     )
-    # Output types: the caches' dtype, rank from the layout; T unknown.
+    # Output types: each output its own cache's dtype, rank from the layout; T unknown.
     for out, cache in ((key, key_cache), (value, value_cache)):
         cache_type = cache.type()
         rank = 3 if CacheMode(mode) is CacheMode.NORM else 2
@@ -93,6 +121,10 @@ def _legacy_symbolic(g, key_cache, value_cache, block_tables, seq_lens, seq_offs
         except (AttributeError, RuntimeError):
             pass
     return key, value
+
+
+check_signature(gather_pa_kv_cache_onnx)
+check_signature(_legacy_symbolic, leading=1)
 
 
 def register_legacy_symbolic(opset_version: int) -> None:

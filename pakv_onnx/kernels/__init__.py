@@ -36,6 +36,12 @@ class Backend:
             otherwise why not (e.g. "pypto is not installed").
         unsupported_reason: returns ``None`` when the backend handles this plan and these
             tensors, otherwise which option it cannot do.
+        reads_pool_views: the backend reads caches strided on dim 0 (views of a larger pool,
+            see :mod:`pakv_onnx.spec`) in place; a backend without it is refused such caches
+            by name (so ``auto`` skips it) instead of being handed a copy of the pool.
+        mixed_dtypes: the backend takes each cache's element size from its own dtype
+            (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
+            value caches of different dtypes by name.
     """
 
     name: str
@@ -43,15 +49,37 @@ class Backend:
     gather: GatherFn
     unavailable_reason: Callable[[], str | None] = lambda: None
     unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = lambda plan, cache: None
+    reads_pool_views: bool = False
+    mixed_dtypes: bool = False
+
+    def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
+        """Why this backend cannot run this call here (``None``: it can)."""
+        reason = self.unavailable_reason() or self.unsupported_reason(plan, caches[0])
+        if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
+            return (
+                f"it takes one element type for both caches, and key_cache is {plan.key_dtype} "
+                f"while value_cache is {plan.value_dtype}"
+            )
+        if reason is None and not self.reads_pool_views:
+            for name, cache in zip(("key_cache", "value_cache"), caches):
+                if not cache.is_contiguous():
+                    return (
+                        f"it reads contiguous caches only, and {name} is a pool view (block stride "
+                        f"{cache.stride(0)} elements for shape {tuple(cache.shape)})"
+                    )
+        return reason
 
 
-# name -> module defining BACKEND. Order is the "auto" preference (fastest first).
+# Backend name -> module defining BACKEND. The order here is only the listing order
+# (backend_names(), --help, error hints); "auto" follows AUTO_PREFERENCE alone.
 BACKEND_MODULES: dict[str, str] = {
     "pypto": "pakv_onnx.kernels.pypto_nd",
     "native": "pakv_onnx.kernels.native",
-    "torch": "pakv_onnx.kernels.torch_cpu",
-    "golden": "pakv_onnx.kernels.golden",
+    "torch": "pakv_onnx.kernels.torch_index",
+    "golden": "pakv_onnx.kernels.reference",
 }
+# The backends "auto" tries, in this order (fastest first); the first that is available and
+# supports the call wins. golden is never picked by auto (it is the slow verifier).
 AUTO_PREFERENCE: tuple[str, ...] = ("pypto", "native", "torch")
 AUTO = "auto"
 
@@ -73,35 +101,37 @@ def get_backend(name: str) -> Backend:
     return importlib.import_module(module_name).BACKEND
 
 
-def resolve_backend(name: str, plan: GatherPlan, cache: torch.Tensor) -> Backend:
-    """Pick the backend for one call; ``"auto"`` takes the first that can run this plan.
+def resolve_backend(
+    name: str, plan: GatherPlan, cache: torch.Tensor, value_cache: torch.Tensor | None = None
+) -> Backend:
+    """Pick the backend for one call; ``"auto"`` takes the first of :data:`AUTO_PREFERENCE` that can run it.
+
+    Args:
+        name: a registered name or ``"auto"``.
+        plan: the validated call.
+        cache, value_cache: the key and value caches (``value_cache`` defaults to ``cache``).
 
     Raises:
         ValueError: unknown name.
         BackendUnavailableError: the named backend cannot run here or cannot run this plan;
             the message says why and which backends can.
     """
+    caches = (cache, cache if value_cache is None else value_cache)
     if name == AUTO:
         reasons = []
         for candidate in AUTO_PREFERENCE:
             if candidate not in BACKEND_MODULES:
                 continue
             backend = get_backend(candidate)
-            reason = backend.unavailable_reason() or backend.unsupported_reason(plan, cache)
+            reason = backend.refusal(plan, caches)
             if reason is None:
                 return backend
             reasons.append(f"{candidate}: {reason}")
         raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
     backend = get_backend(name)
-    reason = backend.unavailable_reason() or backend.unsupported_reason(plan, cache)
+    reason = backend.refusal(plan, caches)
     if reason is not None:
-        able = [
-            other
-            for other in BACKEND_MODULES
-            if other != name
-            and get_backend(other).unavailable_reason() is None
-            and get_backend(other).unsupported_reason(plan, cache) is None
-        ]
+        able = [other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None]
         hint = f"; backends that can: {', '.join(able)}" if able else ""
         raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
     return backend

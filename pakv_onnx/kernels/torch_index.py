@@ -1,0 +1,94 @@
+"""The ``torch`` backend: one vectorised ``index_select`` per output, on any torch device.
+
+Each cache is viewed, without copying, as rows of whole tokens (Norm) or of 32-byte
+fractals (PA_NZ) laid at its own block stride (so pool views strided on dim 0 need no
+copy either), and gathered by a precomputed int64 row index straight into the output,
+through a same-width integer view so every contract dtype (fp8, uint16, ...) takes the
+same path. A cache whose rows hold no bytes is skipped: no per-token index is built for it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pakv_onnx.kernels import Backend
+from pakv_onnx.spec import CacheMode, GatherPlan, bits_view
+
+
+def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch.Tensor, int] | None:
+    """The cache as ``[N, row_len]`` rows over its own storage, and the row stride of a block.
+
+    Block ``b`` starts at row ``b * stride(0) / row_len``; ``None`` when the block stride is
+    not a whole number of rows (then no 2-D row view exists).
+    """
+    block_stride = cache.stride(0) if cache.shape[0] > 1 else block_rows * row_len
+    if block_stride % row_len:
+        return None
+    rows_per_block = block_stride // row_len
+    num_rows = (cache.shape[0] - 1) * rows_per_block + block_rows
+    return cache.as_strided((num_rows, row_len), (row_len, 1)), rows_per_block
+
+
+def _gather_one(
+    plan: GatherPlan, cache: torch.Tensor, out: torch.Tensor, block: torch.Tensor, slot: torch.Tensor
+) -> None:
+    """``out[t] = cache[block[t], slot[t]]`` (per layout) for every token t, in place."""
+    src = bits_view(cache)
+    dst = bits_view(out)
+    bs = plan.block_size
+    if plan.cache_mode is CacheMode.NORM:
+        # Row of token (block, slot) = block * rows_per_block + slot.
+        row_len = cache.shape[2] * cache.shape[3]
+        view = _row_view(src, row_len, bs)
+        if view is None:
+            dst.view(plan.num_tokens, -1).copy_(src[block.to(src.device), slot.to(src.device)].reshape(plan.num_tokens, -1))
+            return
+        rows, per_block = view
+        index = block * per_block + slot
+        torch.index_select(rows, 0, index.to(rows.device), out=dst.view(plan.num_tokens, row_len))
+        return
+    # PA_NZ [nb, F, bs, E]: fractal f of token (block, slot) is row block*rows_per_block + f*bs + slot.
+    fractals, last = cache.shape[1], cache.shape[3]
+    f = torch.arange(fractals)
+    view = _row_view(src, last, fractals * bs)
+    if view is None:
+        picked = src[block[:, None].to(src.device), f[None, :].to(src.device), slot[:, None].to(src.device)]
+        dst.view(plan.num_tokens, fractals, last).copy_(picked)
+        return
+    rows, per_block = view
+    index = (block[:, None] * per_block + f[None, :] * bs + slot[:, None]).reshape(-1)
+    torch.index_select(rows, 0, index.to(rows.device), out=dst.view(plan.num_tokens * fractals, last))
+
+
+def gather_torch(
+    plan: GatherPlan,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+) -> None:
+    """Vectorised gather into ``key_out`` / ``value_out`` (shapes as in the plan; outputs contiguous)."""
+    # Caches whose rows hold no bytes have nothing to copy: T may then be as large as int64
+    # allows, and a per-token index of it could not exist.
+    work = [
+        (cache, out)
+        for cache, out, row_bytes in (
+            (key_cache, key_out, plan.key_row_bytes),
+            (value_cache, value_out, plan.value_row_bytes),
+        )
+        if row_bytes > 0
+    ]
+    if plan.num_tokens == 0 or not work:
+        return
+    block, slot = plan.token_slots()
+    for cache, out in work:
+        _gather_one(plan, cache, out, block, slot)
+
+
+BACKEND = Backend(
+    name="torch",
+    description="vectorised torch index_select on a precomputed token index (any device, pool views)",
+    gather=gather_torch,
+    reads_pool_views=True,
+    mixed_dtypes=True,
+)

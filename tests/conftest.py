@@ -1,0 +1,126 @@
+"""Shared test helpers (import them with ``from conftest import ...``; pytest puts tests/ on the path).
+
+* :func:`assert_matches_golden` — outputs (a ``(key, value)`` sequence or a dict keyed by the
+  contract's output names) bit-equal to the golden of a case.
+* :func:`assert_matches_reference` — one backend through the public front, bit-equal to the
+  independent per-token reference (optionally into caller-given outputs).
+* :func:`junk_like`, :func:`unaligned_offsets`, :func:`with_value_dtype`, :func:`as_pool_views` —
+  turn a valid case into a harder valid case (non-aligned ``seq_offset``, mixed dtypes, caches
+  that are views of a larger pool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Mapping, Sequence
+
+import torch
+from per_token_reference import gather_per_token
+
+import pakv_onnx
+from pakv_onnx.cases import GatherCase, random_cache
+from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
+
+
+def _as_pair(outputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(outputs, Mapping):
+        return tuple(outputs[name] for name in OUTPUT_NAMES)  # type: ignore[return-value]
+    assert len(outputs) == len(OUTPUT_NAMES), f"expected {len(OUTPUT_NAMES)} outputs, got {len(outputs)}"
+    return tuple(outputs)  # type: ignore[return-value]
+
+
+def assert_pair_equal(got, want, label: str) -> None:
+    """Both outputs bit-equal (dtype, shape and bytes)."""
+    for name, g, w in zip(OUTPUT_NAMES, _as_pair(got), _as_pair(want)):
+        assert bitwise_equal(g, w), (
+            f"{name} differs ({label}): got {g.dtype} {tuple(g.shape)}, want {w.dtype} {tuple(w.shape)}"
+        )
+
+
+def assert_matches_golden(outputs, case: GatherCase, label: str = "") -> None:
+    """``outputs`` equal the golden of ``case`` bit for bit."""
+    assert_pair_equal(outputs, case.golden(), f"{label} vs golden, {case.summary()}")
+
+
+def reference_outputs(case: GatherCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token reference's (key, value) for ``case`` (straight from the contract text)."""
+    return gather_per_token(
+        *case.inputs(), cache_mode=case.cache_mode.value, is_seq_lens_cumsum=case.is_seq_lens_cumsum
+    )
+
+
+def junk_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``tensor``'s shape and dtype filled with a byte pattern, so an unwritten row shows."""
+    raw = torch.full((tensor.numel() * tensor.element_size(),), 0x5A, dtype=torch.uint8)
+    return raw.view(tensor.dtype).view(tensor.shape)
+
+
+def assert_matches_reference(case: GatherCase, backend: str, *, caller_outputs: bool = False) -> None:
+    """``backend`` through :func:`pakv_onnx.gather_pa_kv_cache` equals the per-token reference."""
+    want = reference_outputs(case)
+    kwargs = {}
+    if caller_outputs:
+        kwargs = {"key_out": junk_like(want[0]), "value_out": junk_like(want[1])}
+    got = pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=backend, **kwargs)
+    if caller_outputs:
+        assert got[0].data_ptr() == kwargs["key_out"].data_ptr()
+        assert got[1].data_ptr() == kwargs["value_out"].data_ptr()
+    assert_pair_equal(got, want, f"{backend} vs per-token reference, {case.summary()}")
+
+
+# --------------------------------------------------------------------------- #
+# Case transforms
+# --------------------------------------------------------------------------- #
+def block_size_of(case: GatherCase) -> int:
+    return case.key_cache.shape[1 if case.cache_mode is CacheMode.NORM else 2]
+
+
+def unaligned_offsets(case: GatherCase, seed: int) -> GatherCase:
+    """``case`` with a random remainder in ``[0, bs)`` added to every ``seq_offset`` (same columns: the FLOOR RULE).
+
+    A case without ``seq_offset`` gets one (its columns stay 0).
+    """
+    rng = random.Random(seed)
+    bs = block_size_of(case)
+    num_seqs = case.block_tables.shape[0]
+    base = case.seq_offset if case.seq_offset is not None else torch.zeros(num_seqs, dtype=torch.int64)
+    remainder = torch.tensor([rng.randrange(bs) for _ in range(num_seqs)], dtype=torch.int64)
+    if bs > 1 and num_seqs and not bool(remainder.any()):
+        remainder[0] = bs - 1  # at least one offset really off the block boundary
+    return dataclasses.replace(case, seq_offset=(base.to(torch.int64) + remainder).to(base.dtype))
+
+
+def with_value_dtype(case: GatherCase, dtype: torch.dtype, seed: int) -> GatherCase:
+    """``case`` with a fresh value cache of ``dtype`` (same num_blocks, block_size and layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    nb, bs = case.key_cache.shape[0], block_size_of(case)
+    if case.cache_mode is CacheMode.NORM:
+        shape = (nb, bs, *case.value_cache.shape[2:])
+    else:
+        shape = (nb, case.value_cache.shape[1], bs, nz_last_dim(torch.empty((), dtype=dtype).element_size()))
+    return dataclasses.replace(case, value_cache=random_cache(shape, dtype, generator))
+
+
+def pool_view(cache: torch.Tensor, *, slot: int, parts: int, pad: int = 0) -> torch.Tensor:
+    """``cache``'s bytes placed as part ``slot`` of a junk-filled pool, returned as a view of the pool.
+
+    The pool is ``[nb, parts * block_numel + pad]`` elements; the view is strided on dim 0 only
+    (block stride ``parts * block_numel + pad``), as ``pool[:, slot]`` of a K/V pool is.
+    """
+    nb = cache.shape[0]
+    block_numel = cache[0].numel() if nb else 0
+    pool = junk_like(torch.empty((nb, parts * block_numel + pad), dtype=cache.dtype))
+    start = slot * block_numel
+    view = pool[:, start : start + block_numel].view(nb, *cache.shape[1:])
+    view.copy_(cache)
+    return view
+
+
+def as_pool_views(case: GatherCase, *, pad: int = 0) -> GatherCase:
+    """``case`` with key and value caches turned into pool views (key part 0, value part 1 of a 2-part pool)."""
+    return dataclasses.replace(
+        case,
+        key_cache=pool_view(case.key_cache, slot=0, parts=2, pad=pad),
+        value_cache=pool_view(case.value_cache, slot=1, parts=2, pad=pad),
+    )
