@@ -1,6 +1,6 @@
 """The ONNX Runtime plugin for ``pakv::GatherPaKvCache``: a C custom-op library and its Python bridge.
 
-The library (``libpakv_ort.so``, built by the package build) stands alone: any ONNX Runtime host
+The library (``libpakv_ort.so`` of :mod:`pakv_onnx.native_lib`, built by the package build) stands alone: any ONNX Runtime host
 can load it with its custom-op-library option and gets the native C kernel. From Python::
 
     from pakv_onnx import runtime_plugin
@@ -18,14 +18,13 @@ messages.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from pakv_onnx import kernels
-from pakv_onnx.runtime_plugin._lib import LibraryNotBuiltError, library_path
+from pakv_onnx import kernels, native_lib
+from pakv_onnx.native_lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
 __all__ = [
@@ -35,13 +34,12 @@ __all__ = [
     "library_path",
     "make_session",
     "register",
+    "registered_backend",
     "run",
     "session_backend",
 ]
 
 NATIVE = "native"
-
-_register_lock = threading.Lock()
 
 
 def session_backend(backend: str = NATIVE) -> str:
@@ -63,29 +61,52 @@ def session_backend(backend: str = NATIVE) -> str:
     return backend
 
 
+def registered_backend(session_options: Any) -> str | None:
+    """The backend ``session_options`` were registered for by this library, or ``None``."""
+    try:
+        return session_options.get_session_config_entry(native_lib.CONFIG_KEY_BACKEND)
+    except (RuntimeError, AttributeError):  # ORT raises RuntimeError for an absent key
+        return None
+
+
 def register(session_options: Any, backend: str = NATIVE) -> None:
     """Register the custom-op library on ``session_options`` for ``backend``.
 
+    One registration serves every session made from ``session_options``: registering again for
+    the same backend does nothing, for another backend is a ``ValueError`` (use new options).
+    The backend is bound to this registration only (a thread-local choice the library reads while
+    ORT registers it on this thread), so a raw ``register_custom_ops_library`` running on another
+    thread at the same time gets ``native`` and never takes this backend, nor this one its.
+
     Args:
-        session_options: an ``onnxruntime.SessionOptions`` (one registration per options object).
+        session_options: an ``onnxruntime.SessionOptions``.
         backend: ``native`` (C kernel), ``auto``, or a backend of :mod:`pakv_onnx.kernels`.
     """
-    from pakv_onnx.runtime_plugin import _lib
-
     chosen = session_backend(backend)
+    previous = registered_backend(session_options)
+    if previous is not None:
+        if previous == chosen:
+            return
+        raise ValueError(
+            f"these SessionOptions are already registered for backend {previous!r}; a SessionOptions can be "
+            f"registered once (every session made from it shares that backend): use a new "
+            f"onnxruntime.SessionOptions() for backend {chosen!r}"
+        )
     path = library_path()
-    lib = _lib.load()
+    lib = native_lib.load()
     if chosen != NATIVE:
         from pakv_onnx.runtime_plugin import _python_backend
 
         _python_backend.install()
-    with _register_lock:
-        if lib.pakv_select_backend_for_next_registration(chosen.encode()) < 0:
-            raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
-        try:
-            session_options.register_custom_ops_library(path)
-        finally:
-            lib.pakv_select_backend_for_next_registration(NATIVE.encode())
+    if lib.pakv_bind_next_registration(chosen.encode()) < 0:
+        raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
+    try:
+        session_options.register_custom_ops_library(path)
+    finally:
+        lib.pakv_bind_next_registration(NATIVE.encode())
+    if registered_backend(session_options) is None:
+        # Runtimes whose Python binding registers through a temporary SessionOptions: mark these.
+        session_options.add_session_config_entry(native_lib.CONFIG_KEY_BACKEND, chosen)
 
 
 def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
@@ -95,7 +116,8 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
         model: an ``onnx.ModelProto``, serialized model bytes, or a path.
         backend: see :func:`register`.
         **ort_kwargs: passed to ``InferenceSession`` (``sess_options`` is used and registered on
-            if given; ``providers`` defaults to the CPU execution provider).
+            if given, so one options object can make several sessions of the same backend;
+            ``providers`` defaults to the CPU execution provider).
     """
     import onnxruntime as ort
 
