@@ -54,15 +54,16 @@ static int take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const ch
 /* ------------------------------------------------------------------------------------------- */
 typedef enum { ATTR_ABSENT, ATTR_INT, ATTR_FLOAT, ATTR_STRING, ATTR_INTS, ATTR_FLOATS, ATTR_OTHER } attr_kind;
 static const char* const ATTR_KIND_NAMES[] = {"absent", "INT", "FLOAT", "STRING", "INTS", "FLOATS",
-                                              "another type (STRINGS, TENSOR, GRAPH ...)"};
+                                              "STRINGS or another non-scalar type (or an empty list)"};
 
 /* Which type attribute `name` has. ORT has no "attribute type" query in API 16, so each typed
- * getter is tried; when none succeeds, ORT's message tells an absent attribute ("No attribute
- * with name ...") from one of a type no getter reads ("... type don't match"). */
+ * getter is tried. The array getters succeed (with 0 elements) for any attribute that is present
+ * but holds no ints/floats (STRINGS, TENSOR, GRAPH, an empty list): that tells present from absent
+ * without reading ORT's messages; the message ("... type don't match") is the fallback. */
 static attr_kind attribute_kind(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
   int64_t i;
   float f;
-  size_t n = 0;
+  size_t n = 0, ints = 0, floats = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_int64)(info, name, &i);
   if (!st) return ATTR_INT;
   int type_mismatch = strstr(PAKV_API(api, GetErrorMessage)(st), "type") != NULL;
@@ -71,13 +72,18 @@ static attr_kind attribute_kind(const OrtApi* api, const OrtKernelInfo* info, co
   PAKV_API(api, ReleaseStatus)(st);
   if (!(st = PAKV_API(api, KernelInfoGetAttribute_string)(info, name, NULL, &n))) return ATTR_STRING;
   PAKV_API(api, ReleaseStatus)(st);
-  n = 0;
-  if (!(st = PAKV_API(api, KernelInfoGetAttributeArray_int64)(info, name, NULL, &n))) return ATTR_INTS;
-  PAKV_API(api, ReleaseStatus)(st);
-  n = 0;
-  if (!(st = PAKV_API(api, KernelInfoGetAttributeArray_float)(info, name, NULL, &n))) return ATTR_FLOATS;
-  PAKV_API(api, ReleaseStatus)(st);
-  return type_mismatch ? ATTR_OTHER : ATTR_ABSENT;
+  int present = 0;
+  if (!(st = PAKV_API(api, KernelInfoGetAttributeArray_int64)(info, name, NULL, &ints)))
+    present = 1;
+  else
+    PAKV_API(api, ReleaseStatus)(st);
+  if (!(st = PAKV_API(api, KernelInfoGetAttributeArray_float)(info, name, NULL, &floats)))
+    present = 1;
+  else
+    PAKV_API(api, ReleaseStatus)(st);
+  if (ints > 0) return ATTR_INTS;
+  if (floats > 0) return ATTR_FLOATS;
+  return present || type_mismatch ? ATTR_OTHER : ATTR_ABSENT;
 }
 
 static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -97,8 +103,8 @@ static OrtStatus* read_cache_mode(const OrtApi* api, const OrtKernelInfo* info, 
   *nz = 0;
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_STRING)
-    return attribute_error(api, "GatherPaKvCache attribute cache_mode must be a STRING attribute (%s), got an %s "
-                           "attribute", allowed, ATTR_KIND_NAMES[kind]);
+    return attribute_error(api, "GatherPaKvCache attribute cache_mode must be a STRING attribute (%s), got attribute "
+                           "type %s", allowed, ATTR_KIND_NAMES[kind]);
   char mode[PAKV_MAX_MODE_LEN];
   size_t size = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_string)(info, "cache_mode", NULL, &size);
@@ -126,7 +132,7 @@ static OrtStatus* read_cumsum(const OrtApi* api, const OrtKernelInfo* info, int6
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_INT)
     return attribute_error(api, "GatherPaKvCache attribute is_seq_lens_cumsum must be an INT attribute (0 or 1), got "
-                           "an %s attribute", ATTR_KIND_NAMES[kind]);
+                           "attribute type %s", ATTR_KIND_NAMES[kind]);
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_int64)(info, "is_seq_lens_cumsum", cumsum);
   if (st) return st;
   if (*cumsum != 0 && *cumsum != 1)
