@@ -121,14 +121,40 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     """
     import onnxruntime as ort
 
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    check_pakv_opset(model)
     options = ort_kwargs.pop("sess_options", None) or ort.SessionOptions()
     register(options, backend)
     ort_kwargs.setdefault("providers", ["CPUExecutionProvider"])
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
-    elif isinstance(model, os.PathLike):
-        model = os.fspath(model)
     return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
+
+
+def check_pakv_opset(model: Any) -> None:
+    """``ValueError`` if ``model`` imports the ``pakv`` opset at a version the library does not implement.
+
+    ORT matches a custom op by name whatever the model's opset version, and its C API shows a
+    kernel no opset version, so the library cannot refuse ``pakv`` opset 2 itself; this check
+    does it for sessions made here (raw hosts get the version-1 kernel).
+    """
+    from onnx import ModelProto, load_model
+
+    from pakv_onnx.spec import DOMAIN, OPSET_VERSION
+
+    if isinstance(model, ModelProto):
+        proto = model
+    elif isinstance(model, (bytes, bytearray)):
+        proto = ModelProto.FromString(bytes(model))
+    else:
+        proto = load_model(model, load_external_data=False)
+    for opset in proto.opset_import:
+        if opset.domain == DOMAIN and opset.version != OPSET_VERSION:
+            raise ValueError(
+                f"the model imports opset {DOMAIN!r} version {opset.version}; the GatherPaKvCache library "
+                f"implements only version {OPSET_VERSION}"
+            )
 
 
 def bind(
