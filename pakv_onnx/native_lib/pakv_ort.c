@@ -492,6 +492,15 @@ static void init_ops(pakv_op* ops, int backend, uint32_t version) {
   }
 }
 
+/* The runtime's API version from its version string ("1.16.3" -> 16: ORT 1.x ships API x).
+ * Parsed rather than probed with GetApi(17), which prints an error on older runtimes. */
+static int runtime_api_version(const OrtApiBase* base) {
+  const char* v = base->GetVersionString ? base->GetVersionString() : NULL;
+  long major = 0, minor = 0;
+  if (!v || sscanf(v, "%ld.%ld", &major, &minor) != 2) return PAKV_ORT_API_VERSION;
+  return major > 1 ? 1000 : (int)minor;
+}
+
 /* The domain of `backend`, created on first use (caller holds g_reg_lock). */
 static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int backend, OrtCustomOpDomain** out) {
   if (g_domains[backend]) {
@@ -501,8 +510,9 @@ static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int 
   if (!g_ops[backend]) {
     pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_PAIRS, sizeof(pakv_op));
     if (!ops) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory registering the ops");
-    /* A runtime that knows API 17 reads the opset range: the ops then exist for pakv opset 1 only. */
-    init_ops(ops, backend, base->GetApi(PAKV_ORT_API_OPSET_RANGE) ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION);
+    /* A runtime that knows API 17 reads the opset range (pakv opset 1 only). */
+    init_ops(ops, backend, runtime_api_version(base) >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE
+                                                                                  : PAKV_ORT_API_VERSION);
     g_ops[backend] = ops;
   }
   OrtCustomOpDomain* domain = NULL;

@@ -78,7 +78,7 @@ static Status* AddConfig(Options* o, const char* key, const char* value) {
 
 static void* g_table[PAKV_SLOT_COUNT_USED];
 static const void* GetApi(uint32_t v) { return v <= PAKV_ORT_API_OPSET_RANGE ? g_table : NULL; }
-static const char* Version(void) { return "fake"; }
+static const char* Version(void) { return "1.17.0-fake"; }
 static OrtApiBase g_base;
 
 static uint64_t g_rng;

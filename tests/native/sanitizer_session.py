@@ -32,6 +32,7 @@ ORT_ERRORS = (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail,
 CACHE = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.int8: TensorProto.INT8,
          np.uint8: TensorProto.UINT8, np.int32: TensorProto.INT32}  # fmt: skip
 INDEX = {np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
+NUMPY = {v: k for k, v in (*CACHE.items(), *INDEX.items())}  # ONNX type -> numpy type (for bind_input)
 rng = np.random.default_rng(0)
 sessions: dict = {}
 
@@ -45,7 +46,9 @@ def model(types, mode="Norm", cumsum=1, attrs=None, opset=1):
     attrs = {"cache_mode": mode, "is_seq_lens_cumsum": cumsum} if attrs is None else attrs
     node = helper.make_node("GatherPaKvCache", names, ["key", "value"], domain="pakv", **attrs)
     graph = helper.make_graph([node], "g", inputs, outputs)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("pakv", opset)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("pakv", opset)])
+    proto.ir_version = 8  # readable by every ORT the library supports (>= 1.16)
+    return proto
 
 
 def session(proto):
@@ -110,7 +113,7 @@ def bind_run(proto, shapes):
     s = session(proto)
     binding = s.io_binding()
     for name, (onnx_type, shape) in shapes.items():
-        binding.bind_input(name, "cpu", 0, onnx_type, shape, buffer.ctypes.data)
+        binding.bind_input(name, "cpu", 0, NUMPY[onnx_type], shape, buffer.ctypes.data)
     for name in ("key", "value"):
         binding.bind_output(name, "cpu")
     s.run_with_iobinding(binding)
@@ -145,8 +148,8 @@ def extreme_shapes():
     binding = s.io_binding()
     table = np.zeros((1, 2), np.int64)
     cache = np.zeros(8, np.float16)
-    binding.bind_input("key_cache", "cpu", 0, f16, [1, 2**62, 0, 4], cache.ctypes.data)
-    binding.bind_input("value_cache", "cpu", 0, f16, [1, 2**62, 0, 3], cache.ctypes.data)
+    binding.bind_input("key_cache", "cpu", 0, np.float16, [1, 2**62, 0, 4], cache.ctypes.data)
+    binding.bind_input("value_cache", "cpu", 0, np.float16, [1, 2**62, 0, 3], cache.ctypes.data)
     binding.bind_ortvalue_input("block_tables", ort.OrtValue.ortvalue_from_numpy(table))
     binding.bind_ortvalue_input("seq_lens", ort.OrtValue.ortvalue_from_numpy(lengths))
     binding.bind_output("key", "cpu")
