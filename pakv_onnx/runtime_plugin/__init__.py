@@ -1,7 +1,8 @@
 """The ONNX Runtime plugin for ``pakv::GatherPaKvCache``: a C custom-op library and its Python bridge.
 
-The library (``libpakv_ort.so`` of :mod:`pakv_onnx.native_lib`, built by the package build) stands alone: any ONNX Runtime host
-can load it with its custom-op-library option and gets the native C kernel. From Python::
+The library (``libpakv_ort.so`` of :mod:`pakv_onnx.native_lib`, built by the package build)
+stands alone: any ONNX Runtime host can load it with its custom-op-library option and gets the
+native C kernel. From Python::
 
     from pakv_onnx import runtime_plugin
     session = runtime_plugin.make_session(model)                  # native C kernel

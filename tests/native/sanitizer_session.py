@@ -82,7 +82,10 @@ def random_call(i):
     nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
     def cache(t):
         e = 32 // np.dtype(t).itemsize
-        shape = (nb, int(rng.integers(1, 3)), bs, e) if nz else (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
+        if nz:
+            shape = (nb, int(rng.integers(1, 3)), bs, e)
+        else:
+            shape = (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
         return rng.integers(0, 100, shape).astype(t)
     kc, vc = cache(kt), cache(vt)
     lengths = rng.integers(0, 3 * bs + 1, q)
@@ -95,7 +98,8 @@ def random_call(i):
     if rng.integers(6) == 0 and sl.size:
         sl[-1] = rng.choice([-5, 2**31 - 1])
     so = offsets.astype(rng.choice(list(INDEX))) if rng.integers(3) else None
-    types = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type], None if so is None else INDEX[so.dtype.type]]
+    types = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type]]
+    types.append(None if so is None else INDEX[so.dtype.type])
     s = session(model(types, "PA_NZ" if nz else "Norm", int(cumsum)))
     feeds = {n: a for n, a in zip(INPUTS, (kc, vc, bt, sl, so)) if a is not None}
     try:
@@ -133,14 +137,16 @@ def extreme_shapes():
     f16, i64 = TensorProto.FLOAT16, TensorProto.INT64
     types = [f16, f16, i64, i64, None]
     big = 2**63 - 1
+    def empty_gather(mode, key_shape, value_shape, tables_shape, lens_shape):
+        shapes = {"key_cache": (f16, key_shape), "value_cache": (f16, value_shape),
+                  "block_tables": (i64, tables_shape), "seq_lens": (i64, lens_shape)}  # fmt: skip
+        return lambda: bind_run(model(types, mode), shapes)
+
     # Q + 1 with Q = INT64_MAX (block_tables [INT64_MAX, 0] holds no data).
-    expect_error(lambda: bind_run(model(types), {"key_cache": (f16, [1, 1, 1, 1]), "value_cache": (f16, [1, 1, 1, 1]),
-                 "block_tables": (i64, [big, 0]), "seq_lens": (i64, [0])}), "Q+1")  # fmt: skip
+    expect_error(empty_gather("Norm", [1, 1, 1, 1], [1, 1, 1, 1], [big, 0], [0]), "Q+1")
     # Bytes per token of zero-block caches, Norm and PA_NZ.
-    expect_error(lambda: bind_run(model(types), {"key_cache": (f16, [0, 1, 2**32, 2**32]), "value_cache": (f16, [0, 1, 1, 1]),
-                 "block_tables": (i64, [1, 0]), "seq_lens": (i64, [2])}), "overflow")  # fmt: skip
-    expect_error(lambda: bind_run(model(types, "PA_NZ"), {"key_cache": (f16, [0, 2**62, 1, 16]),
-                 "value_cache": (f16, [0, 1, 1, 16]), "block_tables": (i64, [1, 0]), "seq_lens": (i64, [2])}), "overflow")  # fmt: skip
+    expect_error(empty_gather("Norm", [0, 1, 2**32, 2**32], [0, 1, 1, 1], [1, 0], [2]), "overflow")
+    expect_error(empty_gather("PA_NZ", [0, 2**62, 1, 16], [0, 1, 1, 16], [1, 0], [2]), "overflow")
     # T = INT64_MAX tokens of zero-byte rows, threads forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0):
     # the thread split must not form T * i. Two blocks of 2**62 slots cover T.
     lengths = np.array([big], np.int64)
