@@ -107,10 +107,13 @@ def gather_native(
     native_lib.gather(c_plan)
 
 
-# This backend reads pool views in place. The flag exists once spec/kernels accept strided caches
-# (issue 13.3, the spec helper's Backend.reads_pool_views); before that it is left out.
-# TODO(lead, after merging the new kernels/__init__.py): pass reads_pool_views=True directly.
-_POOL_VIEWS = {"reads_pool_views": True} if "reads_pool_views" in Backend.__dataclass_fields__ else {}
+# This backend reads pool views in place and takes each cache's element size from its own dtype.
+# The flags exist once spec/kernels accept strided caches and mixed dtypes (issue 13, the spec
+# helper's Backend.reads_pool_views / Backend.mixed_dtypes); before that they are left out.
+# TODO(lead, after merging the new kernels/__init__.py): pass both flags directly.
+_CAPABILITIES = {
+    flag: True for flag in ("reads_pool_views", "mixed_dtypes") if flag in Backend.__dataclass_fields__
+}
 
 BACKEND = Backend(
     name="native",
@@ -118,5 +121,5 @@ BACKEND = Backend(
     gather=gather_native,
     unavailable_reason=_unavailable,
     unsupported_reason=_unsupported,
-    **_POOL_VIEWS,
+    **_CAPABILITIES,
 )
