@@ -1,8 +1,14 @@
-"""Build hook: compiles the ONNX Runtime custom-op library (plain C, no Python API, no ORT header).
+"""Build hook: compiles the C library (plain C, no Python API, no ORT header).
 
 Everything else about the package lives in pyproject.toml. The library is built as
-``pakv_onnx/runtime_plugin/libpakv_ort.so`` (a plain shared library that ORT dlopen's), both for
-``pip install .`` and editable installs (``pip install -e .`` builds it in place).
+``pakv_onnx/native_lib/libpakv_ort.so``, a plain shared library that ONNX Runtime dlopen's as a
+custom-op library and that the ``native`` backend calls through ctypes, both for ``pip install .``
+and editable installs (``pip install -e .`` builds it in place).
+
+Sources (pakv_onnx/native_lib/):
+    pakv_core.c    the copy core: plan checks, memcpy runs, thread split (no ORT, no Python)
+    pakv_ort.c     the ORT glue: RegisterCustomOps, ops, attributes, ORT inputs -> plan
+    pakv_bridge.c  the Python bridge: backend names, the callback, exit handling
 """
 
 import os
@@ -12,38 +18,41 @@ from setuptools import Extension, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
-PLUGIN = "pakv_onnx.runtime_plugin.libpakv_ort"
-PLUGIN_DIR = os.path.join("pakv_onnx", "runtime_plugin")
+LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
+LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
+SOURCES = ["pakv_core.c", "pakv_ort.c", "pakv_bridge.c"]
+HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_bridge.h", "pakv_dtypes.h"]
+COMPILE_ARGS = [
+    "-std=c11",
+    "-O3",
+    "-fvisibility=hidden",
+    "-pthread",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
 
 
-class BuildPlugin(build_ext):
-    """build_ext that names the plugin ``libpakv_ort.so`` (not a CPython extension module name)."""
+class BuildLibrary(build_ext):
+    """build_ext that names the library ``libpakv_ort.so`` (not a CPython extension module name)."""
 
     def get_ext_filename(self, ext_name):
-        if ext_name.split(".")[-1] == PLUGIN.split(".")[-1]:  # called with the full or the last name
+        if ext_name.split(".")[-1] == LIBRARY.split(".")[-1]:  # called with the full or the last name
             suffix = ".dylib" if sys.platform == "darwin" else ".so"
             return os.path.join(*ext_name.split(".")[:-1], "libpakv_ort" + suffix)
         return super().get_ext_filename(ext_name)
 
     def get_export_symbols(self, ext):
-        if ext.name == PLUGIN:
+        if ext.name == LIBRARY:
             return ["RegisterCustomOps"]
         return super().get_export_symbols(ext)
 
 
-plugin = Extension(
-    PLUGIN,
-    sources=[os.path.join(PLUGIN_DIR, "gather_pa_kv_cache.c")],
-    depends=[os.path.join(PLUGIN_DIR, "ort_abi.h")],
-    extra_compile_args=[
-        "-std=c11",
-        "-O3",
-        "-fvisibility=hidden",
-        "-pthread",
-        "-Wall",
-        "-Wextra",
-        "-Wno-unused-parameter",
-    ],
+library = Extension(
+    LIBRARY,
+    sources=[os.path.join(LIBRARY_DIR, name) for name in SOURCES],
+    depends=[os.path.join(LIBRARY_DIR, name) for name in HEADERS],
+    extra_compile_args=COMPILE_ARGS,
     extra_link_args=["-pthread"],
     py_limited_api=False,
 )
@@ -60,4 +69,4 @@ class PlatformWheel(bdist_wheel):
         return "py3", "none", platform
 
 
-setup(ext_modules=[plugin], cmdclass={"build_ext": BuildPlugin, "bdist_wheel": PlatformWheel})
+setup(ext_modules=[library], cmdclass={"build_ext": BuildLibrary, "bdist_wheel": PlatformWheel})

@@ -13,6 +13,11 @@ Shapes: seed sweep cases (812 MB caches; `--cases`) and a large-T case (T >= 256
 8-head x 128 BF16 cache; `--large-blocks`). Prints a Markdown table.
 
     python benchmarks/bench_ort.py [--cases level0,level8,heads64_k128_v128] [--repeats 50]
+    python benchmarks/bench_ort.py --max-blocks 64   # seed shapes with at most 64 cache blocks
+
+``--max-blocks`` keeps every seed shape (T, heads, head dims, block size, tables) but caps the
+caches' num_blocks: the seed cases read only their first few blocks, so the gather does the same
+work while the caches take megabytes instead of 812 MB (for busy shared machines).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from onnx import TensorProto, helper
 
 from pakv_onnx import runtime_plugin
+import dataclasses
+
 from pakv_onnx.cases import GatherCase, seed_case
 from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
 from pakv_onnx.spec import CacheMode, bitwise_equal, plan_gather
@@ -185,10 +192,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--large-blocks", type=int, default=2048, help="blocks of 128 tokens (2048 -> T = 262144)")
     parser.add_argument("--no-pyop", action="store_true")
+    parser.add_argument("--max-blocks", type=int, default=0, help="cap the seed caches' num_blocks (0: as seeded)")
     args = parser.parse_args()
     rows = []
     for case_id in [c for c in args.cases.split(",") if c]:
-        case = seed_case(case_id).build()
+        spec = seed_case(case_id)
+        if args.max_blocks:
+            spec = dataclasses.replace(
+                spec,
+                key_cache_shape=(min(spec.key_cache_shape[0], args.max_blocks), *spec.key_cache_shape[1:]),
+                value_cache_shape=(min(spec.value_cache_shape[0], args.max_blocks), *spec.value_cache_shape[1:]),
+            )
+        case = spec.build()
         rows.append(bench_case(case_id, case, args.repeats, not args.no_pyop))
         del case
     if args.large_blocks:

@@ -1,7 +1,11 @@
 """The C library under valgrind: a standalone driver (tests/native/fake_ort_driver.c) calls it
 through a fake OrtApi table with random valid and invalid inputs, each allocated at its exact
 size; valgrind must report no invalid access and no definite leak, and every accepted call must
-match a per-token reference. Threads are forced on for one run (tiny parallel threshold)."""
+match a per-token reference (any seq_offset: the floor rule; mixed key/value dtypes). The driver
+also checks registration (opset range, a second registration on the same options refused, one
+domain reused) and the direct entry point (a bad plan refused, a strided pool view gathered in
+place, a plan of the wrong struct size refused). Threads are forced on for one run (tiny parallel
+threshold)."""
 
 from __future__ import annotations
 
@@ -12,15 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from pakv_onnx import runtime_plugin
+from pakv_onnx import native_lib, runtime_plugin
 
 DRIVER = Path(__file__).parent / "native" / "fake_ort_driver.c"
+HEADERS = Path(native_lib.__file__).parent  # the driver uses the library's own ABI headers
 
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("driver") / "fake_ort_driver"
-    subprocess.run(["gcc", "-O1", "-g", "-std=c11", "-o", str(out), str(DRIVER), "-ldl"], check=True)
+    subprocess.run(
+        ["gcc", "-O1", "-g", "-std=c11", "-Wall", "-Werror", "-Wno-unused-parameter", f"-I{HEADERS}", "-o", str(out)]
+        + [str(DRIVER), "-ldl"],
+        check=True,
+    )
     return out
 
 

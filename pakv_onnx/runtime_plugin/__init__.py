@@ -1,7 +1,8 @@
 """The ONNX Runtime plugin for ``pakv::GatherPaKvCache``: a C custom-op library and its Python bridge.
 
-The library (``libpakv_ort.so``, built by the package build) stands alone: any ONNX Runtime host
-can load it with its custom-op-library option and gets the native C kernel. From Python::
+The library (``libpakv_ort.so`` of :mod:`pakv_onnx.native_lib`, built by the package build)
+stands alone: any ONNX Runtime host can load it with its custom-op-library option and gets the
+native C kernel. From Python::
 
     from pakv_onnx import runtime_plugin
     session = runtime_plugin.make_session(model)                  # native C kernel
@@ -18,14 +19,13 @@ messages.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from pakv_onnx import kernels
-from pakv_onnx.runtime_plugin._lib import LibraryNotBuiltError, library_path
+from pakv_onnx import kernels, native_lib
+from pakv_onnx.native_lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
 __all__ = [
@@ -35,13 +35,12 @@ __all__ = [
     "library_path",
     "make_session",
     "register",
+    "registered_backend",
     "run",
     "session_backend",
 ]
 
 NATIVE = "native"
-
-_register_lock = threading.Lock()
 
 
 def session_backend(backend: str = NATIVE) -> str:
@@ -63,29 +62,52 @@ def session_backend(backend: str = NATIVE) -> str:
     return backend
 
 
+def registered_backend(session_options: Any) -> str | None:
+    """The backend ``session_options`` were registered for by this library, or ``None``."""
+    try:
+        return session_options.get_session_config_entry(native_lib.CONFIG_KEY_BACKEND)
+    except (RuntimeError, AttributeError):  # ORT raises RuntimeError for an absent key
+        return None
+
+
 def register(session_options: Any, backend: str = NATIVE) -> None:
     """Register the custom-op library on ``session_options`` for ``backend``.
 
+    One registration serves every session made from ``session_options``: registering again for
+    the same backend does nothing, for another backend is a ``ValueError`` (use new options).
+    The backend is bound to this registration only (a thread-local choice the library reads while
+    ORT registers it on this thread), so a raw ``register_custom_ops_library`` running on another
+    thread at the same time gets ``native`` and never takes this backend, nor this one its.
+
     Args:
-        session_options: an ``onnxruntime.SessionOptions`` (one registration per options object).
+        session_options: an ``onnxruntime.SessionOptions``.
         backend: ``native`` (C kernel), ``auto``, or a backend of :mod:`pakv_onnx.kernels`.
     """
-    from pakv_onnx.runtime_plugin import _lib
-
     chosen = session_backend(backend)
+    previous = registered_backend(session_options)
+    if previous is not None:
+        if previous == chosen:
+            return
+        raise ValueError(
+            f"these SessionOptions are already registered for backend {previous!r}; a SessionOptions can be "
+            f"registered once (every session made from it shares that backend): use a new "
+            f"onnxruntime.SessionOptions() for backend {chosen!r}"
+        )
     path = library_path()
-    lib = _lib.load()
+    lib = native_lib.load()
     if chosen != NATIVE:
         from pakv_onnx.runtime_plugin import _python_backend
 
         _python_backend.install()
-    with _register_lock:
-        if lib.pakv_select_backend_for_next_registration(chosen.encode()) < 0:
-            raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
-        try:
-            session_options.register_custom_ops_library(path)
-        finally:
-            lib.pakv_select_backend_for_next_registration(NATIVE.encode())
+    if lib.pakv_bind_next_registration(chosen.encode()) < 0:
+        raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
+    try:
+        session_options.register_custom_ops_library(path)
+    finally:
+        lib.pakv_bind_next_registration(NATIVE.encode())
+    if registered_backend(session_options) is None:
+        # Runtimes whose Python binding registers through a temporary SessionOptions: mark these.
+        session_options.add_session_config_entry(native_lib.CONFIG_KEY_BACKEND, chosen)
 
 
 def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
@@ -95,18 +117,45 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
         model: an ``onnx.ModelProto``, serialized model bytes, or a path.
         backend: see :func:`register`.
         **ort_kwargs: passed to ``InferenceSession`` (``sess_options`` is used and registered on
-            if given; ``providers`` defaults to the CPU execution provider).
+            if given, so one options object can make several sessions of the same backend;
+            ``providers`` defaults to the CPU execution provider).
     """
     import onnxruntime as ort
 
+    if isinstance(model, os.PathLike):
+        model = os.fspath(model)
+    check_pakv_opset(model)
     options = ort_kwargs.pop("sess_options", None) or ort.SessionOptions()
     register(options, backend)
     ort_kwargs.setdefault("providers", ["CPUExecutionProvider"])
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
-    elif isinstance(model, os.PathLike):
-        model = os.fspath(model)
     return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
+
+
+def check_pakv_opset(model: Any) -> None:
+    """``ValueError`` if ``model`` imports the ``pakv`` opset at a version the library does not implement.
+
+    ORT matches a custom op by name whatever the model's opset version, and its C API shows a
+    kernel no opset version, so the library cannot refuse ``pakv`` opset 2 itself; this check
+    does it for sessions made here (raw hosts get the version-1 kernel).
+    """
+    from onnx import ModelProto, load_model
+
+    from pakv_onnx.spec import DOMAIN, OPSET_VERSION
+
+    if isinstance(model, ModelProto):
+        proto = model
+    elif isinstance(model, (bytes, bytearray)):
+        proto = ModelProto.FromString(bytes(model))
+    else:
+        proto = load_model(model, load_external_data=False)
+    for opset in proto.opset_import:
+        if opset.domain == DOMAIN and opset.version != OPSET_VERSION:
+            raise ValueError(
+                f"the model imports opset {DOMAIN!r} version {opset.version}; the GatherPaKvCache library "
+                f"implements only version {OPSET_VERSION}"
+            )
 
 
 def bind(

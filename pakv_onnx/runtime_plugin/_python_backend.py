@@ -14,16 +14,19 @@ import ctypes
 import threading
 
 from pakv_onnx.ops import gather_with
-from pakv_onnx.runtime_plugin import _lib
+from pakv_onnx import native_lib
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
 from pakv_onnx.spec import INPUT_NAMES
 
 _install_lock = threading.Lock()
 _callback = None  # the CFUNCTYPE object must live as long as the library may call it
-_SHUTDOWN_WAIT_MS = 5000
+# At exit, calls in flight are waited for (a call killed inside Python aborts the process); a
+# note goes to stderr after _SHUTDOWN_NOTICE_MS, and after _SHUTDOWN_WAIT_MS exit goes on anyway.
+_SHUTDOWN_WAIT_MS = 600_000
+_SHUTDOWN_NOTICE_MS = 2_000
 
 
-def _input(name: str, tensor: _lib.Tensor):
+def _input(name: str, tensor: native_lib.Tensor):
     if not tensor.present:
         return None
     try:
@@ -36,7 +39,7 @@ def _input(name: str, tensor: _lib.Tensor):
 
 def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
     dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-    address = _lib.load().pakv_request_output(req_ptr, index, dims, len(shape))
+    address = native_lib.load().pakv_request_output(req_ptr, index, dims, len(shape))
     if not address:
         raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
     return view(address, shape, dtype)
@@ -47,8 +50,10 @@ def _serve(req_ptr) -> None:
     inputs = tuple(_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES))
 
     def allocate_from_ort(plan):
-        return _output(req_ptr, 0, plan.key_out_shape, plan.dtype), _output(
-            req_ptr, 1, plan.value_out_shape, plan.dtype
+        # Each output takes its own cache's dtype (key and value caches may differ).
+        return (
+            _output(req_ptr, 0, plan.key_out_shape, inputs[0].dtype),
+            _output(req_ptr, 1, plan.value_out_shape, inputs[1].dtype),
         )
 
     gather_with(
@@ -67,7 +72,7 @@ def _entry(req_ptr) -> int:
     except BaseException as exc:  # noqa: BLE001 - every failure must become an ORT status, never unwind into C
         try:
             message = f"{type(exc).__name__}: {exc}"
-            _lib.load().pakv_request_set_error(req_ptr, message.encode(errors="replace"))
+            native_lib.load().pakv_request_set_error(req_ptr, message.encode(errors="replace"))
         except BaseException:  # noqa: BLE001
             pass
         return 1
@@ -75,7 +80,7 @@ def _entry(req_ptr) -> int:
 
 def _shutdown() -> None:
     """At interpreter exit: stop new callbacks and wait (GIL released) for those in flight."""
-    _lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS)
+    native_lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS, _SHUTDOWN_NOTICE_MS)
 
 
 def install() -> None:
@@ -84,6 +89,6 @@ def install() -> None:
     with _install_lock:
         if _callback is not None:
             return
-        _callback = _lib.CALLBACK(_entry)
-        _lib.load().pakv_set_python_callback(_callback)
+        _callback = native_lib.CALLBACK(_entry)
+        native_lib.load().pakv_set_python_callback(_callback)
         atexit.register(_shutdown)

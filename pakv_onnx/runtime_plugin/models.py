@@ -41,7 +41,7 @@ def one_node_model(
     from onnx import helper
 
     mode = cache_mode.value if isinstance(cache_mode, CacheMode) else cache_mode
-    cache_type = onnx_type_of(input_dtypes[0])
+    output_types = (onnx_type_of(input_dtypes[0]), onnx_type_of(input_dtypes[1]))  # each output: its cache's
     inputs, outputs, nodes = [], [], []
     for i in range(num_nodes):
         suffix = "" if num_nodes == 1 else f"_{i}"
@@ -55,7 +55,7 @@ def one_node_model(
         while names and names[-1] == "":
             names.pop()
         outs = [name + suffix for name in OUTPUT_NAMES]
-        outputs += [helper.make_tensor_value_info(name, cache_type, None) for name in outs]
+        outputs += [helper.make_tensor_value_info(name, t, None) for name, t in zip(outs, output_types)]
         nodes.append(
             helper.make_node(
                 OP_TYPE,

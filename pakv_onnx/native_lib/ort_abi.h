@@ -12,8 +12,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The API version this plugin is written against: ORT 1.16 (CreateKernelV2 / KernelComputeV2). */
+/* The API version this plugin is written against: ORT 1.16 (CreateKernelV2 / KernelComputeV2).
+ * With a runtime of API >= 17 the ops also declare their opset range (pakv opset 1 only). */
 #define PAKV_ORT_API_VERSION 16
+#define PAKV_ORT_API_OPSET_RANGE 17
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtApi OrtApi;
@@ -38,7 +40,8 @@ typedef struct OrtApiBase {
   const char* (*GetVersionString)(void);
 } OrtApiBase;
 
-/* OrtApi slot indices used here (see the header's struct OrtApi). */
+/* OrtApi slot indices used here (see the header's struct OrtApi). This is the only place they are
+ * written: tests/native/fake_ort_driver.c includes this header to fill its fake table. */
 enum {
   PAKV_SLOT_CreateStatus = 0,
   PAKV_SLOT_GetErrorMessage = 2,
@@ -50,6 +53,7 @@ enum {
   PAKV_SLOT_GetDimensionsCount = 61,
   PAKV_SLOT_GetDimensions = 62,
   PAKV_SLOT_GetTensorTypeAndShape = 65,
+  PAKV_SLOT_KernelInfoGetAttribute_float = 85,
   PAKV_SLOT_KernelInfoGetAttribute_int64 = 86,
   PAKV_SLOT_KernelInfoGetAttribute_string = 87,
   PAKV_SLOT_KernelContext_GetInputCount = 88,
@@ -58,6 +62,12 @@ enum {
   PAKV_SLOT_KernelContext_GetOutput = 91,
   PAKV_SLOT_ReleaseStatus = 93,
   PAKV_SLOT_ReleaseTensorTypeAndShapeInfo = 99,
+  PAKV_SLOT_AddSessionConfigEntry = 130,                /* API 5 */
+  PAKV_SLOT_KernelInfoGetAttributeArray_float = 162,    /* API 8 */
+  PAKV_SLOT_KernelInfoGetAttributeArray_int64 = 163,    /* API 8 */
+  PAKV_SLOT_HasSessionConfigEntry = 237,                /* API 14 */
+  PAKV_SLOT_GetSessionConfigEntry = 238,                /* API 14 */
+  PAKV_SLOT_COUNT_USED = 239,                           /* one past the highest slot used */
 };
 
 /* Function types of those slots. */
@@ -71,6 +81,15 @@ typedef OrtStatus* (*pakv_GetTensorElementType_fn)(const OrtTensorTypeAndShapeIn
 typedef OrtStatus* (*pakv_GetDimensionsCount_fn)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
 typedef OrtStatus* (*pakv_GetDimensions_fn)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t n);
 typedef OrtStatus* (*pakv_GetTensorTypeAndShape_fn)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
+typedef OrtStatus* (*pakv_KernelInfoGetAttribute_float_fn)(const OrtKernelInfo* info, const char* name, float* out);
+typedef OrtStatus* (*pakv_KernelInfoGetAttributeArray_float_fn)(const OrtKernelInfo* info, const char* name, float* out,
+                                                                size_t* size);
+typedef OrtStatus* (*pakv_KernelInfoGetAttributeArray_int64_fn)(const OrtKernelInfo* info, const char* name,
+                                                                int64_t* out, size_t* size);
+typedef OrtStatus* (*pakv_AddSessionConfigEntry_fn)(OrtSessionOptions* options, const char* key, const char* value);
+typedef OrtStatus* (*pakv_HasSessionConfigEntry_fn)(const OrtSessionOptions* options, const char* key, int* out);
+typedef OrtStatus* (*pakv_GetSessionConfigEntry_fn)(const OrtSessionOptions* options, const char* key, char* value,
+                                                    size_t* size);
 typedef OrtStatus* (*pakv_KernelInfoGetAttribute_int64_fn)(const OrtKernelInfo* info, const char* name, int64_t* out);
 typedef OrtStatus* (*pakv_KernelInfoGetAttribute_string_fn)(const OrtKernelInfo* info, const char* name, char* out,
                                                             size_t* size);
@@ -109,8 +128,12 @@ typedef struct PakvOrtCustomOp {
   OrtStatus* (*CreateKernelV2)(const struct PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info,
                                void** kernel);
   OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* ctx);
-  /* API 17+: InferOutputShapeFn, GetStartVersion, GetEndVersion; API 18+: in-place / alias maps. */
-  void* reserved_later_fields[7];
+  /* API 17+ (read by ORT only when version >= 17). */
+  void* InferOutputShapeFn;
+  int (*GetStartVersion)(const struct PakvOrtCustomOp* op);
+  int (*GetEndVersion)(const struct PakvOrtCustomOp* op);
+  /* API 18+: in-place / alias maps (never read: version stays <= 17). */
+  void* reserved_later_fields[4];
 } PakvOrtCustomOp;
 
 #endif /* PAKV_ORT_ABI_H */

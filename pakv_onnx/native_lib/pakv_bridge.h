@@ -1,0 +1,53 @@
+/* The Python bridge: backend names, the callback into Python, and the request it receives.
+ *
+ * The ORT glue (pakv_ort.c) binds each registration to a backend slot; slot 0 is the native C
+ * kernel. A kernel of another slot hands its raw inputs to the Python callback as a
+ * pakv_request (mirrored as a ctypes.Structure in pakv_onnx/native_lib/__init__.py; the
+ * library checks its size at load time).
+ */
+#ifndef PAKV_BRIDGE_H
+#define PAKV_BRIDGE_H
+
+#include <stdint.h>
+
+#include "ort_abi.h"
+#include "pakv_core.h"
+
+#define PAKV_NUM_INPUTS 5
+#define PAKV_NUM_OUTPUTS 2
+#define PAKV_MAX_RANK 16
+#define PAKV_MAX_BACKENDS 16
+#define PAKV_BACKEND_NAME_LEN 32
+#define PAKV_NATIVE_BACKEND 0
+
+typedef struct {
+  void* data; /* NULL with present == 0 for an absent optional input */
+  int32_t present;
+  int32_t elem_type;
+  int32_t ndim;
+  int32_t reserved;
+  int64_t dims[PAKV_MAX_RANK];
+} pakv_tensor;
+
+typedef struct pakv_request {
+  const char* backend;    /* registry name, e.g. "golden" */
+  const char* cache_mode; /* "Norm" / "PA_NZ" */
+  int64_t is_seq_lens_cumsum;
+  pakv_tensor inputs[PAKV_NUM_INPUTS];
+  OrtKernelContext* ctx;
+  const OrtApi* api;
+  char error[PAKV_ERR_LEN];
+} pakv_request;
+
+/* Slot of backend `name` (added if new); -1 if the name is too long or the table is full. */
+int pakv_backend_slot(const char* name);
+/* Name of a slot ("native" for 0). */
+const char* pakv_backend_name(int slot);
+/* Hand a request to the Python callback; 0 on success, else req->error says why. */
+int pakv_call_python(int slot, pakv_request* req);
+
+/* Provided by the ORT glue: an output buffer of the kernel call `req` belongs to. */
+void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
+                      pakv_err* err);
+
+#endif /* PAKV_BRIDGE_H */

@@ -1,0 +1,239 @@
+/* The copy core: plan checks, memcpy runs, the thread split, and the exported entry point the
+ * native Python backend calls (pakv_gather). No ONNX Runtime, no Python. See pakv_core.h. */
+#include "pakv_core.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PAKV_MAX_THREADS 8
+
+int pakv_fail(pakv_err* err, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+  va_end(ap);
+  return -1;
+}
+
+/* One read of a block-table entry. volatile: the compiler must not re-read the caller's memory
+ * between the bounds check and the use (another thread may be writing it). */
+static inline int64_t table_entry(const pakv_plan* p, int64_t i) {
+  if (p->tables64) return ((const volatile int64_t*)p->block_tables)[i];
+  return (int64_t)((const volatile int32_t*)p->block_tables)[i];
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Checks                                                                                      */
+/* ------------------------------------------------------------------------------------------- */
+static int check_cache(const pakv_plan* p, const char* name, const void* base, int64_t stride, int64_t row,
+                       pakv_err* err) {
+  int64_t block_bytes, span;
+  if (row < 0) return pakv_fail(err, "%s: bytes per token must be >= 0, got %lld", name, (long long)row);
+  if (p->layout == PAKV_LAYOUT_NZ && row % PAKV_NZ_FRACTAL_BYTES)
+    return pakv_fail(err, "%s: PA_NZ bytes per token must be a multiple of 32, got %lld", name, (long long)row);
+  if (pakv_mul(row, p->block_size, &block_bytes))
+    return pakv_fail(err, "%s: block_size %lld x %lld bytes per token overflows int64", name,
+                     (long long)p->block_size, (long long)row);
+  if (stride < block_bytes)
+    return pakv_fail(err, "%s: block stride %lld bytes is smaller than one block (%lld bytes)", name,
+                     (long long)stride, (long long)block_bytes);
+  if (pakv_mul(stride, p->num_blocks, &span))
+    return pakv_fail(err, "%s: %lld blocks of stride %lld bytes overflow int64", name, (long long)p->num_blocks,
+                     (long long)stride);
+  if (row > 0 && p->num_tokens > 0 && !base)
+    return pakv_fail(err, "%s: a NULL cache pointer for a non-empty gather", name);
+  return 0;
+}
+
+static int check_sequences(const pakv_plan* p, pakv_err* err) {
+  const int64_t bs = p->block_size, T = p->num_tokens, nb = p->num_blocks, cols = p->table_cols;
+  for (int64_t q = 0; q < p->num_seqs; q++) {
+    int64_t len = p->seq_lengths[q], start = p->out_starts[q], col = p->col_starts[q];
+    if (len < 0 || start < 0 || start > T || len > T - start)
+      return pakv_fail(err, "seq_lens: sequence %lld covers output rows [%lld, +%lld) outside [0, %lld)", (long long)q,
+                       (long long)start, (long long)len, (long long)T);
+    if (col < 0) return pakv_fail(err, "seq_offset[%lld] must be non-negative", (long long)q);
+    int64_t need = len / bs + (len % bs != 0);
+    if (need > cols - col)
+      return pakv_fail(err,
+                       "block_tables row %lld is too short: sequence %lld has %lld tokens = %lld blocks of %lld "
+                       "starting at column %lld (seq_offset // block_size), but block_tables has %lld columns",
+                       (long long)q, (long long)q, (long long)len, (long long)need, (long long)bs, (long long)col,
+                       (long long)cols);
+    for (int64_t c = col; c < col + need; c++) {
+      int64_t b = table_entry(p, q * cols + c);
+      if (b < 0 || b >= nb)
+        return pakv_fail(err,
+                         "block_tables[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); it is "
+                         "used by sequence %lld",
+                         (long long)q, (long long)c, (long long)b, (long long)nb, (long long)q);
+    }
+  }
+  return 0;
+}
+
+int pakv_check_plan(const pakv_plan* p, pakv_err* err) {
+  int64_t row_sum, out_bytes, table_size;
+  if (!p) return pakv_fail(err, "NULL plan");
+  if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_plan))
+    return pakv_fail(err, "plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
+                     p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_plan));
+  if (p->layout != PAKV_LAYOUT_NORM && p->layout != PAKV_LAYOUT_NZ)
+    return pakv_fail(err, "plan layout must be 0 (Norm) or 1 (PA_NZ), got %d", p->layout);
+  if (p->block_size < 1) return pakv_fail(err, "block_size must be >= 1, got %lld", (long long)p->block_size);
+  if (p->num_blocks < 0 || p->num_tokens < 0 || p->num_seqs < 0 || p->table_cols < 0)
+    return pakv_fail(err, "plan sizes must be >= 0 (num_blocks %lld, num_tokens %lld, num_seqs %lld, cols %lld)",
+                     (long long)p->num_blocks, (long long)p->num_tokens, (long long)p->num_seqs,
+                     (long long)p->table_cols);
+  if (check_cache(p, "key_cache", p->key_cache, p->key_block_stride, p->key_row_bytes, err)) return -1;
+  if (check_cache(p, "value_cache", p->value_cache, p->value_block_stride, p->value_row_bytes, err))
+    return -1;
+  if (pakv_mul(p->num_seqs, p->table_cols, &table_size))
+    return pakv_fail(err, "block_tables of %lld x %lld entries overflows int64", (long long)p->num_seqs,
+                     (long long)p->table_cols);
+  if (p->num_seqs > 0 && (!p->seq_lengths || !p->out_starts || !p->col_starts || (table_size > 0 && !p->block_tables)))
+    return pakv_fail(err, "NULL index array in a plan with %lld sequences", (long long)p->num_seqs);
+  if (check_sequences(p, err)) return -1; /* block tables before output sizes, as the contract does */
+  if (pakv_add(p->key_row_bytes, p->value_row_bytes, &row_sum) || pakv_mul(p->num_tokens, row_sum, &out_bytes))
+    return pakv_fail(err, "key/value output of %lld tokens overflows int64 byte offsets (seq_lens)",
+                     (long long)p->num_tokens);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The copy                                                                                    */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct {
+  const pakv_plan* plan;
+  int64_t lo, hi;       /* output rows [lo, hi) */
+  atomic_int* bad;      /* set when a block id read during the copy is out of range */
+} pakv_range;
+
+static inline void copy_norm(const char* cache, int64_t stride, int64_t row, char* out, int64_t block, int64_t slot,
+                             int64_t n, int64_t out_row) {
+  if (row) memcpy(out + out_row * row, cache + block * stride + slot * row, (size_t)(n * row));
+}
+
+/* FRACTAL_NZ: fractal f of token (block, slot) is 32 bytes at block*stride + (f*bs + slot)*32. */
+static inline void copy_nz(const char* cache, int64_t stride, int64_t row, int64_t bs, char* out, int64_t block,
+                           int64_t slot, int64_t n, int64_t out_row) {
+  int64_t fractals = row / PAKV_NZ_FRACTAL_BYTES;
+  for (int64_t f = 0; f < fractals; f++) {
+    const char* s = cache + block * stride + (f * bs + slot) * PAKV_NZ_FRACTAL_BYTES;
+    char* d = out + out_row * row + f * PAKV_NZ_FRACTAL_BYTES;
+    for (int64_t r = 0; r < n; r++) memcpy(d + r * row, s + r * PAKV_NZ_FRACTAL_BYTES, PAKV_NZ_FRACTAL_BYTES);
+  }
+}
+
+static void copy_rows(const pakv_range* r) {
+  const pakv_plan* p = r->plan;
+  const int64_t bs = p->block_size, lo = r->lo, hi = r->hi;
+  for (int64_t q = 0; q < p->num_seqs; q++) {
+    int64_t len = p->seq_lengths[q], start = p->out_starts[q];
+    if (len == 0 || start >= hi || start + len <= lo) continue;
+    int64_t t = (lo > start ? lo : start) - start;
+    int64_t t_end = (hi < start + len ? hi : start + len) - start;
+    while (t < t_end) {
+      int64_t slot = t % bs;
+      int64_t n = bs - slot;
+      if (n > t_end - t) n = t_end - t;
+      int64_t block = table_entry(p, q * p->table_cols + p->col_starts[q] + t / bs);
+      if (block < 0 || block >= p->num_blocks) {
+        atomic_store(r->bad, 1); /* changed since pakv_check_plan: skip, report after the copy */
+      } else if (p->layout == PAKV_LAYOUT_NORM) {
+        copy_norm(p->key_cache, p->key_block_stride, p->key_row_bytes, p->key_out, block, slot, n, start + t);
+        copy_norm(p->value_cache, p->value_block_stride, p->value_row_bytes, p->value_out, block, slot, n, start + t);
+      } else {
+        copy_nz(p->key_cache, p->key_block_stride, p->key_row_bytes, bs, p->key_out, block, slot, n, start + t);
+        copy_nz(p->value_cache, p->value_block_stride, p->value_row_bytes, bs, p->value_out, block, slot, n,
+                start + t);
+      }
+      t += n;
+    }
+  }
+}
+
+/* Threading: only large copies are split (small ones would pay more for the thread than the copy). */
+static int64_t g_parallel_min_bytes = 4 << 20;
+static int g_num_threads = 2;
+static pthread_once_t g_config_once = PTHREAD_ONCE_INIT;
+
+static void read_config(void) {
+  const char* s = getenv("PAKV_ONNX_PARALLEL_MIN_BYTES");
+  if (s && *s) g_parallel_min_bytes = strtoll(s, NULL, 10);
+  s = getenv("PAKV_ONNX_NUM_THREADS");
+  if (s && *s) {
+    long n = strtol(s, NULL, 10);
+    g_num_threads = n < 1 ? 1 : (n > PAKV_MAX_THREADS ? PAKV_MAX_THREADS : (int)n);
+  }
+}
+
+static void* copy_range_thread(void* arg) {
+  copy_rows((const pakv_range*)arg);
+  return NULL;
+}
+
+/* First row of part i of n over T rows, without forming T * i (which overflows for huge T). */
+static int64_t split_point(int64_t T, int n, int i) {
+  int64_t base = T / n, extra = T % n;
+  return base * i + (i < extra ? i : extra);
+}
+
+int pakv_run_plan(const pakv_plan* p, pakv_err* err) {
+  if (p->num_tokens > 0 && ((p->key_row_bytes > 0 && !p->key_out) || (p->value_row_bytes > 0 && !p->value_out)))
+    return pakv_fail(err, "a NULL output pointer for a non-empty gather");
+  pthread_once(&g_config_once, read_config);
+  atomic_int bad = 0;
+  /* bytes fits: pakv_check_plan checked num_tokens * (key_row_bytes + value_row_bytes). */
+  int64_t bytes = p->num_tokens * (p->key_row_bytes + p->value_row_bytes);
+  int threads = g_num_threads;
+  if (threads > p->num_tokens) threads = (int)p->num_tokens;
+  if (threads < 2 || bytes < g_parallel_min_bytes) {
+    pakv_range all = {p, 0, p->num_tokens, &bad};
+    copy_rows(&all);
+  } else {
+    pthread_t tid[PAKV_MAX_THREADS];
+    pakv_range ranges[PAKV_MAX_THREADS];
+    int started[PAKV_MAX_THREADS] = {0};
+    for (int i = 0; i < threads; i++) {
+      ranges[i].plan = p;
+      ranges[i].lo = split_point(p->num_tokens, threads, i);
+      ranges[i].hi = split_point(p->num_tokens, threads, i + 1);
+      ranges[i].bad = &bad;
+    }
+    for (int i = 1; i < threads; i++)
+      started[i] = pthread_create(&tid[i], NULL, copy_range_thread, &ranges[i]) == 0;
+    copy_rows(&ranges[0]);
+    for (int i = 1; i < threads; i++) {
+      if (started[i])
+        pthread_join(tid[i], NULL);
+      else
+        copy_rows(&ranges[i]); /* could not start a thread: do its share here */
+    }
+  }
+  if (atomic_load(&bad))
+    return pakv_fail(err,
+                     "block_tables changed while the gather ran: an entry read during the copy is outside [0, %lld) "
+                     "(it was valid when checked); the outputs are incomplete",
+                     (long long)p->num_blocks);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Exported entry points (the native Python backend; see pakv_onnx/native_lib/__init__.py)     */
+/* ------------------------------------------------------------------------------------------- */
+PAKV_EXPORT int pakv_abi_version(void) { return PAKV_ABI_VERSION; }
+PAKV_EXPORT size_t pakv_plan_size(void) { return sizeof(pakv_plan); }
+
+PAKV_EXPORT int pakv_gather(const pakv_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err;
+  err.msg[0] = 0;
+  int rc = pakv_check_plan(plan, &err);
+  if (!rc) rc = pakv_run_plan(plan, &err);
+  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+  return rc;
+}

@@ -1,0 +1,75 @@
+/* The copy core of GatherPaKvCache: no ONNX Runtime, no Python.
+ *
+ * A pakv_plan describes one gather in bytes: where each cache's blocks are (base + block stride),
+ * how many bytes one output row (token) has per cache, the outputs, and the per-sequence index
+ * arrays. pakv_check_plan validates everything the copy reads (memory safety, checked arithmetic);
+ * pakv_run_plan does one memcpy per contiguous (sequence, block) run, on threads for big copies.
+ *
+ *   Norm : cache block = [bs, H, D]        row = H*D*itemsize, token (b, s) at b*stride + s*row
+ *   PA_NZ: cache block = [H*D/E, bs, E]    row = H*D*itemsize, fractal f of token (b, s) is 32 bytes
+ *                                          at b*stride + (f*bs + s)*32   (E*itemsize = 32)
+ *
+ * The struct is the library's ABI with Python (pakv_onnx/native_lib/__init__.py mirrors it as a
+ * ctypes.Structure and checks PAKV_ABI_VERSION and sizeof(pakv_plan) when it loads the library).
+ * Bump PAKV_ABI_VERSION whenever the struct or an exported signature changes.
+ */
+#ifndef PAKV_CORE_H
+#define PAKV_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define PAKV_EXPORT __attribute__((visibility("default")))
+#else
+#define PAKV_EXPORT
+#endif
+
+#define PAKV_ABI_VERSION 2
+#define PAKV_ERR_LEN 1024
+#define PAKV_NZ_FRACTAL_BYTES 32
+#define PAKV_LAYOUT_NORM 0
+#define PAKV_LAYOUT_NZ 1
+
+typedef struct {
+  char msg[PAKV_ERR_LEN];
+} pakv_err;
+
+typedef struct pakv_plan {
+  uint32_t abi_version; /* PAKV_ABI_VERSION */
+  uint32_t struct_size; /* sizeof(pakv_plan) as the caller compiled it */
+  int32_t layout;       /* PAKV_LAYOUT_NORM / PAKV_LAYOUT_NZ */
+  int32_t tables64;     /* block_tables elements: 1 = int64, 0 = int32 */
+  int64_t num_blocks;
+  int64_t block_size;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t key_block_stride;   /* bytes from one block to the next (a pool view may leave gaps) */
+  int64_t value_block_stride;
+  int64_t key_row_bytes;      /* bytes of one output row (token) of each output */
+  int64_t value_row_bytes;
+  void* key_out;              /* [num_tokens, key_row_bytes] dense */
+  void* value_out;
+  int64_t num_seqs;           /* Q */
+  int64_t table_cols;         /* block_tables is [Q, table_cols] row-major */
+  const void* block_tables;
+  const int64_t* seq_lengths; /* [Q] tokens of each sequence */
+  const int64_t* out_starts;  /* [Q] first output row of each sequence */
+  const int64_t* col_starts;  /* [Q] first block-table column of each sequence (seq_offset // bs) */
+  int64_t num_tokens;         /* T */
+} pakv_plan;
+
+/* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */
+static inline int pakv_mul(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out) ? -1 : 0; }
+static inline int pakv_add(int64_t a, int64_t b, int64_t* out) { return __builtin_add_overflow(a, b, out) ? -1 : 0; }
+
+int pakv_fail(pakv_err* err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Every check the copy needs to stay inside the caches, the tables and the outputs. */
+int pakv_check_plan(const pakv_plan* p, pakv_err* err);
+
+/* Run a checked plan. Block ids are bounds-checked again where they are read (a caller may change
+ * block_tables while the copy runs); an id that became invalid is an error, never a wild read. */
+int pakv_run_plan(const pakv_plan* p, pakv_err* err);
+
+#endif /* PAKV_CORE_H */

@@ -1,0 +1,250 @@
+"""Run an ASan+UBSan build of the C library inside ONNX Runtime (no torch, no pakv_onnx package).
+
+usage: python sanitizer_session.py <sanitized libpakv_ort.so> <pakv_onnx/native_lib/__init__.py>
+Started by tests/test_native_sanitizers.py with LD_PRELOAD=libasan.so; any invalid access or
+undefined behaviour aborts the process (-fno-sanitize-recover), so exit 0 means clean.
+
+Covers: random valid and invalid calls checked against a per-token numpy reference (both layouts,
+both seq_lens forms, mixed key/value dtypes, any seq_offset), strict attributes, extreme shapes
+ORT accepts (Q+1, bytes per token, T * i in the thread split), a writer thread changing the block
+table during runs, a second registration on the same options, and the copy core through ctypes
+(strided pool views, bad plans).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import sys
+import threading
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+LIB, LOADER = sys.argv[1], sys.argv[2]
+INPUTS = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
+ORT_ERRORS = (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail,
+              ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+              ort.capi.onnxruntime_pybind11_state.RuntimeException)  # fmt: skip
+# numpy dtype -> ONNX type for the cache dtypes numpy has.
+CACHE = {np.float16: TensorProto.FLOAT16, np.float32: TensorProto.FLOAT, np.int8: TensorProto.INT8,
+         np.uint8: TensorProto.UINT8, np.int32: TensorProto.INT32}  # fmt: skip
+INDEX = {np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
+NUMPY = {v: k for k, v in (*CACHE.items(), *INDEX.items())}  # ONNX type -> numpy type (for bind_input)
+rng = np.random.default_rng(0)
+sessions: dict = {}
+
+
+def model(types, mode="Norm", cumsum=1, attrs=None, opset=1):
+    names = [n if t is not None else "" for n, t in zip(INPUTS, types)]
+    while names and names[-1] == "":
+        names.pop()
+    inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(INPUTS, types) if t is not None]
+    outputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(("key", "value"), types[:2])]
+    attrs = {"cache_mode": mode, "is_seq_lens_cumsum": cumsum} if attrs is None else attrs
+    node = helper.make_node("GatherPaKvCache", names, ["key", "value"], domain="pakv", **attrs)
+    graph = helper.make_graph([node], "g", inputs, outputs)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("pakv", opset)])
+    proto.ir_version = 8  # readable by every ORT the library supports (>= 1.16)
+    return proto
+
+
+def session(proto):
+    key = proto.SerializeToString()
+    if key not in sessions:
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(LIB)
+        sessions[key] = ort.InferenceSession(key, options, providers=["CPUExecutionProvider"])
+    return sessions[key]
+
+
+def reference(kc, vc, bt, sl, so, nz, cumsum):
+    bs = kc.shape[2 if nz else 1]
+    lengths = np.diff(sl) if cumsum else sl
+    out = []
+    for cache in (kc, vc):
+        rows = []
+        for q, n in enumerate(lengths):
+            col0 = 0 if so is None else int(so[q]) // bs
+            for t in range(int(n)):
+                b, s = int(bt[q, col0 + t // bs]), t % bs
+                rows.append(cache[b, :, s, :].reshape(-1) if nz else cache[b, s])
+        shape = (cache.shape[1] * cache.shape[3],) if nz else cache.shape[2:]
+        out.append(np.stack(rows) if rows else np.zeros((0, *shape), cache.dtype))
+    return out
+
+
+def random_call(i):
+    kt, vt = rng.choice(list(CACHE)), rng.choice(list(CACHE))
+    nz, cumsum = bool(rng.integers(2)), bool(rng.integers(2))
+    nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+    def cache(t):
+        e = 32 // np.dtype(t).itemsize
+        if nz:
+            shape = (nb, int(rng.integers(1, 3)), bs, e)
+        else:
+            shape = (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
+        return rng.integers(0, 100, shape).astype(t)
+    kc, vc = cache(kt), cache(vt)
+    lengths = rng.integers(0, 3 * bs + 1, q)
+    offsets = rng.integers(0, 2 * bs + 1, q)
+    cols = int(max([0, *(o // bs + -(-n // bs) for o, n in zip(offsets, lengths))]))
+    bt = rng.integers(0, max(nb, 1), (q, cols)).astype(rng.choice(list(INDEX)))
+    if bt.size and rng.integers(4) == 0:
+        bt.flat[rng.integers(bt.size)] = rng.choice([-1, nb, 2**31 - 1])
+    sl = (np.concatenate([[0], np.cumsum(lengths)]) if cumsum else lengths).astype(rng.choice(list(INDEX)))
+    if rng.integers(6) == 0 and sl.size:
+        sl[-1] = rng.choice([-5, 2**31 - 1])
+    so = offsets.astype(rng.choice(list(INDEX))) if rng.integers(3) else None
+    types = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type]]
+    types.append(None if so is None else INDEX[so.dtype.type])
+    s = session(model(types, "PA_NZ" if nz else "Norm", int(cumsum)))
+    feeds = {n: a for n, a in zip(INPUTS, (kc, vc, bt, sl, so)) if a is not None}
+    try:
+        key, value = s.run(None, feeds)
+    except ORT_ERRORS:
+        return "refused"
+    want = reference(kc, vc, bt, sl, so, nz, cumsum)
+    assert key.dtype == kc.dtype and np.array_equal(key, want[0]) and np.array_equal(value, want[1]), i
+    return "ok"
+
+
+def bind_run(proto, shapes):
+    """Run on zero-element inputs bound by address (the shapes ORT accepts without data)."""
+    buffer = np.zeros(64, np.int64)
+    s = session(proto)
+    binding = s.io_binding()
+    for name, (onnx_type, shape) in shapes.items():
+        binding.bind_input(name, "cpu", 0, NUMPY[onnx_type], shape, buffer.ctypes.data)
+    for name in ("key", "value"):
+        binding.bind_output(name, "cpu")
+    s.run_with_iobinding(binding)
+    return [tuple(v.shape()) for v in binding.get_outputs()]
+
+
+def expect_error(fn, text):
+    try:
+        fn()
+    except ORT_ERRORS as exc:
+        assert text in str(exc), str(exc)
+        return
+    raise AssertionError(f"no error (expected {text!r})")
+
+
+def extreme_shapes():
+    f16, i64 = TensorProto.FLOAT16, TensorProto.INT64
+    types = [f16, f16, i64, i64, None]
+    big = 2**63 - 1
+    def empty_gather(mode, key_shape, value_shape, tables_shape, lens_shape):
+        shapes = {"key_cache": (f16, key_shape), "value_cache": (f16, value_shape),
+                  "block_tables": (i64, tables_shape), "seq_lens": (i64, lens_shape)}  # fmt: skip
+        return lambda: bind_run(model(types, mode), shapes)
+
+    # Q + 1 with Q = INT64_MAX (block_tables [INT64_MAX, 0] holds no data).
+    expect_error(empty_gather("Norm", [1, 1, 1, 1], [1, 1, 1, 1], [big, 0], [0]), "Q+1")
+    # Bytes per token of zero-block caches, Norm and PA_NZ.
+    expect_error(empty_gather("Norm", [0, 1, 2**32, 2**32], [0, 1, 1, 1], [1, 0], [2]), "overflow")
+    expect_error(empty_gather("PA_NZ", [0, 2**62, 1, 16], [0, 1, 1, 16], [1, 0], [2]), "overflow")
+    # T = INT64_MAX tokens of zero-byte rows, threads forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0):
+    # the thread split must not form T * i. Two blocks of 2**62 slots cover T.
+    lengths = np.array([big], np.int64)
+    s = session(model([f16, f16, i64, i64, None], cumsum=0))
+    binding = s.io_binding()
+    table = np.zeros((1, 2), np.int64)
+    cache = np.zeros(8, np.float16)
+    binding.bind_input("key_cache", "cpu", 0, np.float16, [1, 2**62, 0, 4], cache.ctypes.data)
+    binding.bind_input("value_cache", "cpu", 0, np.float16, [1, 2**62, 0, 3], cache.ctypes.data)
+    binding.bind_ortvalue_input("block_tables", ort.OrtValue.ortvalue_from_numpy(table))
+    binding.bind_ortvalue_input("seq_lens", ort.OrtValue.ortvalue_from_numpy(lengths))
+    binding.bind_output("key", "cpu")
+    binding.bind_output("value", "cpu")
+    s.run_with_iobinding(binding)
+    assert [tuple(v.shape()) for v in binding.get_outputs()] == [(big, 0, 4), (big, 0, 3)]
+
+
+def race(seconds=1.0):
+    nb, bs, q, per = 32, 8, 4, 8
+    kc = rng.integers(0, 100, (nb, bs, 2, 32)).astype(np.float16)
+    good = rng.permutation(nb)[: q * per].reshape(q, per).astype(np.int32)
+    table = good.copy()
+    huge = np.full_like(good, 2**30)
+    sl = (np.arange(q + 1) * per * bs).astype(np.int64)
+    s = session(model([TensorProto.FLOAT16, TensorProto.FLOAT16, TensorProto.INT32, TensorProto.INT64, None]))
+    binding = s.io_binding()
+    for name, array in (("key_cache", kc), ("value_cache", kc), ("block_tables", table), ("seq_lens", sl)):
+        binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    binding.bind_output("key", "cpu")
+    binding.bind_output("value", "cpu")
+    stop = []
+    def writer():
+        while not stop:
+            table[...] = huge
+            table[...] = good
+    thread = threading.Thread(target=writer)
+    thread.start()
+    counts = {"ok": 0, "refused": 0}
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        try:
+            s.run_with_iobinding(binding)
+            counts["ok"] += 1
+        except ORT_ERRORS as exc:
+            assert "block_tables" in str(exc), str(exc)
+            counts["refused"] += 1
+    stop.append(1)
+    thread.join()
+    return counts
+
+
+def attributes_and_registration():
+    f16, i32 = TensorProto.FLOAT16, TensorProto.INT32
+    types = [f16, f16, i32, i32, None]
+    for attrs, text in (({"cache_mode": 1}, "STRING attribute"), ({"cache_mode": b"Norm\0junk"}, "NUL byte"),
+                        ({"is_seq_lens_cumsum": "1"}, "INT attribute"), ({"cache_mode": ["PA_NZ"]}, "STRINGS"),
+                        ({"is_seq_lens_cumsum": 3}, "0/1")):  # fmt: skip
+        expect_error(lambda: session(model(types, attrs=attrs)), text)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(LIB)
+    expect_error(lambda: options.register_custom_ops_library(LIB), "already registered")
+
+
+def core():
+    spec = importlib.util.spec_from_file_location("native_lib", LOADER)
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    lib = loader.declare(ctypes.CDLL(LIB))
+    loader.check_abi(lib, LIB)
+    pool = rng.integers(0, 255, (6, 2, 4, 16)).astype(np.uint8)  # [nb, k/v, bs, row bytes]
+    table = np.array([[5, 0, 3]], np.int64)
+    lengths, starts, cols = np.array([10], np.int64), np.array([0], np.int64), np.array([0], np.int64)
+    out_k, out_v = np.zeros((10, 16), np.uint8), np.zeros((10, 16), np.uint8)
+    def plan(**changes):
+        fields = dict(layout=0, tables64=1, num_blocks=6, block_size=4, key_cache=pool.ctypes.data,
+                      value_cache=pool.ctypes.data + 64, key_block_stride=128, value_block_stride=128,
+                      key_row_bytes=16, value_row_bytes=16, key_out=out_k.ctypes.data, value_out=out_v.ctypes.data,
+                      num_seqs=1, table_cols=3, block_tables=table.ctypes.data, seq_lengths=lengths.ctypes.data,
+                      out_starts=starts.ctypes.data, col_starts=cols.ctypes.data, num_tokens=10)  # fmt: skip
+        fields.update(changes)
+        return loader.Plan(**fields)
+    error = ctypes.create_string_buffer(1024)
+    assert lib.pakv_gather(ctypes.byref(plan()), error, 1024) == 0, error.value
+    for t in range(10):
+        b, s = table[0, t // 4], t % 4
+        assert np.array_equal(out_k[t], pool[b, 0, s]) and np.array_equal(out_v[t], pool[b, 1, s])
+    for bad in (dict(num_blocks=5), dict(key_block_stride=32), dict(num_tokens=2**62), dict(block_size=0),
+                dict(key_row_bytes=2**62, value_row_bytes=2**62), dict(table_cols=2)):  # fmt: skip
+        assert lib.pakv_gather(ctypes.byref(plan(**bad)), error, 1024) != 0, bad
+
+
+counts = {"ok": 0, "refused": 0}
+for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 400):
+    counts[random_call(i)] += 1
+assert counts["ok"] > 20 and counts["refused"] > 20, counts
+extreme_shapes()
+raced = race()
+assert raced["refused"] > 0, raced
+attributes_and_registration()
+core()
+print("clean", counts, raced, flush=True)

@@ -1,0 +1,79 @@
+"""Facts the C library and Python share are written once or checked here (issue 9.2-9.3):
+
+* the C cache dtype table (pakv_dtypes.h) equals spec.CACHE_DTYPES, in order;
+* the ctypes mirrors (Plan, Request) match the C structs: the library reports its ABI version and
+  struct sizes and the loader refuses a mismatch;
+* the library exports exactly the functions the loader declares (no dead exports);
+* ORT slot numbers live only in ort_abi.h (the fake-ORT driver includes it, keeps no table).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pakv_onnx import native_lib
+from pakv_onnx.spec import CACHE_DTYPES
+
+SOURCES = Path(native_lib.__file__).parent
+DRIVER = Path(__file__).parent / "native" / "fake_ort_driver.c"
+
+
+def test_c_dtype_table_matches_spec() -> None:
+    text = (SOURCES / "pakv_dtypes.h").read_text()
+    body = text[text.index("PAKV_CACHE_DTYPES[] = {") : text.index("};")]
+    rows = [(int(t), int(s), n) for t, s, n in re.findall(r'\{(\d+), (\d+), "([a-z0-9_]+)"\}', body)]
+    assert rows == [(d.onnx_type, d.itemsize, d.name) for d in CACHE_DTYPES]
+
+
+def test_struct_sizes_and_abi_version_match_the_library() -> None:
+    lib = native_lib.load()
+    assert lib.pakv_abi_version() == native_lib.ABI_VERSION
+    assert lib.pakv_plan_size() == ctypes.sizeof(native_lib.Plan)
+    assert lib.pakv_request_size() == ctypes.sizeof(native_lib.Request)
+    header = (SOURCES / "pakv_core.h").read_text()
+    assert f"#define PAKV_ABI_VERSION {native_lib.ABI_VERSION}\n" in header
+    # Field order: the ctypes mirror names the C fields in the same order.
+    c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+);", header[header.index("typedef struct pakv_plan") :], re.M)
+    assert [name for name, _ in native_lib.Plan._fields_] == c_fields[: len(native_lib.Plan._fields_)]
+
+
+def test_loader_refuses_a_library_with_another_abi() -> None:
+    class Stale:
+        """A library built from older sources: other ABI version and plan size."""
+
+        def pakv_abi_version(self):
+            return native_lib.ABI_VERSION - 1
+
+        def pakv_plan_size(self):
+            return ctypes.sizeof(native_lib.Plan) - 8
+
+        def pakv_request_size(self):
+            return ctypes.sizeof(native_lib.Request)
+
+    with pytest.raises(native_lib.LibraryABIError, match=r"ABI version is 1 in the library, 2 here.*rebuild"):
+        native_lib.check_abi(Stale(), "/stale/libpakv_ort.so")
+
+
+def test_library_exports_exactly_what_the_loader_declares() -> None:
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) is needed to list the library's exports"
+    listing = subprocess.run([nm, "-D", "--defined-only", native_lib.library_path()], capture_output=True, text=True)
+    exported = {line.split()[-1] for line in listing.stdout.splitlines() if " T " in line}
+    assert exported == {"RegisterCustomOps", *native_lib._SIGNATURES}
+
+
+def test_ort_slot_numbers_are_written_only_in_ort_abi_h() -> None:
+    slots = re.findall(r"PAKV_SLOT_(\w+) = (\d+)", (SOURCES / "ort_abi.h").read_text())
+    assert len(slots) > 20
+    others = [*SOURCES.glob("*.c"), DRIVER]
+    for path in others:
+        text = path.read_text()
+        assert not re.search(r"g_table\[\d+\]|\[PAKV_SLOT_\w+\] = |api\)\[\d+\]", text), path
+    assert "#include \"ort_abi.h\"" in DRIVER.read_text()
+    assert "PAKV_CACHE_DTYPES" in DRIVER.read_text() and "TYPES[11]" not in DRIVER.read_text()

@@ -1,0 +1,62 @@
+"""The C library built with ASan + UBSan (gcc -fsanitize=address,undefined, no recovery) and loaded
+into ONNX Runtime: random valid/invalid calls, mixed dtypes, any seq_offset, extreme shapes ORT
+accepts, a writer racing the block table, strict attributes, double registration, and the copy
+core through ctypes (tests/native/sanitizer_session.py). Any invalid access or undefined
+behaviour aborts the run. Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread
+split is checked too. CI runs this file as its own step (.ci/run)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pakv_onnx import native_lib
+
+SOURCES = Path(native_lib.__file__).parent
+SESSION = Path(__file__).parent / "native" / "sanitizer_session.py"
+C_FILES = ["pakv_core.c", "pakv_ort.c", "pakv_bridge.c"]  # the sources setup.py builds
+
+
+def _runtime(name: str) -> str:
+    path = subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+    assert os.path.isabs(path) and os.path.exists(path), f"gcc has no {name} (install gcc's sanitizer runtimes)"
+    return path
+
+
+@pytest.fixture(scope="module")
+def sanitized_library(tmp_path_factory) -> Path:
+    assert shutil.which("gcc"), "gcc is needed for the sanitizer build"
+    out = tmp_path_factory.mktemp("asan") / native_lib.LIBRARY_NAME
+    flags = ["-std=c11", "-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    flags += ["-fno-omit-frame-pointer", "-fvisibility=hidden", "-pthread", "-shared", "-fPIC", "-Wall", "-Werror"]
+    flags += ["-Wno-unused-parameter"]
+    subprocess.run(["gcc", *flags, "-o", str(out), *[str(SOURCES / f) for f in C_FILES]], check=True)
+    return out
+
+
+def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+    env = dict(
+        os.environ,
+        # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
+        LD_PRELOAD=f"{_runtime('libasan.so')} {_runtime('libstdc++.so')}",
+        ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",  # CPython's own allocations are not ours
+        UBSAN_OPTIONS="print_stacktrace=1",
+        PAKV_ONNX_PARALLEL_MIN_BYTES="0",
+        ORT_LOGGING_LEVEL="3",
+    )
+    result = subprocess.run(
+        [sys.executable, str(SESSION), str(sanitized_library), str(SOURCES / "__init__.py"), "300"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    report = result.stdout[-2000:] + result.stderr[-6000:]
+    assert result.returncode == 0, f"exit {result.returncode}\n{report}"
+    assert "runtime error" not in result.stderr and "AddressSanitizer" not in result.stderr, report
+    assert "clean" in result.stdout
