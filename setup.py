@@ -57,6 +57,7 @@ library = Extension(
     py_limited_api=False,
 )
 
+
 class PlatformWheel(bdist_wheel):
     """Tag the wheel ``py3-none-<platform>``: the plugin is a plain C library with no Python ABI.
 

@@ -1,9 +1,8 @@
 """Parity through the Python API (issue 13, the parts that pass through spec.plan_gather).
 
-These need the spec helper's spec.py (GatherPlan.key_dtype / value_dtype, caches strided on dim
-0, the seq_offset floor rule). Until that spec is merged they are expected to fail, and marked so
-explicitly (strict xfail: once the new spec is present the mark turns itself off and the tests
-must pass). The C-side halves of the same rules run today in tests/test_runtime_plugin_parity.py.
+Every backend that reads caches through spec: pool views read in place, every dtype pair, any
+non-negative offset (floor rule), through the front and the plugin's Python callback. The C-side
+halves of the same rules run in tests/test_runtime_plugin_parity.py.
 """
 
 from __future__ import annotations
@@ -15,14 +14,7 @@ from test_runtime_plugin_parity import _pool_views, floor_case
 
 from pakv_onnx import gather_pa_kv_cache, kernels, native_lib, runtime_plugin
 from pakv_onnx.runtime_plugin.models import one_node_model
-from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, GatherPlan, bitwise_equal, plan_gather
-
-NEW_SPEC = "key_dtype" in GatherPlan.__dataclass_fields__
-pytestmark = pytest.mark.xfail(
-    not NEW_SPEC,
-    strict=True,
-    reason="needs the new spec.py (issue 13: key_dtype/value_dtype, strided caches, floor rule); merge enables it",
-)
+from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal, plan_gather
 
 
 def assert_reference(key, value, inputs, attributes, label):

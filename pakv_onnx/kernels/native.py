@@ -107,19 +107,12 @@ def gather_native(
     native_lib.gather(c_plan)
 
 
-# This backend reads pool views in place and takes each cache's element size from its own dtype.
-# The flags exist once spec/kernels accept strided caches and mixed dtypes (issue 13, the spec
-# helper's Backend.reads_pool_views / Backend.mixed_dtypes); before that they are left out.
-# TODO(lead, after merging the new kernels/__init__.py): pass both flags directly.
-_CAPABILITIES = {
-    flag: True for flag in ("reads_pool_views", "mixed_dtypes") if flag in Backend.__dataclass_fields__
-}
-
 BACKEND = Backend(
     name="native",
     description="C copy core: one memcpy per (sequence, block) run; strided pool views read in place (CPU)",
     gather=gather_native,
     unavailable_reason=_unavailable,
     unsupported_reason=_unsupported,
-    **_CAPABILITIES,
+    reads_pool_views=True,
+    mixed_dtypes=True,
 )
