@@ -54,7 +54,7 @@ def test_wheel_is_py3_none_platform_and_carries_the_built_library(clean_tree: Pa
         dist_info = f"pakv_onnx-{pakv_onnx.__version__}.dist-info"
         metadata = archive.read(f"{dist_info}/METADATA").decode()
         wheel_file = archive.read(f"{dist_info}/WHEEL").decode()
-    assert "pakv_onnx/runtime_plugin/libpakv_ort.so" in names  # compiled by the build: the copy had none
+    assert "pakv_onnx/native_lib/libpakv_ort.so" in names  # compiled by the build: the copy had none
     assert f"{dist_info}/licenses/LICENSE" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert f"Version: {pakv_onnx.__version__}" in metadata.splitlines()
@@ -90,7 +90,7 @@ def test_sdist_ships_the_test_helpers_and_its_tests_collect(clean_tree: Path, tm
     with tarfile.open(sdist) as archive:
         names = {name.removeprefix(top + "/") for name in archive.getnames()}
         archive.extractall(tmp_path / "x", filter="data")
-    for needed in (*TEST_HELPERS, "LICENSE", "README.md", "pakv_onnx/runtime_plugin/gather_pa_kv_cache.c"):
+    for needed in (*TEST_HELPERS, "LICENSE", "README.md", "pakv_onnx/native_lib/pakv_core.c"):
         assert needed in names, f"the sdist lacks {needed}"
     shipped_tests = {n for n in names if n.startswith("tests/test_") and n.endswith(".py")}
     assert shipped_tests == {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
