@@ -1,0 +1,252 @@
+"""PyPTO runs on a CPU, each in a subprocess: SIM compile, cost model, pass-verify interpreter.
+
+Each run is ``python -m pakv_onnx.pypto.worker REQUEST.json`` in its own process: a failed
+compile poisons later compiles in the same process, and every SIM or verify call leaks a
+copy of its inputs. The subprocess runs with its cwd, ``HOME``, ``TMPDIR`` and PyPTO's
+output variables inside a per-run directory under :func:`pakv_onnx.paths.cache_dir`
+(``pypto/runs/...``), sends its stdout/stderr to ``run.log`` at the file-descriptor level and
+writes ``result.json``. A successful run's directory is removed; a failed one is kept and
+named, and only the newest :data:`KEEP_FAILED_RUNS` failed directories are kept.
+
+Before a run, :func:`memory_refusal` compares an estimate of its peak memory with what the
+machine has available and refuses (with both figures) a run that cannot fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir, pypto_output_env
+
+DEFAULT_TIMEOUT_S = 900
+KEEP_FAILED_RUNS = 10
+WORKER_MODULE = "pakv_onnx.pypto.worker"
+
+# Peak memory model of one run (measured: the interpreter copies its inputs many times; the
+# seed's 812 MB caches drove a verify to OOM at 19 GB): base process + factor x input bytes.
+BASE_PROCESS_BYTES = 1_500 * 2**20
+BYTES_FACTOR = {"verify": 24, "cost": 4, "floor": 4, "helper": 0}
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one subprocess run reported."""
+
+    case_id: str
+    ok: bool  # compiled and ran (and, for verify, matched the golden)
+    detail: str
+    seconds: float
+    aicore_us: float | None = None
+    tasks: int | None = None
+    utilisation: float | None = None
+    tiles: dict | None = None
+    log: str | None = None
+    run_dir: str | None = None
+
+
+_SUMMARY = {
+    "aicore_us": re.compile(r"AICore End-to-End Time:\s*([0-9.]+)"),
+    "tasks": re.compile(r"Total Task Count:\s*([0-9]+)"),
+    "utilisation": re.compile(r"AICore Utilization:\s*([0-9.]+)%"),
+}
+_ERROR_HINT = re.compile(r"(exceed|out of|buffer|CHECK FAILED|Error|error)", re.IGNORECASE)
+
+
+def parse_cost_summary(text: str) -> dict[str, Any]:
+    """AICore end-to-end us, task count and utilisation (%) from the cost model's printout (last run)."""
+    found: dict[str, Any] = {}
+    for key, pattern in _SUMMARY.items():
+        matches = pattern.findall(text)
+        if matches:
+            found[key] = int(matches[-1]) if key == "tasks" else float(matches[-1])
+    return found
+
+
+# --------------------------------------------------------------------------- #
+# Memory
+# --------------------------------------------------------------------------- #
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (``None`` where there is none)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def estimate_bytes(input_bytes: int, mode: str) -> int:
+    return BASE_PROCESS_BYTES + BYTES_FACTOR.get(mode, BYTES_FACTOR["verify"]) * input_bytes
+
+
+def memory_refusal(input_bytes: int, mode: str, available: int | None = None) -> str | None:
+    """Why a ``mode`` run over ``input_bytes`` of tensors cannot fit here, or ``None``."""
+    available = available_bytes() if available is None else available
+    need = estimate_bytes(input_bytes, mode)
+    if available is None or need <= available:
+        return None
+    return (
+        f"a PyPTO {mode} run over {input_bytes / 2**20:.1f} MiB of tensors needs about {need / 2**30:.1f} GiB "
+        f"(the interpreter copies its inputs; estimate {BASE_PROCESS_BYTES / 2**30:.1f} GiB + "
+        f"{BYTES_FACTOR.get(mode, 24)} x inputs), but only {available / 2**30:.1f} GiB is available"
+    )
+
+
+def case_bytes(case) -> int:
+    return sum(t.numel() * t.element_size() for t in case.inputs() if t is not None)
+
+
+# --------------------------------------------------------------------------- #
+# Run directories
+# --------------------------------------------------------------------------- #
+def runs_dir() -> Path:
+    return cache_dir("pypto", "runs")
+
+
+def new_run_dir(label: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:60]
+    path = runs_dir() / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"
+    path.mkdir(parents=True)
+    return path
+
+
+def prune_failed_runs(keep: int = KEEP_FAILED_RUNS) -> list[Path]:
+    """Remove all but the newest ``keep`` kept run directories; returns the removed ones."""
+    kept = sorted((p for p in runs_dir().iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    removed = kept[keep:]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
+def subprocess_env(run_dir: Path) -> dict[str, str]:
+    """Environment of a PyPTO subprocess: every file PyPTO writes lands in ``run_dir``."""
+    from pakv_onnx.pypto.adapter import HELPER_DIR_ENV
+
+    env = dict(os.environ)
+    env.pop("ASCEND_HOME_PATH", None)  # would switch pypto to NPU mode and CANN libraries
+    home = run_dir / "home"
+    for path in (home, run_dir / "output", run_dir / "ascend_log", run_dir / "tmp"):
+        path.mkdir(parents=True, exist_ok=True)
+    env.update(
+        {
+            CACHE_DIR_ENV: str(cache_dir()),  # keep the same cache whatever HOME says
+            HELPER_DIR_ENV: os.environ.get(HELPER_DIR_ENV) or str(cache_dir("pypto", "calculator")),
+            "HOME": str(home),
+            **pypto_output_env(run_dir),
+            "TMPDIR": str(run_dir / "tmp"),
+            "MPLBACKEND": "Agg",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def run_in_subprocess(
+    request: dict[str, Any],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    keep: bool = False,
+    worker: list[str] | None = None,
+) -> RunResult:
+    """Run one request (``{"mode": "verify"|"cost"|"floor"|"helper", "case": ID, "tiles": {..}|None}``).
+
+    ``worker`` is the command that takes the request file (default: :mod:`.worker`); tests
+    point it at a script that calls :func:`.worker.worker_main` with a deliberately wrong kernel.
+    """
+    case_id = str(request.get("case", "-"))
+    run_dir = new_run_dir(f"{request.get('mode')}-{case_id}")
+    log_path, result_path = run_dir / "run.log", run_dir / "result.json"
+    request_path = run_dir / "request.json"
+    request_path.write_text(json.dumps(dict(request, result=str(result_path), log=str(log_path))))
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [*(worker or [sys.executable, "-m", WORKER_MODULE]), str(request_path)],
+            cwd=run_dir,
+            env=subprocess_env(run_dir),
+            check=False,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=timeout,
+        )
+        returncode: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        returncode = None
+    except BaseException:  # Ctrl-C: the child got it too; leave no half-written directory behind
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    seconds = time.perf_counter() - start
+    result = read_result(case_id, run_dir, returncode, seconds)
+    if result.ok and not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        result.log = result.run_dir = None
+    elif not result.ok:
+        prune_failed_runs()
+    return result
+
+
+def read_result(case_id: str, run_dir: Path, returncode: int | None, seconds: float) -> RunResult:
+    log_path, result_path = run_dir / "run.log", run_dir / "result.json"
+    log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    summary = parse_cost_summary(log_text)
+    tiles = None
+    if result_path.exists():
+        payload = json.loads(result_path.read_text())
+        ok, detail, tiles = bool(payload["ok"]), str(payload["detail"]), payload.get("tiles")
+    else:
+        ok = False
+        hints = [line.strip() for line in log_text.splitlines() if _ERROR_HINT.search(line)]
+        why = "timed out" if returncode is None else f"exited with code {returncode}"
+        if returncode == -9:
+            why += " (killed: most likely out of memory)"
+        detail = f"subprocess {why}" + (f": {hints[-1][:300]}" if hints else "")
+    if not ok:
+        first_error = first_logged_error(run_dir / "ascend_log")
+        if first_error and first_error not in detail:
+            detail = f"{detail}; PyPTO log: {first_error}"
+    return RunResult(
+        case_id=case_id, ok=ok, detail=detail, seconds=seconds, tiles=tiles, log=str(log_path), run_dir=str(run_dir),
+        **summary,
+    )
+
+
+def first_logged_error(log_dir: Path) -> str | None:
+    """The message of the first ``[ERROR]`` line PyPTO logged (compile failures name their cause only there)."""
+    if not log_dir.exists():
+        return None
+    for path in sorted(log_dir.rglob("*.log")):
+        with open(path, errors="replace") as handle:
+            for line in handle:
+                if "[ERROR]" in line:
+                    return line.rsplit("]:", 1)[-1].strip()[:300]
+    return None
+
+
+def helper_is_built() -> bool:
+    """True once PyPTO's interpreter helper library is in the cache."""
+    from pakv_onnx.pypto import adapter
+
+    return (adapter.calculator_dir() / adapter.CALCULATOR_LIB).exists()
+
+
+def ensure_helper(timeout: float = DEFAULT_TIMEOUT_S, say=None) -> RunResult | None:
+    """Build PyPTO's helper library once (in a subprocess); ``None`` if it was there, else the build's result."""
+    if helper_is_built():
+        return None
+    if say:
+        say("building PyPTO's interpreter helper library once (cmake + g++, about 1-2 min; cached) ...")
+    return run_in_subprocess({"mode": "helper"}, timeout=timeout)
