@@ -51,6 +51,7 @@ BACKEND_MODULES: dict[str, str] = {
     "native": "pakv_onnx.kernels.native",
     "torch": "pakv_onnx.kernels.torch_cpu",
     "golden": "pakv_onnx.kernels.golden",
+    "pypto-cpu": "pakv_onnx.kernels.pypto_cpu",
 }
 AUTO_PREFERENCE: tuple[str, ...] = ("pypto", "native", "torch")
 AUTO = "auto"

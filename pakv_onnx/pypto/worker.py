@@ -137,6 +137,8 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     key_cache, value_cache = inputs["tensors"][0], inputs["tensors"][1]
     key_out = torch.empty(plan.key_out_shape, dtype=key_cache.dtype)
     value_out = torch.empty(plan.value_out_shape, dtype=value_cache.dtype)
+    fill_sentinel(key_out)
+    fill_sentinel(value_out)
     adapter.install()
     tiles = host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=True, verify=True)
     flush_c_stdio()
