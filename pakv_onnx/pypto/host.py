@@ -126,7 +126,8 @@ def build_entries(plan: GatherPlan, chunk: int) -> torch.Tensor:
 
     Sequence q's token t reads block ``block_tables[q, table_col_starts[q] + t // bs]`` slot
     ``t % bs`` (the floor rule), so chunk j of q starts at token ``j * chunk``; ``chunk``
-    divides ``block_size``, so no chunk crosses a block.
+    divides ``block_size``, so no chunk crosses a block. For Norm, field 0 is the cache row
+    ``block * bs + slot`` instead (one multiply per entry done here, not in every task).
     """
     bs = plan.block_size
     if bs % chunk:
@@ -141,9 +142,12 @@ def build_entries(plan: GatherPlan, chunk: int) -> torch.Tensor:
     token = (torch.arange(total) - first[seq]) * chunk
     col = plan.table_col_starts.to(torch.int64)[seq] + token // bs
     block = plan.block_tables.to(torch.int64)[seq, col]
+    slot = token % bs
+    if plan.cache_mode is CacheMode.NORM:
+        block, slot = block * bs + slot, torch.zeros_like(slot)
     valid = torch.clamp(lengths[seq] - token, max=chunk)
     dst = plan.out_starts.to(torch.int64)[seq] + token
-    entries = torch.stack((block, token % bs, dst, valid), dim=1)
+    entries = torch.stack((block, slot, dst, valid), dim=1)
     if int(entries.max()) > INT32_MAX:
         raise ValueError("an entry exceeds int32 (the kernel reads int32 entries)")
     return entries.to(torch.int32).contiguous()
@@ -158,16 +162,30 @@ def kernel_inputs(
     tiles: Tiles,
 ) -> tuple[torch.Tensor, ...]:
     """The gather kernel's tensor arguments on the caches' device (outputs as views, no copy)."""
-    device = key_cache.device
-    key_entries = build_entries(plan, tiles.key_chunk).to(device)
-    value_entries = build_entries(plan, tiles.value_chunk).to(device)
+    entries = build_entries(plan, tiles.chunk).to(key_cache.device)
     if plan.cache_mode is CacheMode.NORM:
-        key_view = key_out.view(plan.num_tokens, row_width(plan, "key"))
-        value_view = value_out.view(plan.num_tokens, row_width(plan, "value"))
-    else:
-        key_view = _nz_out_view(key_out, key_cache)
-        value_view = _nz_out_view(value_out, value_cache)
-    return key_cache, value_cache, key_entries, value_entries, key_view, value_view
+        key_width, value_width = row_width(plan, "key"), row_width(plan, "value")
+        return (
+            key_cache.view(-1, key_width),
+            value_cache.view(-1, value_width),
+            entries,
+            key_out.view(plan.num_tokens, key_width),
+            value_out.view(plan.num_tokens, value_width),
+        )
+    return (
+        key_cache.view(-1, key_cache.shape[2], key_cache.shape[3]),
+        value_cache.view(-1, value_cache.shape[2], value_cache.shape[3]),
+        entries,
+        _nz_out_view(key_out, key_cache),
+        _nz_out_view(value_out, value_cache),
+    )
+
+
+def kernel_scalars(plan: GatherPlan, key_cache: torch.Tensor, value_cache: torch.Tensor, tiles: Tiles) -> tuple:
+    """The kernel's static tuple: the tiles, and for PA_NZ each cache's fractal count C."""
+    if plan.cache_mode is CacheMode.NORM or tiles.kind == "seed":
+        return tiles.kernel_tuple()
+    return (*tiles.kernel_tuple(), key_cache.shape[1], value_cache.shape[1])
 
 
 def _nz_out_view(out: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
@@ -230,7 +248,7 @@ def run_kernel(
         args = kernel_inputs(plan, key_cache, value_cache, key_out, value_out, tiles)
         kind = "norm" if plan.cache_mode is CacheMode.NORM else "nz"
     fn = kernel.jit_kernel(kind, sim=sim, verify=verify, kernel_fn=kernel_fn)
-    fn(*args, tiles.kernel_tuple())
+    fn(*args, kernel_scalars(plan, key_cache, value_cache, tiles))
     return tiles
 
 

@@ -3,15 +3,16 @@
 The host (:mod:`.host`) turns a validated plan into a flat list of *entries*, one per
 (sequence, used block, sub-chunk of ``chunk`` slots): int32 rows ``(block, slot, dst, valid)``
 meaning "copy ``valid`` token slots of cache block ``block`` starting at slot ``slot`` to output
-rows ``dst ..``". The kernel is one flat ``pypto.loop`` over those entries per cache: the
-cost model charges nested sequence/block loops thousands of cycles each, and a flat loop of
-equal-sized DMA tasks is what reached the copy floor (FACTS section 8). Key and value have
-their own entry lists (their best chunk differs with their row width and dtype).
+rows ``dst ..``" (for Norm the host folds block and slot into one cache row, ``block*bs + slot``).
+The kernel is one flat ``pypto.loop`` over those entries, each moving key and value: the
+cost model charges every loop (nested sequence/block loops thousands of cycles each), and
+one flat loop of equal-sized DMA tasks is what reached the copy floor (FACTS section 8).
 
-* Norm: the cache ``[nb, bs, H, D]`` is reshaped in place to rows ``[nb*bs, H*D]``; an entry
-  views ``[chunk, H*D]`` at row ``block*bs + slot`` and assembles it at ``[dst, 0]``.
-* PA_NZ: the cache ``[nb, C, bs, E]`` (``C = H*D/E``) is reshaped in place to
-  ``[nb*C, bs, E]``; an entry views ``[C, chunk, E]`` at ``[block*C, slot, 0]``, transposes it
+* Norm: the host hands the cache ``[nb, bs, H, D]`` in as rows ``[nb*bs, H*D]`` (a view;
+  reshaping inside the kernel costs two extra tasks in the cost model); an entry
+  views ``[chunk, H*D]`` at its cache row and assembles it at ``[dst, 0]``.
+* PA_NZ: the host hands the cache ``[nb, C, bs, E]`` (``C = H*D/E``) in as a
+  ``[nb*C, bs, E]`` view; an entry views ``[C, chunk, E]`` at ``[block*C, slot, 0]``, transposes it
   to ``[chunk, C, E]`` and assembles it into the output, handed in by the host as a
   ``[T, C, E]`` view of ``[T, H*D]`` (reshaping the output inside the kernel breaks the
   interpreter).
@@ -39,73 +40,79 @@ _RUNTIME_OPTIONS = {
 # Index tensors read on the host (scalars drive the loop and the offsets); every name here
 # must be a parameter of the kernel.
 _HOST_TENSORS = {
-    "norm": ["key_entries", "value_entries"],
-    "nz": ["key_entries", "value_entries"],
+    "norm": ["entries"],
+    "nz": ["entries"],
     "copy": [],
     "seed": ["block_tables", "seq_starts", "table_cols"],
 }
 _PASS_OPTIONS = {"vec_nbuffer_setting": {-2: 1, -1: 8}}
 
 
-def _copy_rows(rows, entries, out, chunk: int, tile: tuple, block_size: int):
-    """Norm body: one task per entry, ``[chunk, W]`` rows of ``rows`` to ``out``."""
-    width = rows.shape[1]
-    for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
-        src = entries[e, 0] * block_size + entries[e, 1]
-        pypto.set_vec_tile_shapes(tile[0], tile[1])
-        part = pypto.view(rows, [chunk, width], [src, 0], valid_shape=[entries[e, 3], width])
-        pypto.assemble(part, [entries[e, 2], 0], out)
-
-
 def gather_norm_kernel(
-    key_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    value_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    key_entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
-    value_entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
+    key_rows: pypto.Tensor([DYN, STATIC]),
+    value_rows: pypto.Tensor([DYN, STATIC]),
+    entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
     key_out: pypto.Tensor([DYN, STATIC]),
     value_out: pypto.Tensor([DYN, STATIC]),
     tiles: tuple,
 ):
-    """Norm gather. ``tiles`` = (key chunk, key tile rows, key tile cols, value chunk, value tile rows, value tile cols)."""
-    block_size = key_cache.shape[1]
-    key_rows = pypto.reshape(
-        key_cache, [key_cache.shape[0] * block_size, key_cache.shape[2] * key_cache.shape[3]], inplace=True
-    )
-    value_rows = pypto.reshape(
-        value_cache, [value_cache.shape[0] * block_size, value_cache.shape[2] * value_cache.shape[3]], inplace=True
-    )
-    _copy_rows(key_rows, key_entries, key_out, tiles[0], tiles[1:3], block_size)
-    _copy_rows(value_rows, value_entries, value_out, tiles[3], tiles[4:6], block_size)
+    """Norm gather; entries ``(src_row, 0, dst, valid)``.
 
-
-def _copy_nz(cache, entries, out, chunk: int, tile: tuple):
-    """PA_NZ body: one task per entry, ``[C, chunk, E]`` fractal rows transposed to ``[chunk, C, E]``."""
-    fractals, block_size, e_dim = cache.shape[1], cache.shape[2], cache.shape[3]
-    planes = pypto.reshape(cache, [cache.shape[0] * fractals, block_size, e_dim], inplace=True)
+    The caches come as ``[nb*bs, H*D]`` row views. ``tiles`` = (chunk, key tile rows, key tile
+    cols, value tile rows, value tile cols).
+    """
+    key_width = key_rows.shape[1]
+    value_width = value_rows.shape[1]
+    chunk = tiles[0]
     for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
-        pypto.set_vec_tile_shapes(tile[0], tile[1], e_dim)
-        part = pypto.view(
-            planes,
-            [fractals, chunk, e_dim],
-            [entries[e, 0] * fractals, entries[e, 1], 0],
-            valid_shape=[fractals, entries[e, 3], e_dim],
-        )
-        pypto.set_vec_tile_shapes(tile[1], tile[0], e_dim)
-        pypto.assemble(pypto.transpose(part, 0, 1), [entries[e, 2], 0, 0], out)
+        src = entries[e, 0]
+        dst = entries[e, 2]
+        valid = entries[e, 3]
+        pypto.set_vec_tile_shapes(tiles[1], tiles[2])
+        key_part = pypto.view(key_rows, [chunk, key_width], [src, 0], valid_shape=[valid, key_width])
+        pypto.assemble(key_part, [dst, 0], key_out)
+        pypto.set_vec_tile_shapes(tiles[3], tiles[4])
+        value_part = pypto.view(value_rows, [chunk, value_width], [src, 0], valid_shape=[valid, value_width])
+        pypto.assemble(value_part, [dst, 0], value_out)
+
+
+def _nz_part(planes, fractals: int, e_dim: int, chunk: int, tile: tuple, block, slot, valid):
+    """``[C, chunk, E]`` fractal rows of one block, transposed to ``[chunk, C, E]``."""
+    pypto.set_vec_tile_shapes(tile[0], tile[1], e_dim)
+    part = pypto.view(
+        planes, [fractals, chunk, e_dim], [block * fractals, slot, 0], valid_shape=[fractals, valid, e_dim]
+    )
+    pypto.set_vec_tile_shapes(tile[1], tile[0], e_dim)
+    return pypto.transpose(part, 0, 1)
 
 
 def gather_nz_kernel(
-    key_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    value_cache: pypto.Tensor([DYN, STATIC, STATIC, STATIC]),
-    key_entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
-    value_entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
+    key_planes: pypto.Tensor([DYN, STATIC, STATIC]),
+    value_planes: pypto.Tensor([DYN, STATIC, STATIC]),
+    entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
     key_out: pypto.Tensor([DYN, STATIC, STATIC]),
     value_out: pypto.Tensor([DYN, STATIC, STATIC]),
     tiles: tuple,
 ):
-    """PA_NZ gather. ``tiles`` = (key chunk, key tile C, key tile rows, value chunk, value tile C, value tile rows)."""
-    _copy_nz(key_cache, key_entries, key_out, tiles[0], tiles[1:3])
-    _copy_nz(value_cache, value_entries, value_out, tiles[3], tiles[4:6])
+    """PA_NZ gather; entries ``(block, slot, dst, valid)``.
+
+    The caches come as ``[nb*C, bs, E]`` views. ``tiles`` = (chunk, key tile C, key tile rows,
+    value tile C, value tile rows, key C, value C).
+    """
+    key_e = key_planes.shape[2]
+    value_e = value_planes.shape[2]
+    key_c = tiles[5]
+    value_c = tiles[6]
+    chunk = tiles[0]
+    for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
+        block = entries[e, 0]
+        slot = entries[e, 1]
+        dst = entries[e, 2]
+        valid = entries[e, 3]
+        key_part = _nz_part(key_planes, key_c, key_e, chunk, tiles[1:3], block, slot, valid)
+        pypto.assemble(key_part, [dst, 0, 0], key_out)
+        value_part = _nz_part(value_planes, value_c, value_e, chunk, tiles[3:5], block, slot, valid)
+        pypto.assemble(value_part, [dst, 0, 0], value_out)
 
 
 def copy_kernel(
@@ -115,15 +122,20 @@ def copy_kernel(
     value_out: pypto.Tensor([DYN, STATIC]),
     tiles: tuple,
 ):
-    """The floor: ``[T, W]`` copied contiguously in chunks (no block table). ``tiles`` as Norm."""
-    for src, out, chunk, tile in ((key_src, key_out, tiles[0], tiles[1:3]), (value_src, value_out, tiles[3], tiles[4:6])):
-        width = src.shape[1]
-        total = src.shape[0]
-        for c in pypto.loop(pypto.ceildiv(total, chunk), name="chunk_loop", idx_name="c"):
-            start = c * chunk
-            pypto.set_vec_tile_shapes(tile[0], tile[1])
-            part = pypto.view(src, [chunk, width], [start, 0], valid_shape=[(total - start).min(chunk), width])
-            pypto.assemble(part, [start, 0], out)
+    """The floor: ``[T, W]`` rows copied contiguously in ``chunk``-row tasks (no block table). ``tiles`` as Norm."""
+    key_width = key_src.shape[1]
+    value_width = value_src.shape[1]
+    total = key_src.shape[0]
+    chunk = tiles[0]
+    for c in pypto.loop(pypto.ceildiv(total, chunk), name="chunk_loop", idx_name="c"):
+        start = c * chunk
+        valid = (total - start).min(chunk)
+        pypto.set_vec_tile_shapes(tiles[1], tiles[2])
+        key_part = pypto.view(key_src, [chunk, key_width], [start, 0], valid_shape=[valid, key_width])
+        pypto.assemble(key_part, [start, 0], key_out)
+        pypto.set_vec_tile_shapes(tiles[3], tiles[4])
+        value_part = pypto.view(value_src, [chunk, value_width], [start, 0], valid_shape=[valid, value_width])
+        pypto.assemble(value_part, [start, 0], value_out)
 
 
 def seed_kernel(

@@ -52,6 +52,7 @@ class RunResult:
     tiles: dict | None = None
     log: str | None = None
     run_dir: str | None = None
+    payload: dict | None = None
 
 
 _SUMMARY = {
@@ -199,11 +200,54 @@ def run_in_subprocess(
     return result
 
 
+def run_batch(items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S) -> list[RunResult]:
+    """Cost/floor runs, several per subprocess (saves the ~1.5 s import per run).
+
+    A run that fails ends its subprocess (later compiles there would fail too); the rest
+    go to a fresh one. Returns one :class:`RunResult` per item, in order.
+    """
+    results: list[RunResult] = []
+    while len(results) < len(items):
+        rest = items[len(results) :]
+        start = time.perf_counter()
+        batch = run_in_subprocess(
+            {"mode": "batch", "case": rest[0].get("case", "-"), "items": rest}, timeout=timeout, keep=True
+        )
+        done = (batch.payload or {}).get("results", []) if batch.ok else []
+        seconds = (time.perf_counter() - start) / max(1, len(done))
+        for item, payload in zip(rest, done):
+            detail = str(payload["detail"])
+            if not payload["ok"]:
+                first_error = first_logged_error(Path(batch.run_dir) / "ascend_log")
+                if first_error and first_error not in detail:
+                    detail = f"{detail}; PyPTO log: {first_error}"
+            results.append(
+                RunResult(
+                    case_id=str(item.get("case", "-")),
+                    ok=bool(payload["ok"]),
+                    detail=detail,
+                    seconds=seconds,
+                    tiles=payload.get("tiles"),
+                    aicore_us=payload.get("aicore_us"),
+                    tasks=payload.get("tasks"),
+                    utilisation=payload.get("utilisation"),
+                    log=None if payload["ok"] else batch.log,
+                )
+            )
+        if not done:  # the subprocess itself died on the first item: report it and go on
+            results.append(dataclasses.replace(batch, case_id=str(rest[0].get("case", "-"))))
+        if done and all(p["ok"] for p in done):
+            shutil.rmtree(batch.run_dir, ignore_errors=True)
+        else:
+            prune_failed_runs()
+    return results
+
+
 def read_result(case_id: str, run_dir: Path, returncode: int | None, seconds: float) -> RunResult:
     log_path, result_path = run_dir / "run.log", run_dir / "result.json"
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
     summary = parse_cost_summary(log_text)
-    tiles = None
+    tiles = payload = None
     if result_path.exists():
         payload = json.loads(result_path.read_text())
         ok, detail, tiles = bool(payload["ok"]), str(payload["detail"]), payload.get("tiles")
@@ -219,7 +263,14 @@ def read_result(case_id: str, run_dir: Path, returncode: int | None, seconds: fl
         if first_error and first_error not in detail:
             detail = f"{detail}; PyPTO log: {first_error}"
     return RunResult(
-        case_id=case_id, ok=ok, detail=detail, seconds=seconds, tiles=tiles, log=str(log_path), run_dir=str(run_dir),
+        case_id=case_id,
+        ok=ok,
+        detail=detail,
+        seconds=seconds,
+        tiles=tiles,
+        log=str(log_path),
+        run_dir=str(run_dir),
+        payload=payload,
         **summary,
     )
 

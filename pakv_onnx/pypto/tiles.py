@@ -60,26 +60,25 @@ class KernelShape:
 class Tiles:
     """One kernel specialisation.
 
-    ``kind`` "entries": the flat entry kernel, ``*_chunk`` token slots per task and ``*_tile``
-    its vector tile ((rows, cols) for Norm, (fractals, rows) for PA_NZ). ``kind`` "seed": the
-    seed's nested-loop kernel, ``*_tile`` = (rows, cols) and no chunk.
+    ``kind`` "entries": the flat entry kernel, ``chunk`` token slots per task, ``*_tile`` the
+    vector tile of each cache ((rows, cols) for Norm, (fractals, rows) for PA_NZ). ``kind``
+    "seed": the seed's nested-loop kernel, ``*_tile`` = (rows, cols), chunk 0.
     """
 
     kind: str
-    key_chunk: int
+    chunk: int
     key_tile: tuple[int, int]
-    value_chunk: int
     value_tile: tuple[int, int]
 
     def kernel_tuple(self) -> tuple[int, ...]:
         if self.kind == "seed":
             return (*self.key_tile, *self.value_tile)
-        return (self.key_chunk, *self.key_tile, self.value_chunk, *self.value_tile)
+        return (self.chunk, *self.key_tile, *self.value_tile)
 
     def label(self) -> str:
         if self.kind == "seed":
-            return f"seed kernel rows {self.key_tile[0]}/{self.value_tile[0]}"
-        return f"chunk {self.key_chunk}/{self.value_chunk}"
+            return f"seed kernel, rows {self.key_tile[0]}/{self.value_tile[0]}"
+        return f"chunk {self.chunk}"
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -88,9 +87,8 @@ class Tiles:
     def from_json(cls, data: dict) -> Tiles:
         return cls(
             kind=str(data["kind"]),
-            key_chunk=int(data["key_chunk"]),
+            chunk=int(data["chunk"]),
             key_tile=tuple(int(v) for v in data["key_tile"]),
-            value_chunk=int(data["value_chunk"]),
             value_tile=tuple(int(v) for v in data["value_tile"]),
         )
 
@@ -139,43 +137,36 @@ def candidate_chunks(block_size: int) -> list[int]:
     return sorted(set(powers) | {block_size})
 
 
-def estimate_cycles(shape: KernelShape, width: int, itemsize: int, chunk: int) -> float:
-    """The rule's estimate of one cache's loop: tasks over 48 cores plus dispatch gaps."""
+def estimate_cycles(shape: KernelShape, chunk: int) -> float:
+    """The rule's estimate of the loop: one task per entry (key and value DMAs), over 48 cores."""
     tasks = sum(-(-n // chunk) for n in shape.lengths)
     if tasks == 0:
         return 0.0
-    task = _DMA_FIXED_CYCLES + chunk * width * itemsize * _DMA_CYCLES_PER_BYTE
+    row_bytes = shape.key_width * shape.key_itemsize + shape.value_width * shape.value_itemsize
+    task = 2 * _DMA_FIXED_CYCLES + chunk * row_bytes * _DMA_CYCLES_PER_BYTE
     return math.ceil(tasks / _VECTOR_CORES) * task + tasks * _DISPATCH_CYCLES
 
 
-def _best_chunk(shape: KernelShape, width: int, itemsize: int) -> tuple[int, tuple[int, int]]:
-    best = None
-    for chunk in candidate_chunks(shape.block_size):
-        tile = tile_for(shape.mode, chunk, width, itemsize)
-        if tile is None:
-            continue
-        cost = estimate_cycles(shape, width, itemsize, chunk)
-        if best is None or cost < best[0]:
-            best = (cost, chunk, tile)
-    if best is None:
-        raise ValueError(f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer")
-    return best[1], best[2]
+def entry_tiles(shape: KernelShape, chunk: int) -> Tiles | None:
+    """The entry kernel with ``chunk`` slots per task (``None`` if a tile cannot fit)."""
+    key_tile = tile_for(shape.mode, chunk, shape.key_width, shape.key_itemsize)
+    value_tile = tile_for(shape.mode, chunk, shape.value_width, shape.value_itemsize)
+    if key_tile is None or value_tile is None:
+        return None
+    return Tiles("entries", chunk, key_tile, value_tile)
+
+
+def candidate_tiles(shape: KernelShape) -> list[Tiles]:
+    """The entry kernel at every candidate chunk whose tiles fit."""
+    return [t for t in (entry_tiles(shape, c) for c in candidate_chunks(shape.block_size)) if t is not None]
 
 
 def rule_tiles(shape: KernelShape) -> Tiles:
-    """The closed-form choice: per cache, the chunk with the lowest :func:`estimate_cycles`."""
-    key_chunk, key_tile = _best_chunk(shape, shape.key_width, shape.key_itemsize)
-    value_chunk, value_tile = _best_chunk(shape, shape.value_width, shape.value_itemsize)
-    return Tiles("entries", key_chunk, key_tile, value_chunk, value_tile)
-
-
-def entry_tiles(shape: KernelShape, key_chunk: int, value_chunk: int) -> Tiles | None:
-    """The entry kernel with given chunks (``None`` if a tile cannot fit)."""
-    key_tile = tile_for(shape.mode, key_chunk, shape.key_width, shape.key_itemsize)
-    value_tile = tile_for(shape.mode, value_chunk, shape.value_width, shape.value_itemsize)
-    if key_tile is None or value_tile is None:
-        return None
-    return Tiles("entries", key_chunk, key_tile, value_chunk, value_tile)
+    """The closed-form choice: the candidate chunk with the lowest :func:`estimate_cycles`."""
+    options = candidate_tiles(shape)
+    if not options:
+        raise ValueError(f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer")
+    return min(options, key=lambda t: estimate_cycles(shape, t.chunk))
 
 
 def seed_tiles(shape: KernelShape) -> Tiles | None:
@@ -184,7 +175,7 @@ def seed_tiles(shape: KernelShape) -> Tiles | None:
         return None
     large = max(shape.key_width, shape.value_width) >= SEED_LARGE_TOKEN_ELEMENTS
     rows = SEED_LARGE_TOKEN_ROWS if large else SEED_DEFAULT_ROWS
-    return Tiles("seed", 0, (rows[0], shape.key_width), 0, (rows[1], shape.value_width))
+    return Tiles("seed", 0, (rows[0], shape.key_width), (rows[1], shape.value_width))
 
 
 def tile_bytes(tiles: Tiles, shape: KernelShape) -> tuple[int, int]:

@@ -112,11 +112,40 @@ def _failure(err: BaseException) -> dict[str, Any]:
     return {"ok": False, "detail": f"{type(err).__name__}: {lines[0][:300] if lines else ''}", "tiles": None}
 
 
+def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
+    """Several cost/floor runs in this process, each with the cost-model lines its run printed.
+
+    Stops at the first failure (a failed compile poisons later ones); the parent reruns the rest.
+    """
+    from pakv_onnx.pypto.runs import parse_cost_summary
+
+    log = request["log"]
+    results = []
+    for item in request["items"]:
+        flush_c_stdio()
+        start = os.path.getsize(log)
+        try:
+            payload = execute(item, kernel_fn=kernel_fn)
+        except Exception as err:  # noqa: BLE001
+            payload = _failure(err)
+        flush_c_stdio()
+        with open(log, errors="replace") as handle:
+            handle.seek(start)
+            payload.update(parse_cost_summary(handle.read()))
+        results.append(payload)
+        if not payload["ok"]:
+            break
+    return {"ok": True, "detail": f"{len(results)} runs", "tiles": None, "results": results}
+
+
 def worker_main(request_path: str, kernel_fn=None) -> int:
     request = json.loads(Path(request_path).read_text())
     redirect_output(request["log"])
     try:
-        payload = execute(request, kernel_fn=kernel_fn)
+        if request["mode"] == "batch":
+            payload = execute_batch(request, kernel_fn=kernel_fn)
+        else:
+            payload = execute(request, kernel_fn=kernel_fn)
     except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
         payload = _failure(err)
     flush_c_stdio()
