@@ -9,7 +9,7 @@ import time
 from pakv_onnx.commands._report import case_line, totals_line
 
 DEFAULT_KERNEL_CASES = 4
-BATCH = 6  # cases per subprocess (a failure ends its subprocess; the rest go to a fresh one)
+BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it; the rest go to a fresh one)
 
 
 def preflight() -> str | None:
@@ -68,23 +68,21 @@ def _refusals(built) -> tuple[dict[str, str], list[str]]:
     return kernel, memory
 
 
-def _run_cpu(args, case_ids: list[str], built) -> list:
+def _run_cpu(args, case_ids: list[str]):
+    """Results in order, a batch of cases per subprocess (yielded as each batch finishes)."""
     from pakv_onnx.pypto import runs
 
-    results = []
     for start in range(0, len(case_ids), BATCH):
         batch = case_ids[start : start + BATCH]
-        results.extend(runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout))
-    return results
+        yield from runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout)
 
 
-def _run_npu(case_ids: list[str], built) -> list:
+def _run_npu(case_ids: list[str], built):
     """Each case through the ``pypto`` backend on the NPU, compared with the golden."""
     from pakv_onnx.ops import gather_pa_kv_cache
     from pakv_onnx.pypto.runs import RunResult
     from pakv_onnx.spec import bitwise_equal
 
-    results = []
     for case_id in case_ids:
         case, _ = built[case_id]
         start = time.perf_counter()
@@ -95,8 +93,7 @@ def _run_npu(case_ids: list[str], built) -> list:
             ok, detail = not bad, ("bit-exact vs golden" if not bad else f"NOT bit-exact vs golden ({', '.join(bad)})")
         except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
             ok, detail = False, f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
-        results.append(RunResult(case_id=case_id, ok=ok, detail=detail, seconds=time.perf_counter() - start))
-    return results
+        yield RunResult(case_id=case_id, ok=ok, detail=detail, seconds=time.perf_counter() - start)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,6 +125,10 @@ def run(args: argparse.Namespace) -> int:
         print("error: refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory), file=sys.stderr)
         return 2
     runnable = [c for c in case_ids if c not in refused]
+    total = len(case_ids)
+    for index, case_id in enumerate((c for c in case_ids if c in refused), 1):
+        summary = _summary(*built[case_id])
+        print(f"[{index}/{total}] SKIP {case_id}: {summary} -> the kernel refuses it: {refused[case_id]}", flush=True)
     if args.device == "npu":
         print("PyPTO kernel on the Ascend NPU (backend 'pypto'), bit-exact vs golden", flush=True)
         results = _run_npu(runnable, built)
@@ -137,30 +138,38 @@ def run(args: argparse.Namespace) -> int:
         if helper is not None and not helper.ok:
             print(f"FAIL helper build: {helper.detail} (log: {helper.log})")
             return 1
-        results = _run_cpu(args, runnable, built)
-    by_id = dict(zip(runnable, results))
+        results = _run_cpu(args, runnable)
     failures = 0
-    for index, case_id in enumerate(case_ids, 1):
-        summary = _summary(*built[case_id])
-        if case_id in refused:
-            print(f"[{index}/{len(case_ids)}] SKIP {case_id}: {summary} -> the kernel refuses it: {refused[case_id]}")
-            continue
-        result = by_id[case_id]
+    for index, (case_id, result) in enumerate(zip(runnable, results), len(refused) + 1):
         failures += not result.ok
-        extras = []
-        if result.tiles:
-            from pakv_onnx.pypto.tiles import Tiles
-
-            extras.append(Tiles.from_json(result.tiles).label())
-        if result.aicore_us is not None:
-            extras.append(f"cost model {result.aicore_us:g} us")
-        detail = result.detail + (f" [{', '.join(extras)}]" if extras else "")
-        where = f" (log: {result.log})" if result.log and not result.ok else ""
-        print(case_line(index, len(case_ids), result.ok, case_id, summary, detail, result.seconds) + where, flush=True)
+        print(_result_line(index, total, case_id, _summary(*built[case_id]), result), flush=True)
     what = "pypto on the NPU" if args.device == "npu" else "pypto SIM + pass-verify"
     skipped = f", {len(refused)} refused by the kernel" if refused else ""
     print(totals_line(len(runnable), failures, f"{what}, bit-exact vs golden{skipped}"))
     return 1 if failures else 0
+
+
+def _result_line(index: int, total: int, case_id: str, summary: str, result) -> str:
+    from pakv_onnx.pypto.tiles import Tiles
+
+    extras = []
+    if result.tiles:
+        extras.append(Tiles.from_json(result.tiles).label())
+    if result.aicore_us is not None:
+        extras.append(f"cost model {result.aicore_us:g} us")
+    detail = result.detail + (f" [{', '.join(extras)}]" if extras else "")
+    where = f" (log: {result.log})" if result.log and not result.ok else ""
+    return case_line(index, total, result.ok, case_id, summary, detail, result.seconds) + where
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a count >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -206,7 +215,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
     parser.add_argument(
         "--random",
-        type=int,
+        type=_count,
         default=DEFAULT_KERNEL_CASES,
         metavar="N",
         help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",

@@ -6,8 +6,8 @@ process (:func:`.worker.serve`). What is reused across calls: the worker, its to
 imports (~1.5 s) and the interpreter's helper library (built once per machine, cached).
 What cannot be: pypto 0.2.0's SIM mode recompiles on every call, so a call costs about a
 second or more (FACTS section 8). The worker is restarted after any failed call (a failed
-compile poisons later compiles in that process) and after it has been handed
-:data:`RESTART_AFTER_BYTES` of inputs (each SIM/verify call leaks a copy of its inputs).
+compile poisons later compiles in that process) and once its resident memory passes
+:data:`.worker.RSS_CAP_BYTES` (each SIM/verify call leaks 100-250 MB at seed sizes).
 
 A call whose interpreter run cannot fit the machine's memory is refused up front with the
 estimate (:func:`.runs.memory_refusal`).
@@ -27,7 +27,6 @@ import torch
 from pakv_onnx.pypto import host, runs
 from pakv_onnx.spec import GatherPlan
 
-RESTART_AFTER_BYTES = 2 * 2**30
 READY_TIMEOUT_S = 600  # the first worker on a machine may build the helper library
 
 
@@ -59,7 +58,6 @@ class _Worker:
     def __init__(self) -> None:
         self.run_dir = runs.new_run_dir("pypto-cpu-worker")
         self.log = self.run_dir / "run.log"
-        self.fed_bytes = 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", runs.WORKER_MODULE, "--serve", str(self.log)],
             cwd=self.run_dir,
@@ -86,7 +84,6 @@ class _Worker:
         scratch = self.run_dir / "tmp"
         in_path, out_path = scratch / "inputs.pt", scratch / "outputs.pt"
         torch.save(inputs, in_path)
-        self.fed_bytes += in_path.stat().st_size
         self.proc.stdin.write(json.dumps({"inputs": str(in_path), "outputs": str(out_path)}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
@@ -159,7 +156,7 @@ def gather_pypto_cpu(
             failed, _worker = _worker, None
             failed.stop(keep=True)
             raise PyptoCpuError(f"pypto-cpu: {reply.get('detail')} (log kept: {failed.log})")
-        if _worker.fed_bytes > RESTART_AFTER_BYTES:
+        if reply.get("retire"):
             _stop_worker()
     key_out.copy_(reply["outputs"]["key"])
     value_out.copy_(reply["outputs"]["value"])

@@ -18,6 +18,24 @@ from typing import Any
 import torch
 
 
+# A worker stops taking work once its resident memory passes this: each SIM/verify call
+# leaks a copy of its inputs and interpreter state (measured 100-250 MB per seed-sized verify;
+# six in one process reached 6.7 GB).
+RSS_CAP_BYTES = 1536 * 2**20
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def redirect_output(log_path: str) -> int:
     """Send fds 1 and 2 to ``log_path`` (PyPTO prints from C++ and subprocesses); returns a dup of the old fd 1."""
     sys.stdout.flush()
@@ -134,8 +152,8 @@ def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
             handle.seek(start)
             payload.update(parse_cost_summary(handle.read()))
         results.append(payload)
-        if not payload["ok"]:
-            break
+        if not payload["ok"] or rss_bytes() > RSS_CAP_BYTES:
+            break  # the parent runs the rest in a fresh process
     return {"ok": True, "detail": f"{len(results)} runs", "tiles": None, "results": results}
 
 
@@ -173,7 +191,7 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     tiles = host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=True, verify=True)
     flush_c_stdio()
     torch.save({"key": key_out, "value": value_out}, request["outputs"])
-    return {"ok": True, "detail": tiles.label()}
+    return {"ok": True, "detail": tiles.label(), "retire": rss_bytes() > RSS_CAP_BYTES}
 
 
 def serve(log_path: str) -> int:
