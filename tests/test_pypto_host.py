@@ -61,13 +61,12 @@ def test_entries_are_int32_one_per_chunk_and_never_cross_a_block():
         host.build_entries(plan, plan.block_size + 1)
 
 
-def _shapes():
-    ids = [*cases.seed_case_ids(), cases.T4096_CASE, "nz-bfloat16", "nz-float32", "dtype-int8"]
-    return [(i, cases.build_case(i)) for i in ids]
+SHAPE_IDS = [*cases.seed_case_ids(), cases.T4096_CASE, "nz-bfloat16", "nz-float32", "dtype-int8"]
 
 
-@pytest.mark.parametrize("case_id,case", _shapes(), ids=[i for i, _ in _shapes()])
-def test_rule_tiles_fit_the_vector_buffer_and_divide_the_block(case_id, case):
+@pytest.mark.parametrize("case_id", SHAPE_IDS)
+def test_rule_tiles_fit_the_vector_buffer_and_divide_the_block(case_id):
+    case = cases.build_case(case_id)
     plan = _plan(case)
     shape = tiles_mod.shape_of(plan, case.key_cache.element_size(), case.value_cache.element_size())
     chosen = tiles_mod.rule_tiles(shape)

@@ -3,8 +3,8 @@
 Cases are named, never pickled, so a subprocess rebuilds the same bytes from the name:
 
 * a seed id (``level0`` ... ``level9``, ``heads1_k128_v64``, ``heads64_k128_v128``): the seed
-  case with ``num_blocks`` = :data:`SMALL_NUM_BLOCKS` (the seed's 5513-block caches take 812 MB
-  and the interpreter copies its inputs many times);
+  case with ``num_blocks`` = :data:`SMALL_NUM_BLOCKS`, fewer for wide rows (the seed's
+  5513-block caches take 812 MB and the interpreter's peak is about 24x its inputs);
 * ``t4096``: the sweep's shapes with Q = 4 and T = 4096;
 * ``random-N``: :func:`pakv_onnx.cases.random_case` (N) -- the same case as in every other
   command; the kernel may refuse it (then the run says why);
@@ -28,6 +28,9 @@ from pakv_onnx.cases import GatherCase, even_split, random_cache, random_case, s
 from pakv_onnx.spec import CacheMode, nz_last_dim, plan_gather
 
 SMALL_NUM_BLOCKS = 64
+# Bytes of one small cache at most: the interpreter's peak is about 24x its inputs (the
+# 64-head seed case with 64 blocks, 268 MB of caches, peaked at 7 GB), so wide rows get fewer blocks.
+SMALL_CACHE_BYTES = 16 * 2**20
 T4096_CASE = "t4096"
 FEATURE_CASES = ("lengths", "offsets", "mixed")
 
@@ -38,9 +41,20 @@ def dtype_by_name() -> dict[str, torch.dtype]:
     return {dtype_name(d): d for d in SUPPORTED_DTYPES}
 
 
-def small_seed_case(case_id: str, num_blocks: int = SMALL_NUM_BLOCKS) -> GatherCase:
-    """The seed case ``case_id`` with ``num_blocks`` cache blocks (generation rule otherwise unchanged)."""
+def small_seed_case(case_id: str, num_blocks: int | None = None) -> GatherCase:
+    """The seed case ``case_id`` with few cache blocks (generation rule otherwise unchanged).
+
+    ``num_blocks`` defaults to :data:`SMALL_NUM_BLOCKS`, fewer when a cache would pass
+    :data:`SMALL_CACHE_BYTES`, never fewer than the case uses.
+    """
     spec = seed_case(case_id)
+    if num_blocks is None:
+        block_bytes = max(
+            2 * spec.key_cache_shape[1] * spec.key_cache_shape[2] * spec.key_cache_shape[3],
+            2 * spec.value_cache_shape[1] * spec.value_cache_shape[2] * spec.value_cache_shape[3],
+        )  # the seed's caches are bf16
+        used = -(-spec.total_tokens // spec.key_cache_shape[1]) + spec.q_count
+        num_blocks = max(min(SMALL_NUM_BLOCKS, SMALL_CACHE_BYTES // block_bytes), used)
     small = dataclasses.replace(
         spec,
         key_cache_shape=(num_blocks, *spec.key_cache_shape[1:]),
