@@ -21,8 +21,9 @@ pytestmark = pytest.mark.usefixtures("temp_cache")
 
 
 def test_verify_kernel_passes_each_layout_dtype_and_index_form(capsys):
-    # Norm bf16 seed case, PA_NZ int8 and fp32, Norm uint16, lengths mode, random kernel cases
-    ids = ["level0", "nz-int8", "nz-float32", "dtype-uint16", "lengths", "kernel-0", "kernel-1"]
+    # Norm bf16 seed cases (64 heads x 128 included), PA_NZ int8 and fp32, Norm uint16, lengths mode,
+    # random kernel cases (PA_NZ uint16, Norm fp32)
+    ids = ["level0", "heads64_k128_v128", "nz-int8", "nz-float32", "dtype-uint16", "lengths", "kernel-0", "kernel-1"]
     code = cli.main(["verify-kernel", "--cases", *ids, "random-3"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -33,12 +34,11 @@ def test_verify_kernel_passes_each_layout_dtype_and_index_form(capsys):
 
 
 @pytest.mark.slow
-def test_verify_kernel_64_heads_and_t4096(capsys):
-    ids = ["heads64_k128_v128", "heads1_k128_v64", "t4096", "nz-bfloat16", "kernel-2", "kernel-3"]
-    code = cli.main(["verify-kernel", "--cases", *ids])
+def test_verify_kernel_t4096(capsys):
+    code = cli.main(["verify-kernel", "--cases", "t4096"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.count(" PASS ") == len(ids), out
+    assert out.count(" PASS ") == 1, out
 
 
 # The deliberate bug: the product kernel, mutated to read one cache row too far.
@@ -67,7 +67,7 @@ def test_a_wrong_kernel_is_caught(tmp_path):
 
 
 def _tune_json(capsys, *args: str) -> dict:
-    code = cli.main(["tune", *args, "--json", "--jobs", "2"])
+    code = cli.main(["tune", *args, "--json"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return json.loads(captured.out)
@@ -78,7 +78,7 @@ def test_tune_reports_the_floor_and_beats_the_seed_on_the_issue_shape(capsys):
     result = _tune_json(
         capsys,
         *("--dtype", "float16", "--key-heads", "8", "--key-dim", "128", "--value-heads", "8", "--value-dim", "128"),
-        *("--block-size", "64", "--q", "2", "--tokens", "300"),
+        *("--block-size", "64", "--q", "2", "--tokens", "300", "--chunks", "8", "16"),
     )
     assert result["floor_us"] > 0
     assert result["chosen_us"] <= result["seed_us"], result
