@@ -38,7 +38,9 @@ def gather_by_entries(plan, key_cache, value_cache, chunk):
     return outs
 
 
-@pytest.mark.parametrize("case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "lengths", "nz-int8", "level9"])
+@pytest.mark.parametrize(
+    "case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "nz-int8", "level9", *cases.available_feature_cases()]
+)
 def test_entries_reproduce_the_golden_at_every_chunk(case_id):
     case = cases.build_case(case_id)
     plan = _plan(case)

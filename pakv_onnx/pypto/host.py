@@ -72,20 +72,17 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
     ``cache`` is the key cache (the registry passes that one); ``value_cache`` when known.
     Each cache's dtype is read from the tensor itself (key and value may differ).
     """
-    caches = [("key_cache", cache)] + ([("value_cache", value_cache)] if value_cache is not None else [])
-    for name, tensor in caches:
-        reason = _dtype_reason(name, tensor.dtype)
+    value_dtype = value_cache.dtype if value_cache is not None else getattr(plan, "value_dtype", cache.dtype)
+    for name, dtype in (("key_cache", cache.dtype), ("value_cache", value_dtype)):
+        reason = _dtype_reason(name, dtype)
         if reason:
             return reason
-        if not tensor.is_contiguous():
+    for name, tensor in (("key_cache", cache), ("value_cache", value_cache)):
+        if tensor is not None and not tensor.is_contiguous():
             return (
                 f"{name} is a strided (pool) view with block stride {tensor.stride(0)} elements "
-                "(the PyPTO kernel reshapes each cache in place and needs it contiguous)"
+                "(the PyPTO kernel hands each cache in as a reshaped view and needs it contiguous)"
             )
-    value_dtype = value_cache.dtype if value_cache is not None else getattr(plan, "value_dtype", cache.dtype)
-    reason = _dtype_reason("value_cache", value_dtype)
-    if reason:
-        return reason
     if plan.cache_mode is CacheMode.NORM:
         for which, dtype in (("key", cache.dtype), ("value", value_dtype)):
             itemsize = _itemsize(dtype)
@@ -106,10 +103,6 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def plan_dtypes(plan: GatherPlan, key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
-    return key_cache.dtype, value_cache.dtype
 
 
 def choose_tiles(plan: GatherPlan, key_dtype: torch.dtype, value_dtype: torch.dtype) -> Tiles:
