@@ -153,6 +153,11 @@ def test_failed_run_directories_are_bounded(temp_cache):
     left = sorted(p.name for p in runs.runs_dir().iterdir())
     assert len(left) == runs.KEEP_FAILED_RUNS and len(removed) == 4
     assert all("failed-0-" not in name for name in left)  # the oldest went first
+    newest = max(runs.runs_dir().iterdir(), key=lambda p: p.stat().st_mtime)
+    (newest / "big.bin").write_bytes(b"\0" * 4096)
+    removed = runs.prune_failed_runs(max_bytes=1024)
+    assert [p.name for p in runs.runs_dir().iterdir()] == [newest.name]  # the newest stays, even over the cap
+    assert len(removed) == runs.KEEP_FAILED_RUNS - 1
 
 
 def test_tuned_tiles_are_cached_and_used(temp_cache):

@@ -189,7 +189,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "kernel cases (kernel-N). Cases run several per subprocess; PyPTO's helper library is built once "
             "and cached; all PyPTO output and logs go under the pakv-onnx cache directory "
             "($PAKV_ONNX_CACHE_DIR, else $XDG_CACHE_HOME/pakv-onnx or ~/.cache/pakv-onnx); the run directory "
-            "of a failure is kept (the newest 10). A case the kernel cannot do (e.g. fp8, rows not a multiple "
+            "of a failure is kept (the newest 10 within 256 MB). A case the kernel cannot do (e.g. fp8, rows not a multiple "
             "of 32 bytes) is listed as SKIP with the reason. Exit code 0 when all pass, 1 when any fails, 2 "
             "for a usage or environment problem (unknown case id, pypto missing or another version, no NPU "
             "for --device npu, a case that cannot fit in memory)."

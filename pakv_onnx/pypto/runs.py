@@ -6,7 +6,8 @@ copy of its inputs. The subprocess runs with its cwd, ``HOME``, ``TMPDIR`` and P
 output variables inside a per-run directory under :func:`pakv_onnx.paths.cache_dir`
 (``pypto/runs/...``), sends its stdout/stderr to ``run.log`` at the file-descriptor level and
 writes ``result.json``. A successful run's directory is removed; a failed one is kept and
-named, and only the newest :data:`KEEP_FAILED_RUNS` failed directories are kept.
+named; only the newest :data:`KEEP_FAILED_RUNS` failed directories within
+:data:`KEEP_FAILED_BYTES` are kept (the newest one always).
 
 Before a run, :func:`memory_refusal` compares an estimate of its peak memory with what the
 machine has available and refuses (with both figures) a run that cannot fit.
@@ -30,6 +31,7 @@ from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir, pypto_output_env
 
 DEFAULT_TIMEOUT_S = 900
 KEEP_FAILED_RUNS = 10
+KEEP_FAILED_BYTES = 256 * 2**20  # PyPTO's output of one run can reach hundreds of MB
 WORKER_MODULE = "pakv_onnx.pypto.worker"
 
 # Peak memory model of one run (measured: the interpreter copies its inputs many times; the
@@ -123,12 +125,31 @@ def new_run_dir(label: str) -> Path:
     return path
 
 
-def prune_failed_runs(keep: int = KEEP_FAILED_RUNS) -> list[Path]:
-    """Remove all but the newest ``keep`` kept run directories; returns the removed ones."""
-    kept = sorted((p for p in runs_dir().iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
-    removed = kept[keep:]
-    for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def prune_failed_runs(keep: int = KEEP_FAILED_RUNS, max_bytes: int = KEEP_FAILED_BYTES) -> list[Path]:
+    """Keep the newest ``keep`` run directories that fit in ``max_bytes`` together (the newest always).
+
+    Returns the removed ones.
+    """
+    newest_first = sorted(
+        (p for p in runs_dir().iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    removed, total = [], 0
+    for index, path in enumerate(newest_first):
+        total += _tree_bytes(path)
+        if index >= keep or (index > 0 and total > max_bytes):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
 
 
