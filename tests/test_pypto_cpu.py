@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _pypto_cache import temp_cache  # noqa: F401  (fixture)
 
 from pakv_onnx import gather_pa_kv_cache, kernels, runtime_plugin
 from pakv_onnx.export.builder import make_gather_model
-from pakv_onnx.pypto import cases, cpu
+from pakv_onnx.pypto import cases, cpu, runs
 from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("temp_cache")
@@ -42,9 +44,11 @@ def test_a_failed_call_restarts_the_worker_and_names_the_log(monkeypatch):
     first = cpu.worker_pid()
     # A request the worker cannot load: the call fails with its detail and the log path.
     monkeypatch.setattr(cpu, "_replan_inputs", lambda plan, k, v: {"tensors": (), "attributes": {}})
-    with pytest.raises(cpu.PyptoCpuError, match=r"log kept: .*run.log"):
+    with pytest.raises(cpu.PyptoCpuError, match=r"log kept: .*run.log") as failure:
         gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto-cpu")
     assert cpu.worker_pid() is None
+    kept_log = Path(str(failure.value).rsplit("log kept: ", 1)[1].rstrip(")"))
+    assert kept_log.is_file() and kept_log.parent.parent == runs.runs_dir()  # with the failed runs, bounded
     monkeypatch.undo()
     key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto-cpu")
     _assert_golden(key, value, case)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -24,6 +25,7 @@ import threading
 
 import torch
 
+from pakv_onnx.paths import cache_dir
 from pakv_onnx.pypto import host, runs
 from pakv_onnx.spec import GatherPlan
 
@@ -56,7 +58,8 @@ class _Worker:
     """One ``worker --serve`` process and its run directory."""
 
     def __init__(self) -> None:
-        self.run_dir = runs.new_run_dir("pypto-cpu-worker")
+        # A live worker's directory stays out of runs/ (which failures prune); it moves there on failure.
+        self.run_dir = runs.new_run_dir("pypto-cpu-worker", parent=cache_dir("pypto", "workers"))
         self.log = self.run_dir / "run.log"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", runs.WORKER_MODULE, "--serve", str(self.log)],
@@ -102,6 +105,9 @@ class _Worker:
                 self.proc.kill()
                 self.proc.wait()
         if keep:
+            kept = runs.runs_dir() / self.run_dir.name
+            os.replace(self.run_dir, kept)
+            self.run_dir, self.log = kept, kept / "run.log"
             runs.prune_failed_runs()
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)

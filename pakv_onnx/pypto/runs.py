@@ -118,9 +118,10 @@ def runs_dir() -> Path:
     return cache_dir("pypto", "runs")
 
 
-def new_run_dir(label: str) -> Path:
+def new_run_dir(label: str, parent: Path | None = None) -> Path:
+    """A fresh run directory named by time and ``label`` (under :func:`runs_dir` unless ``parent``)."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", label)[:60]
-    path = runs_dir() / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"
+    path = (parent or runs_dir()) / f"{time.strftime('%Y%m%d-%H%M%S')}-{safe}-{uuid.uuid4().hex[:6]}"
     path.mkdir(parents=True)
     return path
 
