@@ -191,7 +191,23 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     tiles = host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=True, verify=True)
     flush_c_stdio()
     torch.save({"key": key_out, "value": value_out}, request["outputs"])
+    _clear_pypto_output()
     return {"ok": True, "detail": tiles.label(), "retire": rss_bytes() > RSS_CAP_BYTES}
+
+
+def _clear_pypto_output() -> None:
+    """Remove what PyPTO wrote for a call that passed: pass-verify dumps every pass's tensors
+    (about 67 MB per seed-sized call), which would fill the disk over a long session."""
+    import shutil
+
+    output = os.environ.get("TILE_FWK_OUTPUT_DIR")
+    if not output or not os.path.isdir(output):
+        return
+    for entry in os.scandir(output):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
 
 
 def serve(log_path: str) -> int:
