@@ -74,7 +74,7 @@ def _run_cpu(args, case_ids: list[str]):
 
     for start in range(0, len(case_ids), BATCH):
         batch = case_ids[start : start + BATCH]
-        yield from runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout)
+        yield from runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout, keep=args.keep)
 
 
 def _run_npu(case_ids: list[str], built):
@@ -158,7 +158,7 @@ def _result_line(index: int, total: int, case_id: str, summary: str, result) -> 
     if result.aicore_us is not None:
         extras.append(f"cost model {result.aicore_us:g} us")
     detail = result.detail + (f" [{', '.join(extras)}]" if extras else "")
-    where = f" (log: {result.log})" if result.log and not result.ok else ""
+    where = f" (log: {result.log})" if result.log else ""
     return case_line(index, total, result.ok, case_id, summary, detail, result.seconds) + where
 
 
@@ -226,4 +226,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--timeout", type=positive_int, default=900, metavar="S", help="per-subprocess timeout in seconds (default: 900)"
     )
+    parser.add_argument("--keep", action="store_true", help="keep every run directory (logs, PyPTO output)")
     parser.set_defaults(run=run)

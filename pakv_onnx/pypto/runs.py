@@ -222,11 +222,12 @@ def run_in_subprocess(
     return result
 
 
-def run_batch(items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S) -> list[RunResult]:
+def run_batch(items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S, keep: bool = False) -> list[RunResult]:
     """Cost/floor runs, several per subprocess (saves the ~1.5 s import per run).
 
     A run that fails ends its subprocess (later compiles there would fail too); the rest
-    go to a fresh one. Returns one :class:`RunResult` per item, in order.
+    go to a fresh one. Returns one :class:`RunResult` per item, in order. ``keep`` keeps
+    every batch's run directory (named in each result's ``run_dir``).
     """
     results: list[RunResult] = []
     while len(results) < len(items):
@@ -253,12 +254,13 @@ def run_batch(items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S
                     aicore_us=payload.get("aicore_us"),
                     tasks=payload.get("tasks"),
                     utilisation=payload.get("utilisation"),
-                    log=None if payload["ok"] else batch.log,
+                    log=None if payload["ok"] and not keep else batch.log,
+                    run_dir=batch.run_dir if keep or not payload["ok"] else None,
                 )
             )
         if not done:  # the subprocess itself died on the first item: report it and go on
             results.append(dataclasses.replace(batch, case_id=str(rest[0].get("case", "-"))))
-        if done and all(p["ok"] for p in done):
+        if done and all(p["ok"] for p in done) and not keep:
             shutil.rmtree(batch.run_dir, ignore_errors=True)
         else:
             prune_failed_runs()
