@@ -41,4 +41,5 @@ BACKEND = Backend(
     gather=_gather,
     unavailable_reason=_unavailable_reason,
     unsupported_reason=_unsupported_reason,
+    mixed_dtypes=True,
 )

@@ -72,4 +72,5 @@ BACKEND = Backend(
     gather=gather_pypto,
     unavailable_reason=unavailable_reason,
     unsupported_reason=host.unsupported_reason,
+    mixed_dtypes=True,
 )
