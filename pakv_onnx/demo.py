@@ -27,6 +27,7 @@ from pakv_onnx.spec import bitwise_equal
 # fp32 attention in ORT vs torch differs only by summation order: about 1e-6 at these sizes.
 ATTENTION_ATOL = 1e-4
 STOCK_ORT = "stock-ort"
+PYPTO_CPU = "pypto-cpu"  # joins every graph when pypto is installed; slow, so timed once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,20 +150,36 @@ def run_graph(
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
     results = [compare("torch eager", eager_outputs, reference, eager_ms)]
     sessions = [
-        (f"plugin:{name}", lambda name=name: runtime_plugin.make_session(path, backend=name)) for name in backends
+        (
+            f"plugin:{name}",
+            lambda name=name: runtime_plugin.make_session(path, backend=name),
+            1 if name == PYPTO_CPU else repeats,  # about a second per call: one timed run
+        )
+        for name in [*backends, *_pypto_cpu_row(backends)]
     ]
-    sessions.append((STOCK_ORT, lambda: onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])))
-    for runner, make in sessions:
+    sessions.append(
+        (STOCK_ORT, lambda: onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]), repeats)
+    )
+    for runner, make, timed_runs in sessions:
         progress(f"running {graph.name} on {runner} ...")
         try:
             session = make()
-            outputs, ms = _timed_runs(lambda: runtime_plugin.run(session, feeds), repeats)
+            outputs, ms = _timed_runs(lambda: runtime_plugin.run(session, feeds), timed_runs)
             results.append(compare(runner, outputs, reference, ms))
         except Exception as err:  # a failing runner is a FAIL row, not a crash of the demo
             results.append(
                 RunResult(runner, False, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}")
             )
     return results
+
+
+def _pypto_cpu_row(backends: Sequence[str]) -> list[str]:
+    """``[pypto-cpu]`` when pypto can run here and it was not asked for already."""
+    from pakv_onnx import kernels
+
+    if PYPTO_CPU in backends or kernels.get_backend(PYPTO_CPU).unavailable_reason() is not None:
+        return []
+    return [PYPTO_CPU]
 
 
 def format_table(graph: SampleGraph, num_tokens: int, results: Sequence[RunResult]) -> str:

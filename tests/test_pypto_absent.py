@@ -1,4 +1,4 @@
-"""Without pypto (and torch_npu) the package imports, auto falls through and backend="pypto" says why."""
+"""Without pypto (and torch_npu) the package imports, auto falls through and backends "pypto"/"pypto-cpu" say why."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ SCRIPT = textwrap.dedent(
     backend = kernels.get_backend("pypto")  # the module imports without pypto
     reason = backend.unavailable_reason()
     assert reason is not None and "pypto is not installed" in reason, reason
+    cpu_reason = kernels.get_backend("pypto-cpu").unavailable_reason()
+    assert cpu_reason is not None and "pypto is not installed" in cpu_reason, cpu_reason
 
     case = random_case(4, dtype=torch.bfloat16, cache_mode=CacheMode.NORM)
     key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes())  # auto falls through

@@ -1,22 +1,52 @@
-"""``pakv-onnx tune``: PyPTO's cost model (SIM) over candidate K/V tile row counts for one shape."""
+"""``pakv-onnx tune``: PyPTO's cost model (SIM) over the kernel's chunk sizes for one case, against the copy floor."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from pakv_onnx.paths import cache_dir
+DEFAULT_SHAPE = {"dtype": "bfloat16", "key_heads": 1, "key_dim": 512, "value_heads": 1, "value_dim": 64}
 
 
-def _case_id(args: argparse.Namespace) -> str:
-    from pakv_onnx import pypto_sim
+@dataclasses.dataclass
+class TuneRow:
+    """One measured specialisation: the entry kernel at one chunk, or the seed's kernel and rule."""
+
+    kernel: str  # "entries" or "seed"
+    chunk: int
+    key_tile: tuple[int, int]
+    value_tile: tuple[int, int]
+    key_tile_bytes: int
+    value_tile_bytes: int
+    aicore_us: float | None = None
+    tasks: int | None = None
+    floor_us: float | None = None  # the contiguous copy at the same chunk
+    status: str = ""
+    chosen: bool = False
+    seed: bool = False
+    rule: bool = False
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def case_id_for(args: argparse.Namespace) -> str:
+    from pakv_onnx.pypto import cases
 
     if args.case:
         return args.case
-    return "shape:" + pypto_sim.shape_spec(
-        pypto_sim.KERNEL_DTYPES[args.dtype],
+    return "shape:" + cases.shape_spec(
+        cases.dtype_by_name()[args.dtype],
         (args.key_heads, args.key_dim),
         (args.value_heads, args.value_dim),
         args.block_size,
@@ -25,131 +55,168 @@ def _case_id(args: argparse.Namespace) -> str:
     )
 
 
-def _parse_pair(text: str) -> tuple[int, int]:
-    try:
-        key, value = (int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want K,V tile rows like 64,128, got {text!r}") from None
-    if key < 1 or value < 1:
-        raise argparse.ArgumentTypeError(f"tile rows must be >= 1, got {text!r}")
-    return key, value
-
-
-def candidate_rows(block_size: int) -> list[int]:
-    """Row counts tried by default: powers of two dividing block_size, from 8 (or fewer for tiny blocks)."""
-    rows = [r for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if r <= block_size and block_size % r == 0]
-    large = [r for r in rows if r >= 8]
-    return large or rows
-
-
-def plan_rows(case_id: str, pairs: list[tuple[int, int]] | None, quick: bool):
-    """(rows to run, chosen tiles, seed tiles, widths, itemsize) for one case."""
-    from pakv_onnx import pypto_sim
-    from pakv_onnx.kernels import pypto_nd
+def _prepare(case_id: str):
+    """(case, plan, kernel shape) or ``ValueError`` naming why the case cannot be tuned here."""
+    from pakv_onnx.pypto import cases, host, runs
+    from pakv_onnx.pypto import tiles as tiles_mod
     from pakv_onnx.spec import plan_gather
 
-    case = pypto_sim.build_case(case_id)
+    case = cases.build_case(case_id)
     plan = plan_gather(*case.inputs(), **case.attributes())
-    reason = pypto_nd.unsupported_reason(plan, case.key_cache)
+    reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
     if reason:
         raise ValueError(f"the PyPTO kernel cannot run {case_id}: {reason}")
-    key_width, value_width = pypto_nd.token_widths(plan)
-    itemsize = case.key_cache.element_size()
-    chosen = pypto_nd.choose_tiles(plan)
-    seed = pypto_nd.seed_tiles_for(key_width, value_width)
-    if pairs:
-        rows = list(pairs)
-    elif quick:
-        rows = []
-    else:
-        cands = candidate_rows(plan.block_size)
-        rows = [(k, v) for k in cands for v in cands]
-    for extra in ((seed.key_rows, seed.value_rows), (chosen.key_rows, chosen.value_rows)):
-        if extra not in rows:
-            rows.append(extra)
-    return rows, chosen, seed, (key_width, value_width), itemsize, case
+    if plan.num_tokens == 0:
+        raise ValueError(f"{case_id} gathers no tokens: nothing to tune")
+    refusal = runs.memory_refusal(runs.case_bytes(case), "cost")
+    if refusal:
+        raise ValueError(f"{case_id}: {refusal}")
+    shape = tiles_mod.shape_of(plan, case.key_cache.element_size(), case.value_cache.element_size())
+    return case, plan, shape
+
+
+def _rows(shape, chunks: list[int] | None) -> tuple[list[TuneRow], list]:
+    from pakv_onnx.pypto import tiles as tiles_mod
+
+    bad = [c for c in chunks or () if shape.block_size % c]
+    if bad:
+        raise ValueError(f"--chunks {bad[0]} does not divide block_size {shape.block_size}")
+    candidates = [tiles_mod.entry_tiles(shape, c) for c in chunks] if chunks else tiles_mod.candidate_tiles(shape)
+    candidates = [t for t in candidates if t is not None]
+    rule = tiles_mod.rule_tiles(shape)
+    if rule not in candidates:
+        candidates.append(rule)
+    seed = tiles_mod.seed_tiles(shape)
+    specs = candidates + ([seed] if seed else [])
+    rows = []
+    for tiles in specs:
+        key_bytes, value_bytes = tiles_mod.tile_bytes(tiles, shape)
+        rows.append(
+            TuneRow(
+                kernel=tiles.kind,
+                chunk=tiles.chunk,
+                key_tile=tiles.key_tile,
+                value_tile=tiles.value_tile,
+                key_tile_bytes=key_bytes,
+                value_tile_bytes=value_bytes,
+                seed=tiles == seed,
+                rule=tiles == rule,
+            )
+        )
+    return rows, specs
+
+
+def _floor_tiles(shape, chunk: int):
+    """The copy kernel's tiles at ``chunk``: Norm row tiles of the same widths and dtypes."""
+    from pakv_onnx.pypto import tiles as tiles_mod
+
+    return tiles_mod.entry_tiles(dataclasses.replace(shape, mode="Norm"), chunk)
+
+
+def _measure(case_id: str, shape, specs, jobs: int, timeout: float):
+    """Cost-model results of every spec, then of the floor at every chunk (batched subprocesses)."""
+    from pakv_onnx.pypto import runs
+
+    chunks = sorted({t.chunk for t in specs if t.kind == "entries"})
+    floor_specs = [(c, _floor_tiles(shape, c)) for c in chunks]
+    floor_specs = [(c, t) for c, t in floor_specs if t is not None]
+    items = [{"mode": "cost", "case": case_id, "tiles": t.to_json()} for t in specs]
+    items += [{"mode": "floor", "case": case_id, "tiles": t.to_json()} for _, t in floor_specs]
+    groups = [items[i::jobs] for i in range(jobs)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = list(pool.map(lambda group: runs.run_batch(group, timeout=timeout) if group else [], groups))
+    results = [None] * len(items)
+    for g, group_results in enumerate(done):
+        for k, result in enumerate(group_results):
+            results[g + k * jobs] = result
+    floors = {c: r for (c, _), r in zip(floor_specs, results[len(specs) :])}
+    return results[: len(specs)], floors
 
 
 def run(args: argparse.Namespace) -> int:
-    from pakv_onnx import pypto_sim
     from pakv_onnx.commands.verify_kernel import preflight
-    from pakv_onnx.kernels import pypto_nd
+    from pakv_onnx.paths import cache_dir
+    from pakv_onnx.pypto import tiles as tiles_mod
 
     problem = preflight()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    case_id = _case_id(args)
+    case_id = case_id_for(args)
     try:
-        rows, chosen, seed, (key_width, value_width), itemsize, case = plan_rows(case_id, args.tiles, args.quick)
+        case, plan, shape = _prepare(case_id)
+        rows, specs = _rows(shape, args.chunks)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    chosen_pair = (chosen.key_rows, chosen.value_rows)
-    seed_pair = (seed.key_rows, seed.value_rows)
-
-    def fits(k: int, v: int) -> bool:
-        return pypto_nd.tile_fits(k, key_width, itemsize) and pypto_nd.tile_fits(v, value_width, itemsize)
-
-    def measure(pair: tuple[int, int]) -> dict:
-        k, v = pair
-        row = {
-            "tile_k": k,
-            "tile_v": v,
-            "key_tile_bytes": pypto_nd.tile_bytes(k, key_width, itemsize),
-            "value_tile_bytes": pypto_nd.tile_bytes(v, value_width, itemsize),
-            "fits": fits(k, v),
-            "aicore_us": None,
-            "tasks": None,
-            "utilisation_pct": None,
-            "chosen": pair == chosen_pair,
-            "seed_default": pair == seed_pair,
-            "status": "",
-        }
-        if not row["fits"] and pair != seed_pair and not args.try_all:
-            row["status"] = f"skipped: tile exceeds the {pypto_nd.VECTOR_BUFFER_BYTES}-byte vector buffer"
-            return row
-        tiles = pypto_nd.Tiles(k, key_width, v, value_width)
-        result = pypto_sim.run_in_subprocess(
-            {"mode": "cost", "case": case_id, "tiles": list(tiles.as_tuple())}, timeout=args.timeout
-        )
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else (lambda text: print(text, flush=True))
+    if not args.case:
+        say(f"no --case given: tuning the shape options' case {case_id}")
+    say(f"{case_id}: {case.summary()} T={plan.num_tokens}")
+    floor_count = len({t.chunk for t in specs if t.kind == "entries"})
+    say(
+        f"cost model runs: {len(specs)} kernel specialisations + {floor_count} floor copies "
+        f"(SIM, batched subprocesses, {args.jobs} at once; files under {cache_dir('pypto')})"
+    )
+    results, floors = _measure(case_id, shape, specs, args.jobs, args.timeout)
+    for row, result in zip(rows, results):
         if result.ok and result.aicore_us is not None:
-            row.update(aicore_us=result.aicore_us, tasks=result.tasks, utilisation_pct=result.utilisation, status="ok")
+            row.aicore_us, row.tasks, row.status = result.aicore_us, result.tasks, "ok"
         else:
-            row["status"] = f"compile failed: {result.detail}" + (f" (log: {result.log})" if result.log else "")
-        if not args.json:
-            print(
-                f"  measured K,V rows {k},{v}: {row['status'] if row['status'] != 'ok' else str(row['aicore_us']) + ' us'}",
-                file=sys.stderr,
-                flush=True,
-            )
-        return row
-
-    if not args.json:
-        print(f"{case_id}: {case.summary()}", flush=True)
-        print(f"cost model runs: {len(rows)} (SIM, one subprocess each; files under {cache_dir('pypto')})", flush=True)
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        table = list(pool.map(measure, rows))
-    table.sort(key=lambda r: (r["tile_k"], r["tile_v"]))
+            row.status = f"failed: {result.detail}" + (f" (log: {result.log})" if result.log else "")
+        floor = floors.get(row.chunk)
+        row.floor_us = floor.aicore_us if floor is not None and floor.ok else None
+    measured = [r for r in rows if r.status == "ok"]
+    floor_values = [f.aicore_us for f in floors.values() if f.ok and f.aicore_us is not None]
+    floor_us = min(floor_values) if floor_values else None
+    chosen_row = min(measured, key=lambda r: r.aicore_us) if measured else None
+    if chosen_row is not None:
+        chosen_row.chosen = True
+        chosen = specs[rows.index(chosen_row)]
+        if not args.no_save:
+            tiles_mod.remember(shape, chosen)
+    seed_row = next((r for r in rows if r.seed), None)
+    rule_row = next(r for r in rows if r.rule)
+    summary = {
+        "case": case_id,
+        "num_tokens": plan.num_tokens,
+        "floor_us": floor_us,
+        "seed_us": seed_row.aicore_us if seed_row else None,
+        "rule_us": rule_row.aicore_us,
+        "chosen_us": chosen_row.aicore_us if chosen_row else None,
+        "chosen": specs[rows.index(chosen_row)].to_json() if chosen_row else None,
+        "chosen_over_floor": _ratio(chosen_row.aicore_us if chosen_row else None, floor_us),
+        "seed_over_floor": _ratio(seed_row.aicore_us if seed_row else None, floor_us),
+        "saved": bool(chosen_row) and not args.no_save,
+    }
     if args.json:
-        print(json.dumps({"case": case_id, "rows": table}, indent=1))
-        return 0 if any(r["chosen"] and r["status"] == "ok" for r in table) else 1
-    print(f"{'tile_k':>6} {'tile_v':>6} {'aicore_us':>9} {'tasks':>5} {'util%':>6}  mark")
-    for r in table:
-        marks = [m for m, on in (("chosen", r["chosen"]), ("seed default", r["seed_default"])) if on]
-        if r["status"] != "ok":
-            marks.append(r["status"])
+        print(json.dumps({**summary, "rows": [dataclasses.asdict(r) for r in rows]}, indent=1))
+    else:
+        _print_table(rows, summary)
+    return 0 if chosen_row is not None else 1
+
+
+def _ratio(value: float | None, floor: float | None) -> float | None:
+    return round(value / floor, 3) if value is not None and floor else None
+
+
+def _print_table(rows: list[TuneRow], summary: dict) -> None:
+    print(f"{'kernel':<8} {'chunk':>5} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} {'floor@chunk':>11}  mark")
+    for r in rows:
+        marks = [m for m, on in (("chosen", r.chosen), ("seed rule", r.seed), ("closed-form rule", r.rule)) if on]
+        if r.status != "ok":
+            marks.append(r.status)
+        chunk = "-" if r.kernel == "seed" else str(r.chunk)
         print(
-            f"{r['tile_k']:>6} {r['tile_v']:>6} {_num(r['aicore_us'], '9.3f')} {_num(r['tasks'], '5d')} "
-            f"{_num(r['utilisation_pct'], '6.2f')}  {', '.join(marks)}"
+            f"{r.kernel:<8} {chunk:>5} {'x'.join(map(str, r.key_tile)):>10} {'x'.join(map(str, r.value_tile)):>10} "
+            f"{_num(r.aicore_us, '9.2f')} {_num(r.tasks, '5d')} {_num(r.floor_us, '11.2f')}  {', '.join(marks)}"
         )
-    chosen_row = next(r for r in table if r["chosen"])
-    seed_row = next(r for r in table if r["seed_default"])
-    if chosen_row["aicore_us"] and seed_row["aicore_us"]:
-        print(f"chosen / seed default = {chosen_row['aicore_us'] / seed_row['aicore_us']:.3f}")
-    elif chosen_row["aicore_us"]:
-        print("seed default does not compile for this shape; the chosen tiles do")
-    return 0 if chosen_row["status"] == "ok" else 1
+    print(
+        f"floor {_num(summary['floor_us'], '.2f')} us | seed {_num(summary['seed_us'], '.2f')} us "
+        f"({_num(summary['seed_over_floor'], '.2f')}x floor) | chosen {_num(summary['chosen_us'], '.2f')} us "
+        f"({_num(summary['chosen_over_floor'], '.2f')}x floor)"
+        + (" | saved as the kernel's tiles for this shape" if summary["saved"] else "")
+    )
 
 
 def _num(value, spec: str) -> str:
@@ -157,55 +224,52 @@ def _num(value, spec: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from pakv_onnx.pypto.cases import dtype_by_name
+
     parser = commands.add_parser(
         "tune",
-        help="cost-model (SIM) table of K/V vector tile rows for one shape",
+        help="cost-model (SIM) table of the PyPTO kernel's chunk sizes for one case, with the copy floor",
         description=(
-            "Run PyPTO's cost model (SIM mode, no NPU needed) on the GatherPaKvCache kernel for one "
-            "shape over candidate key/value vector tile row counts, and print the AICore end-to-end "
-            "time, task count and utilisation of each, marking the tiles the kernel picks (largest "
-            "row count dividing block_size whose tile fits the 196,608-byte vector buffer) and the "
-            "seed kernel's fixed rule ([16, 32] rows, [8, 8] when heads*dim >= 4096). Candidates whose "
-            "tile does not fit are skipped (the seed default is always run, to show it failing). "
-            "The cost model ignores valid rows and loop unrolling: times depend on the number of "
-            "blocks, not on how full they are."
+            "Run PyPTO's cost model (SIM mode, no NPU needed) on the GatherPaKvCache kernel for one case at "
+            "every candidate chunk (token slots per task: power-of-two divisors of block_size whose vector "
+            "tiles fit the 196,608-byte buffer), on the seed's kernel with the seed's tile rule ([16, 32] rows, "
+            "[8, 8] when heads*dim >= 4096; Norm only), and on the floor: a PyPTO kernel copying the same "
+            "output bytes contiguously (no block table). Prints the AICore end-to-end time of each, marks the "
+            "closed-form rule's pick and the chosen (cheapest) one, and saves the chosen tiles in the cache so "
+            "the kernel uses them for this shape from then on. The cost model charges static view shapes, not "
+            "valid rows."
         ),
         epilog=(
             "examples:\n"
+            "  pakv-onnx tune                      # the shape options' defaults: the seed sweep's shapes, T=55\n"
             "  pakv-onnx tune --case level5\n"
             "  pakv-onnx tune --case heads64_k128_v128 --json\n"
-            "  pakv-onnx tune --case t4096 --quick\n"
+            "  pakv-onnx tune --case nz-bfloat16 --chunks 4 16\n"
             "  pakv-onnx tune --dtype float16 --key-heads 8 --key-dim 128 --value-heads 8 --value-dim 128 \\\n"
-            "                 --block-size 64 --q 2 --tokens 300 --tiles 16,16 --tiles 64,64"
+            "                 --block-size 64 --q 2 --tokens 300"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--case",
         metavar="ID",
-        help="a seed or manual case id from `pakv-onnx cases --list` (run with 64-block caches), t4096, "
-        "random-N or shape:...; otherwise give the shape options",
+        help="a case id of `pakv-onnx verify-kernel --list` (seed ids run with 64-block caches), or random-N, "
+        "kernel-N, shape:...; otherwise the shape options make a Norm case",
     )
     shape = parser.add_argument_group("explicit shape (when --case is not given)")
-    shape.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "int8"))
-    shape.add_argument("--key-heads", type=int, default=1)
-    shape.add_argument("--key-dim", type=int, default=512)
-    shape.add_argument("--value-heads", type=int, default=1)
-    shape.add_argument("--value-dim", type=int, default=64)
-    shape.add_argument("--block-size", type=int, default=128)
-    shape.add_argument("--q", type=int, default=4, help="sequences (default: 4)")
-    shape.add_argument("--tokens", type=int, default=55, help="total tokens T, split evenly (default: 55)")
+    shape.add_argument("--dtype", default=DEFAULT_SHAPE["dtype"], choices=tuple(dtype_by_name()))
+    shape.add_argument("--key-heads", type=positive_int, default=DEFAULT_SHAPE["key_heads"])
+    shape.add_argument("--key-dim", type=positive_int, default=DEFAULT_SHAPE["key_dim"])
+    shape.add_argument("--value-heads", type=positive_int, default=DEFAULT_SHAPE["value_heads"])
+    shape.add_argument("--value-dim", type=positive_int, default=DEFAULT_SHAPE["value_dim"])
+    shape.add_argument("--block-size", type=positive_int, default=128)
+    shape.add_argument("--q", type=positive_int, default=4, help="sequences (default: 4)")
+    shape.add_argument("--tokens", type=positive_int, default=55, help="total tokens T, split evenly (default: 55)")
     parser.add_argument(
-        "--tiles",
-        type=_parse_pair,
-        action="append",
-        metavar="K,V",
-        help="candidate key,value tile rows (repeatable; default: every power-of-two divisor of block_size >= 8, "
-        "both ways)",
+        "--chunks", type=positive_int, nargs="+", metavar="C", help="chunks to try (default: every candidate)"
     )
-    parser.add_argument("--quick", action="store_true", help="only the kernel's pick and the seed's default")
-    parser.add_argument("--try-all", action="store_true", help="also run candidates whose tile does not fit")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON objects")
-    parser.add_argument("--jobs", type=int, default=1, help="cost-model subprocesses at once (default: 1)")
-    parser.add_argument("--timeout", type=float, default=600, metavar="S", help="per-run timeout in seconds")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON (top-level floor_us, rows)")
+    parser.add_argument("--no-save", action="store_true", help="do not save the chosen tiles in the cache")
+    parser.add_argument("--jobs", type=positive_int, default=1, help="cost-model subprocesses at once (default: 1)")
+    parser.add_argument("--timeout", type=float, default=600, metavar="S", help="per-subprocess timeout in seconds")
     parser.set_defaults(run=run)

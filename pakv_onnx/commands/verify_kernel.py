@@ -1,36 +1,20 @@
-"""``pakv-onnx verify-kernel``: the PyPTO kernel through PyPTO's own CPU toolchain, bit-exact vs the golden."""
+"""``pakv-onnx verify-kernel``: the PyPTO kernel bit-exact vs the golden, on a CPU (PyPTO's toolchain) or an NPU."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from pakv_onnx.commands._report import case_line, totals_line
-from pakv_onnx.paths import cache_dir
 
-DEFAULT_RANDOM = 8
-
-
-def default_cases(random_count: int, first_seed: int) -> list[str]:
-    from pakv_onnx import pypto_sim
-
-    return [*pypto_sim.seed_case_ids(), pypto_sim.T4096_CASE] + [
-        f"random-{first_seed + i}" for i in range(random_count)
-    ]
-
-
-def _case_summary(case_id: str) -> str:
-    from pakv_onnx import pypto_sim
-
-    try:
-        return pypto_sim.build_case(case_id).summary()
-    except ValueError as err:
-        raise SystemExit(f"error: {err}") from None
+DEFAULT_KERNEL_CASES = 4
+BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it; the rest go to a fresh one)
 
 
 def preflight() -> str | None:
-    """Why verification cannot run here (pypto missing or another version), else ``None``."""
-    from pakv_onnx.kernels import _pypto_verify_adapter as adapter
+    """Why PyPTO's CPU toolchain cannot run here (pypto missing or another version), else ``None``."""
+    from pakv_onnx.pypto import adapter
 
     try:
         adapter.check_version()
@@ -39,95 +23,208 @@ def preflight() -> str | None:
     return None
 
 
+def _build_all(case_ids: list[str]):
+    """{id: (case, plan)}; ``ValueError`` on the first unknown or invalid id."""
+    from pakv_onnx.pypto import cases
+    from pakv_onnx.spec import plan_gather
+
+    built = {}
+    for case_id in case_ids:
+        case = cases.build_case(case_id)
+        built[case_id] = (case, plan_gather(*case.inputs(), **case.attributes()))
+    return built
+
+
+def _summary(case, plan) -> str:
+    return f"{case.summary()} T={plan.num_tokens}"
+
+
+def _list(args: argparse.Namespace) -> int:
+    from pakv_onnx.pypto import cases
+
+    try:
+        built = _build_all(cases.default_case_ids(args.random, args.seed))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for case_id, (case, plan) in built.items():
+        print(f"{case_id:<20} T={plan.num_tokens:<6} {case.summary()}")
+    return 0
+
+
+def _refusals(built) -> tuple[dict[str, str], list[str]]:
+    """(kernel refusals by id, memory refusals): what the kernel cannot do, what cannot fit here."""
+    from pakv_onnx.pypto import host, runs
+
+    kernel, memory = {}, []
+    for case_id, (case, plan) in built.items():
+        reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
+        if reason:
+            kernel[case_id] = reason
+            continue
+        refusal = runs.memory_refusal(runs.case_bytes(case), "verify")
+        if refusal:
+            memory.append(f"{case_id}: {refusal}")
+    return kernel, memory
+
+
+def _run_cpu(args, case_ids: list[str]):
+    """Results in order, a batch of cases per subprocess (yielded as each batch finishes)."""
+    from pakv_onnx.pypto import runs
+
+    for start in range(0, len(case_ids), BATCH):
+        batch = case_ids[start : start + BATCH]
+        yield from runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout, keep=args.keep)
+
+
+def _run_npu(case_ids: list[str], built):
+    """Each case through the ``pypto`` backend on the NPU, compared with the golden."""
+    from pakv_onnx.ops import gather_pa_kv_cache
+    from pakv_onnx.pypto.runs import RunResult
+    from pakv_onnx.spec import bitwise_equal
+
+    for case_id in case_ids:
+        case, _ = built[case_id]
+        start = time.perf_counter()
+        try:
+            key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto")
+            golden = case.golden()
+            bad = [n for n, got, want in zip(("key", "value"), (key.cpu(), value.cpu()), golden) if not bitwise_equal(got, want)]
+            ok, detail = not bad, ("bit-exact vs golden" if not bad else f"NOT bit-exact vs golden ({', '.join(bad)})")
+        except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
+            ok, detail = False, f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        yield RunResult(case_id=case_id, ok=ok, detail=detail, seconds=time.perf_counter() - start)
+
+
 def run(args: argparse.Namespace) -> int:
-    from pakv_onnx import pypto_sim
+    from pakv_onnx.paths import cache_dir
+    from pakv_onnx.pypto import cases, runs
 
     if args.list:
-        for case_id in default_cases(args.random, args.seed):
-            print(f"{case_id:<20} {_case_summary(case_id)}")
-        return 0
-    problem = preflight()
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
+        return _list(args)
+    if args.device == "npu":
+        from pakv_onnx.kernels.pypto_nd import unavailable_reason
+
+        problem = unavailable_reason()
+        if problem:
+            print(f"error: --device npu needs an Ascend NPU with pypto and torch_npu: {problem}", file=sys.stderr)
+            return 2
+    else:
+        problem = preflight()
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    case_ids = args.cases or cases.default_case_ids(args.random, args.seed)
+    try:
+        built = _build_all(case_ids)  # an unknown id is a usage error, before anything runs
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    case_ids = args.cases or default_cases(args.random, args.seed)
-    summaries = {case_id: _case_summary(case_id) for case_id in case_ids}  # fail fast on a bad id
-    print(f"PyPTO SIM compile + pass-verify interpreter; files under {cache_dir('pypto')}", flush=True)
-    if not pypto_sim.helper_is_built():
-        print("building PyPTO's interpreter helper library once (cmake + g++, about 1-2 min; cached) ...", flush=True)
-        helper = pypto_sim.run_in_subprocess({"mode": "helper"}, timeout=args.timeout)
-        if not helper.ok:
+    refused, memory = _refusals(built)
+    if memory:
+        print("error: refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory), file=sys.stderr)
+        return 2
+    runnable = [c for c in case_ids if c not in refused]
+    total = len(case_ids)
+    for index, case_id in enumerate((c for c in case_ids if c in refused), 1):
+        summary = _summary(*built[case_id])
+        print(f"[{index}/{total}] SKIP {case_id}: {summary} -> the kernel refuses it: {refused[case_id]}", flush=True)
+    if args.device == "npu":
+        print("PyPTO kernel on the Ascend NPU (backend 'pypto'), bit-exact vs golden", flush=True)
+        results = _run_npu(runnable, built)
+    else:
+        print(f"PyPTO SIM compile + pass-verify interpreter; files under {cache_dir('pypto')}", flush=True)
+        helper = runs.ensure_helper(args.timeout, say=lambda text: print(text, flush=True))
+        if helper is not None and not helper.ok:
             print(f"FAIL helper build: {helper.detail} (log: {helper.log})")
             return 1
-        print(f"helper library built ({helper.seconds:.0f}s)", flush=True)
+        results = _run_cpu(args, runnable)
     failures = 0
-    for index, case_id in enumerate(case_ids, 1):
-        result = pypto_sim.run_in_subprocess({"mode": "verify", "case": case_id}, timeout=args.timeout, keep=args.keep)
+    for index, (case_id, result) in enumerate(zip(runnable, results), len(refused) + 1):
         failures += not result.ok
-        extras = []
-        if result.tiles:
-            extras.append(f"tile rows K/V {result.tiles[0]}/{result.tiles[2]}")
-        if result.aicore_us is not None:
-            extras.append(f"cost model {result.aicore_us:g} us")
-        extra = f" [{', '.join(extras)}]" if extras else ""
-        where = f" (log: {result.log})" if result.log else ""
-        detail = result.detail + extra
-        print(
-            case_line(index, len(case_ids), result.ok, case_id, summaries[case_id], detail, result.seconds) + where,
-            flush=True,
-        )
-    print(totals_line(len(case_ids), failures, "pypto SIM + pass-verify, bit-exact vs golden"))
+        print(_result_line(index, total, case_id, _summary(*built[case_id]), result), flush=True)
+    what = "pypto on the NPU" if args.device == "npu" else "pypto SIM + pass-verify"
+    skipped = f", {len(refused)} refused by the kernel" if refused else ""
+    print(totals_line(len(runnable), failures, f"{what}, bit-exact vs golden{skipped}"))
     return 1 if failures else 0
 
 
+def _result_line(index: int, total: int, case_id: str, summary: str, result) -> str:
+    from pakv_onnx.pypto.tiles import Tiles
+
+    extras = []
+    if result.tiles:
+        extras.append(Tiles.from_json(result.tiles).label())
+    if result.aicore_us is not None:
+        extras.append(f"cost model {result.aicore_us:g} us")
+    detail = result.detail + (f" [{', '.join(extras)}]" if extras else "")
+    where = f" (log: {result.log})" if result.log else ""
+    return case_line(index, total, result.ok, case_id, summary, detail, result.seconds) + where
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a count >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from pakv_onnx.commands.tune import positive_int
+
     parser = commands.add_parser(
         "verify-kernel",
-        help="check the PyPTO kernel bit-exact on a CPU (SIM compile + PyPTO's verify interpreter)",
+        help="check the PyPTO kernel bit-exact vs the golden (CPU: SIM compile + PyPTO's interpreter; or --device npu)",
         description=(
-            "Compile the PyPTO GatherPaKvCache kernel in SIM mode on this CPU and run it through "
-            "PyPTO's pass-verify interpreter with the real input data (a small adapter for pypto "
-            "0.2.0 hands the interpreter the CPU tensors; other pypto versions are refused), then "
-            "compare both outputs bit-exact with the torch golden. Default cases: the seed sweep "
-            "and manual shapes with 64-block caches, a T=4096 case, and random cases (shuffled and "
-            "repeated block ids, non-zero seq_offset, tail blocks, zero-length sequences, bf16/fp16/int8). "
-            "Each case runs in its own subprocess; PyPTO's helper library is built once and cached; "
-            "all PyPTO output, logs and run records go under the pakv-onnx cache directory "
-            "($PAKV_ONNX_CACHE_DIR, else $XDG_CACHE_HOME/pakv-onnx or ~/.cache/pakv-onnx), the run "
-            "directory of a failed case is kept and named. Prints one PASS/FAIL line per case; exit "
-            "code 0 when all pass, 1 when any fails, 2 when pypto is missing or another version."
+            "Compile the PyPTO GatherPaKvCache kernel in SIM mode on this CPU and run it through PyPTO's "
+            "pass-verify interpreter with the real input data (a small adapter for pypto 0.2.0 hands the "
+            "interpreter the CPU tensors; other pypto versions are refused), then compare both outputs "
+            "bit-exact with the torch golden. With --device npu the same cases run on an Ascend NPU through "
+            "the 'pypto' backend instead. Default cases: the seed sweep and manual shapes (64-block caches), "
+            "t4096, every supported dtype in Norm (dtype-NAME) and PA_NZ (nz-NAME), lengths-mode seq_lens, "
+            "non-multiple seq_offset, mixed key/value dtypes (where the contract allows them), and random "
+            "kernel cases (kernel-N). Cases run several per subprocess; PyPTO's helper library is built once "
+            "and cached; all PyPTO output and logs go under the pakv-onnx cache directory "
+            "($PAKV_ONNX_CACHE_DIR, else $XDG_CACHE_HOME/pakv-onnx or ~/.cache/pakv-onnx); the run directory "
+            "of a failure is kept (the newest 10 within 256 MB). A case the kernel cannot do (e.g. fp8, rows not a multiple "
+            "of 32 bytes) is listed as SKIP with the reason. Exit code 0 when all pass, 1 when any fails, 2 "
+            "for a usage or environment problem (unknown case id, pypto missing or another version, no NPU "
+            "for --device npu, a case that cannot fit in memory)."
         ),
         epilog=(
             "case ids:\n"
             "  level0..level9, heads1_k128_v64, heads64_k128_v128   seed cases, num_blocks 64\n"
             "  t4096                                                 sweep shapes, Q=4, T=4096\n"
-            "  random-N                                              random kernel case, seed N\n"
-            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T                explicit shapes\n"
+            "  dtype-NAME, nz-NAME                                   Norm / PA_NZ case of cache dtype NAME\n"
+            "  lengths, offsets, mixed                               lengths-mode seq_lens, partial seq_offset,\n"
+            "                                                        key/value dtypes differ\n"
+            "  kernel-N                                              random case inside the kernel's support\n"
+            "  random-N                                              the random case N of `pakv-onnx cases`\n"
+            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T                explicit Norm shapes\n"
             "examples:\n"
             "  pakv-onnx verify-kernel\n"
-            "  pakv-onnx verify-kernel --cases level0 heads64_k128_v128 random-3\n"
-            "  pakv-onnx verify-kernel --random 50 --seed 100 --cases\n"
-            "  pakv-onnx verify-kernel --list"
+            "  pakv-onnx verify-kernel --cases level0 nz-int8 kernel-3\n"
+            "  pakv-onnx verify-kernel --list\n"
+            "  pakv-onnx verify-kernel --device npu      # on a machine with an Ascend NPU"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--cases",
-        nargs="*",
-        metavar="ID",
-        help="case ids to verify (default: all seed cases, t4096 and the random ones)",
-    )
+    parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
     parser.add_argument(
         "--random",
-        type=int,
-        default=DEFAULT_RANDOM,
+        type=_count,
+        default=DEFAULT_KERNEL_CASES,
         metavar="N",
-        help=f"random cases in the default list (default: {DEFAULT_RANDOM})",
+        help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="first seed of the random cases (default: 0)")
-    parser.add_argument("--list", action="store_true", help="list the default cases with their shapes and exit")
+    parser.add_argument("--seed", type=int, default=0, help="first N of the kernel-N cases (default: 0)")
+    parser.add_argument("--list", action="store_true", help="list the default cases with T and their shapes, and exit")
+    parser.add_argument("--device", choices=("cpu", "npu"), default="cpu", help="where the kernel runs (default: cpu)")
     parser.add_argument(
-        "--timeout", type=float, default=900, metavar="S", help="per-case subprocess timeout in seconds (default: 900)"
+        "--timeout", type=positive_int, default=900, metavar="S", help="per-subprocess timeout in seconds (default: 900)"
     )
-    parser.add_argument("--keep", action="store_true", help="keep every case's run directory (logs, PyPTO output)")
+    parser.add_argument("--keep", action="store_true", help="keep every run directory (logs, PyPTO output)")
     parser.set_defaults(run=run)

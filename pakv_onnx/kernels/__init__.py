@@ -77,6 +77,7 @@ BACKEND_MODULES: dict[str, str] = {
     "native": "pakv_onnx.kernels.native",
     "torch": "pakv_onnx.kernels.torch_index",
     "golden": "pakv_onnx.kernels.reference",
+    "pypto-cpu": "pakv_onnx.kernels.pypto_cpu",
 }
 # The backends "auto" tries, in this order (fastest first); the first that is available and
 # supports the call wins. golden is never picked by auto (it is the slow verifier).

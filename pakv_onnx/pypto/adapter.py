@@ -32,6 +32,7 @@ from pakv_onnx.paths import cache_dir
 
 SUPPORTED_PYPTO_VERSION = "0.2.0"
 CALCULATOR_LIB = "lib/libtile_fwk_calculator.so"
+HELPER_DIR_ENV = "PAKV_ONNX_PYPTO_HELPER_DIR"
 
 
 class AdapterError(RuntimeError):
@@ -59,7 +60,7 @@ def check_version() -> None:
             f"verify-kernel's interpreter adapter was written for pypto {SUPPORTED_PYPTO_VERSION}, "
             f"but pypto {version} is installed; its private verify-data setup may differ, so "
             f"the check refuses to run rather than compare against zeros "
-            f"(install pypto=={SUPPORTED_PYPTO_VERSION} or update pakv_onnx/kernels/_pypto_verify_adapter.py)"
+            f"(install pypto=={SUPPORTED_PYPTO_VERSION} or update pakv_onnx/pypto/adapter.py)"
         )
 
 
@@ -71,8 +72,15 @@ def _calculator_key() -> str:
 
 
 def calculator_dir() -> Path:
-    """Where the cached interpreter helper library lives (installed prefix)."""
-    return cache_dir("pypto", "calculator") / _calculator_key()
+    """Where the cached interpreter helper library lives (installed prefix).
+
+    ``$PAKV_ONNX_PYPTO_HELPER_DIR`` overrides the parent directory, so a run with its own
+    cache directory (the tests) can share one build of the helper.
+    """
+    shared = os.environ.get(HELPER_DIR_ENV)
+    base = Path(shared) if shared else cache_dir("pypto", "calculator")
+    base.mkdir(parents=True, exist_ok=True)
+    return base / _calculator_key()
 
 
 @contextlib.contextmanager

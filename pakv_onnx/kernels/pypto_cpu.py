@@ -1,0 +1,45 @@
+"""The ``pypto-cpu`` backend: the PyPTO kernel on a CPU through PyPTO's SIM compile + interpreter.
+
+Slow by design (about a second or more per call: pypto's SIM mode recompiles every call);
+not part of ``auto``. Implementation: :mod:`pakv_onnx.pypto.cpu`.
+"""
+
+from __future__ import annotations
+
+from pakv_onnx.kernels import Backend
+
+
+def _unavailable_reason() -> str | None:
+    from pakv_onnx.kernels.pypto_nd import pypto_missing_reason
+    from pakv_onnx.pypto import adapter
+
+    missing = pypto_missing_reason()
+    if missing:
+        return missing
+    try:
+        adapter.check_version()
+    except adapter.AdapterError as err:
+        return str(err)
+    return None
+
+
+def _gather(plan, key_cache, value_cache, key_out, value_out) -> None:
+    from pakv_onnx.pypto import cpu
+
+    cpu.gather_pypto_cpu(plan, key_cache, value_cache, key_out, value_out)
+
+
+def _unsupported_reason(plan, cache) -> str | None:
+    from pakv_onnx.pypto import cpu
+
+    return cpu.unsupported_reason(plan, cache)
+
+
+BACKEND = Backend(
+    name="pypto-cpu",
+    description="the PyPTO kernel on a CPU via PyPTO's SIM compile + pass-verify interpreter (slow: ~1 s or more per call)",
+    gather=_gather,
+    unavailable_reason=_unavailable_reason,
+    unsupported_reason=_unsupported_reason,
+    mixed_dtypes=True,
+)

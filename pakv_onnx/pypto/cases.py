@@ -1,0 +1,273 @@
+"""Named cases for the PyPTO kernel runs (``verify-kernel``, ``tune``, the tests).
+
+Cases are named, never pickled, so a subprocess rebuilds the same bytes from the name:
+
+* a seed id (``level0`` ... ``level9``, ``heads1_k128_v64``, ``heads64_k128_v128``): the seed
+  case with ``num_blocks`` = :data:`SMALL_NUM_BLOCKS`, fewer for wide rows (the seed's
+  5513-block caches take 812 MB and the interpreter's peak is about 24x its inputs);
+* ``t4096``: the sweep's shapes with Q = 4 and T = 4096;
+* ``random-N``: :func:`pakv_onnx.cases.random_case` (N) -- the same case as in every other
+  command; the kernel may refuse it (then the run says why);
+* ``kernel-N``: a random case inside the kernel's support (any supported dtype, both layouts,
+  both seq_lens forms, int32/int64 indices, non-multiple seq_offset where the contract allows);
+* ``dtype-NAME`` / ``nz-NAME``: a small Norm / PA_NZ case of cache dtype NAME;
+* ``lengths``, ``offsets``, ``mixed``: lengths-mode seq_lens; seq_offset not a multiple of
+  block_size; key and value caches of different dtypes (the last two where spec allows them);
+* ``shape:DTYPE:KH,KD:VH,VD:BS:Q:T``: explicit Norm shapes in the sweep's pattern (for ``tune``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+
+import torch
+
+from pakv_onnx.cases import GatherCase, even_split, random_cache, random_case, seed_case, seed_cases
+from pakv_onnx.spec import CacheMode, nz_last_dim, plan_gather
+
+SMALL_NUM_BLOCKS = 64
+# Bytes of one small cache at most: the interpreter's peak is about 24x its inputs (the
+# 64-head seed case with 64 blocks, 268 MB of caches, peaked at 7 GB), so wide rows get fewer blocks.
+SMALL_CACHE_BYTES = 16 * 2**20
+T4096_CASE = "t4096"
+FEATURE_CASES = ("lengths", "offsets", "mixed")
+
+
+def dtype_by_name() -> dict[str, torch.dtype]:
+    from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
+
+    return {dtype_name(d): d for d in SUPPORTED_DTYPES}
+
+
+def small_seed_case(case_id: str, num_blocks: int | None = None) -> GatherCase:
+    """The seed case ``case_id`` with few cache blocks (generation rule otherwise unchanged).
+
+    ``num_blocks`` defaults to :data:`SMALL_NUM_BLOCKS`, fewer when a cache would pass
+    :data:`SMALL_CACHE_BYTES`, never fewer than the case uses.
+    """
+    spec = seed_case(case_id)
+    if num_blocks is None:
+        block_bytes = max(
+            2 * spec.key_cache_shape[1] * spec.key_cache_shape[2] * spec.key_cache_shape[3],
+            2 * spec.value_cache_shape[1] * spec.value_cache_shape[2] * spec.value_cache_shape[3],
+        )  # the seed's caches are bf16
+        used = -(-spec.total_tokens // spec.key_cache_shape[1]) + spec.q_count
+        num_blocks = max(min(SMALL_NUM_BLOCKS, SMALL_CACHE_BYTES // block_bytes), used)
+    small = dataclasses.replace(
+        spec,
+        key_cache_shape=(num_blocks, *spec.key_cache_shape[1:]),
+        value_cache_shape=(num_blocks, *spec.value_cache_shape[1:]),
+    )
+    case = small.build()
+    return dataclasses.replace(case, description=f"{case.description}, num_blocks {num_blocks}")
+
+
+def shape_spec(dtype: torch.dtype, key_hd, value_hd, block_size: int, q_count: int, total_tokens: int) -> str:
+    name = str(dtype).removeprefix("torch.")
+    return f"{name}:{key_hd[0]},{key_hd[1]}:{value_hd[0]},{value_hd[1]}:{block_size}:{q_count}:{total_tokens}"
+
+
+def shape_case(
+    dtype: torch.dtype,
+    key_hd: tuple[int, int],
+    value_hd: tuple[int, int],
+    block_size: int,
+    q_count: int,
+    total_tokens: int,
+    *,
+    seed: int = 0,
+    case_id: str | None = None,
+) -> GatherCase:
+    """A Norm case in the sweep's pattern: T split evenly over Q, consecutive block ids, zero offsets."""
+    lengths = even_split(total_tokens, q_count)
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = max(SMALL_NUM_BLOCKS, sum(blocks))
+    tables = torch.zeros(q_count, max(1, max(blocks)), dtype=torch.int32)
+    counter = 0
+    for q, used in enumerate(blocks):
+        for col in range(used):
+            tables[q, col] = counter
+            counter += 1
+    generator = torch.Generator().manual_seed(seed)
+    return GatherCase(
+        case_id=case_id or f"shape:{shape_spec(dtype, key_hd, value_hd, block_size, q_count, total_tokens)}",
+        description=f"Q={q_count} T={total_tokens} block_size={block_size}",
+        key_cache=random_cache((num_blocks, block_size, *key_hd), dtype, generator),
+        value_cache=random_cache((num_blocks, block_size, *value_hd), dtype, generator),
+        block_tables=tables,
+        seq_lens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        seq_offset=torch.zeros(q_count, dtype=torch.int32),
+    )
+
+
+def t4096_case() -> GatherCase:
+    """The sweep's shapes (key 1x512, value 1x64, bf16, 128-row blocks) with Q = 4, T = 4096."""
+    return shape_case(torch.bfloat16, (1, 512), (1, 64), 128, 4, 4096, seed=4096, case_id=T4096_CASE)
+
+
+@functools.cache
+def spec_allows(feature: str) -> bool:
+    """Whether this checkout's spec accepts ``feature`` ("partial_offset" or "mixed_dtypes")."""
+    cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
+    value = cache.to(torch.int8) if feature == "mixed_dtypes" else cache
+    offset = torch.tensor([1 if feature == "partial_offset" else 0], dtype=torch.int32)
+    try:
+        plan_gather(cache, value, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), offset)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
+def kernel_case(
+    seed: int,
+    *,
+    dtype: torch.dtype | None = None,
+    value_dtype: torch.dtype | None = None,
+    mode: CacheMode | None = None,
+    is_cumsum: bool | None = None,
+    partial_offsets: bool | None = None,
+    case_id: str | None = None,
+) -> GatherCase:
+    """A small random case inside the kernel's support; options left ``None`` are drawn from ``seed``.
+
+    Shuffled and repeated block ids, junk in unused table columns, a zero-length sequence,
+    a partial tail block, non-zero seq_offset.
+    """
+    rng = random.Random(seed)
+    generator = torch.Generator().manual_seed(seed)
+    dtypes = list(dtype_by_name().values())
+    dtype = dtype or rng.choice(dtypes)
+    value_dtype = value_dtype or dtype
+    mode = mode or rng.choice(list(CacheMode))
+    is_cumsum = rng.random() < 0.5 if is_cumsum is None else is_cumsum
+    if partial_offsets is None:
+        partial_offsets = rng.random() < 0.5
+    partial_offsets = partial_offsets and spec_allows("partial_offset")
+    block_size = rng.choice((1, 2, 4, 8, 16, 32))
+    num_blocks = rng.randint(8, SMALL_NUM_BLOCKS)
+    num_seqs = rng.randint(2, 6)
+
+    def token_layout(dt: torch.dtype) -> tuple[int, ...]:
+        unit = 32 // torch.empty((), dtype=dt).element_size()  # elements per 32-byte block
+        heads, dim = rng.randint(1, 4), unit * rng.randint(1, 4)
+        if mode is CacheMode.NORM:
+            return (num_blocks, block_size, heads, dim)
+        e = nz_last_dim(torch.empty((), dtype=dt).element_size())
+        return (num_blocks, heads * dim // e, block_size, e)
+
+    lengths = [rng.randint(0, 3 * block_size + block_size // 2) for _ in range(num_seqs)]
+    lengths[rng.randrange(num_seqs)] = 0
+    lengths[rng.randrange(num_seqs)] = block_size + max(1, block_size // 2) if block_size > 1 else 3
+    offset_cols = [rng.randint(0, 2) for _ in range(num_seqs)]
+    offset_cols[rng.randrange(num_seqs)] = rng.randint(1, 3)
+    used = [off + -(-n // block_size) for off, n in zip(offset_cols, lengths)]
+    cols = max(used) + rng.randint(0, 2)
+    tables = torch.randint(-3, num_blocks + 3, (num_seqs, cols), generator=generator)  # junk where unused
+    for q in range(num_seqs):
+        for col in range(offset_cols[q], used[q]):
+            tables[q, col] = rng.randrange(num_blocks)  # shuffled, repeats allowed
+    index_dtype = rng.choice((torch.int32, torch.int64))
+    running = torch.tensor([0, *lengths]).cumsum(0)
+    extra = [rng.randrange(block_size) if partial_offsets else 0 for _ in range(num_seqs)]
+    return GatherCase(
+        case_id=case_id or f"kernel-{seed}",
+        description=f"kernel case seed {seed}",
+        key_cache=random_cache(token_layout(dtype), dtype, generator),
+        value_cache=random_cache(token_layout(value_dtype), value_dtype, generator),
+        block_tables=tables.to(index_dtype),
+        seq_lens=(running if is_cumsum else torch.tensor(lengths)).to(index_dtype),
+        seq_offset=torch.tensor([c * block_size + x for c, x in zip(offset_cols, extra)], dtype=index_dtype),
+        cache_mode=mode,
+        is_seq_lens_cumsum=is_cumsum,
+    )
+
+
+def _feature_case(name: str) -> GatherCase:
+    if name == "lengths":
+        return kernel_case(11, dtype=torch.bfloat16, mode=CacheMode.NORM, is_cumsum=False, case_id=name)
+    if name == "offsets":
+        if not spec_allows("partial_offset"):
+            raise ValueError("case 'offsets' needs a spec that accepts seq_offset not a multiple of block_size")
+        return kernel_case(12, dtype=torch.float16, mode=CacheMode.NORM, partial_offsets=True, case_id=name)
+    if not spec_allows("mixed_dtypes"):
+        raise ValueError("case 'mixed' needs a spec that accepts key and value caches of different dtypes")
+    return kernel_case(13, dtype=torch.bfloat16, value_dtype=torch.int8, mode=CacheMode.PA_NZ, case_id=name)
+
+
+def seed_case_ids() -> list[str]:
+    return [spec.case_id for spec in seed_cases()]
+
+
+def available_feature_cases() -> list[str]:
+    return [
+        name
+        for name in FEATURE_CASES
+        if name == "lengths" or spec_allows("partial_offset" if name == "offsets" else "mixed_dtypes")
+    ]
+
+
+def default_case_ids(kernel_count: int = 4, first_seed: int = 0) -> list[str]:
+    """verify-kernel's default list: seed sweep, t4096, each dtype in Norm and PA_NZ, the features, kernel-N."""
+    names = list(dtype_by_name())
+    return [
+        *seed_case_ids(),
+        T4096_CASE,
+        *(f"dtype-{n}" for n in names),
+        *(f"nz-{n}" for n in names),
+        *available_feature_cases(),
+        *(f"kernel-{first_seed + i}" for i in range(kernel_count)),
+    ]
+
+
+def _int_suffix(case_id: str, prefix: str) -> int:
+    try:
+        return int(case_id.removeprefix(prefix))
+    except ValueError:
+        raise ValueError(f"bad case id {case_id!r} (want {prefix}N)") from None
+
+
+def build_case(case_id: str) -> GatherCase:
+    """Rebuild a named case (see the module docstring); ``ValueError`` on an unknown name."""
+    if case_id == T4096_CASE:
+        return t4096_case()
+    if case_id.startswith("random-"):
+        return random_case(_int_suffix(case_id, "random-"))
+    if case_id.startswith("kernel-"):
+        return kernel_case(_int_suffix(case_id, "kernel-"))
+    for prefix, mode in (("dtype-", CacheMode.NORM), ("nz-", CacheMode.PA_NZ)):
+        if case_id.startswith(prefix):
+            name = case_id.removeprefix(prefix)
+            dtypes = dtype_by_name()
+            if name not in dtypes:
+                raise ValueError(f"bad case id {case_id!r}: dtype {name!r} not one of {', '.join(dtypes)}")
+            return kernel_case(sum(map(ord, name)), dtype=dtypes[name], mode=mode, case_id=case_id)
+    if case_id in FEATURE_CASES:
+        return _feature_case(case_id)
+    if case_id.startswith("shape:"):
+        return parse_shape_case(case_id)
+    try:
+        return small_seed_case(case_id)
+    except ValueError:
+        raise ValueError(
+            f"unknown case id {case_id!r} (known: seed ids, {T4096_CASE}, random-N, kernel-N, dtype-NAME, nz-NAME, "
+            f"{', '.join(FEATURE_CASES)}, shape:DTYPE:KH,KD:VH,VD:BS:Q:T)"
+        ) from None
+
+
+def parse_shape_case(case_id: str) -> GatherCase:
+    dtypes = dtype_by_name()
+    try:
+        _, dtype, key, value, block_size, q_count, total = case_id.split(":")
+        key_hd = tuple(int(v) for v in key.split(","))
+        value_hd = tuple(int(v) for v in value.split(","))
+        numbers = (int(block_size), int(q_count), int(total))
+        if len(key_hd) != 2 or len(value_hd) != 2 or min(*key_hd, *value_hd, *numbers) < 1:
+            raise ValueError
+        return shape_case(dtypes[dtype], key_hd, value_hd, *numbers)
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"bad shape case {case_id!r}: want shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T (positive integers) with "
+            f"DTYPE one of {', '.join(dtypes)}"
+        ) from None

@@ -1,0 +1,253 @@
+"""The host side of the PyPTO kernel: what it supports, its entries, its tiles, and one run.
+
+Imports neither pypto nor torch_npu at import time (the package works without them).
+
+* :func:`unsupported_reason` names the one option a plan needs that the kernel cannot do.
+* :func:`build_entries` turns a plan into the kernel's flat ``(block, slot, dst, valid)``
+  int32 entries (lengths-mode ``seq_lens``, any ``seq_offset`` through the plan's
+  ``table_col_starts`` and int64 indices are all resolved here, on the host; no cache is copied).
+* :func:`choose_tiles` picks the chunk (token slots per entry) and vector tile per cache: the
+  cost-model-tuned choice cached by ``pakv-onnx tune`` when there is one (see :mod:`.tiles`),
+  else the closed-form rule of :func:`.tiles.rule_tiles`.
+* :func:`run_kernel` runs the kernel (NPU, or SIM with the pass-verify interpreter on a CPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from pakv_onnx.paths import cache_dir, pypto_output_env
+from pakv_onnx.pypto import tiles as tiles_mod
+from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
+from pakv_onnx.spec import CacheMode, GatherPlan, nz_last_dim
+
+INT32_MAX = 2**31 - 1
+
+# Cache dtypes the kernel moves natively: each compiles and verifies bit-exact through the
+# pypto 0.2.0 interpreter (FACTS section 8; uint16/uint32 checked by verify-kernel's list).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.uint16,
+    torch.int32,
+    torch.uint32,
+)
+# Contract dtypes the kernel refuses, and why.
+REFUSED_DTYPES: dict[torch.dtype, str] = {
+    torch.float8_e4m3fn: "compiles but fails pypto 0.2.0's pass-verify (FB2002 in FlowVerifier)",
+    torch.float8_e5m2: "compiles but fails pypto 0.2.0's pass-verify (FB2002 in FlowVerifier)",
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def row_width(plan: GatherPlan, which: str) -> int:
+    """Elements per output token row of ``which`` ("key" or "value"): H*D."""
+    shape = plan.key_token_shape if which == "key" else plan.value_token_shape
+    width = 1
+    for size in shape:
+        width *= int(size)
+    return width
+
+
+def _dtype_reason(name: str, dtype: torch.dtype) -> str | None:
+    if dtype in SUPPORTED_DTYPES:
+        return None
+    why = REFUSED_DTYPES.get(dtype, "no PyPTO data type")
+    allowed = ", ".join(dtype_name(d) for d in SUPPORTED_DTYPES)
+    return f"{name} dtype {dtype_name(dtype)}: {why} (the PyPTO kernel moves {allowed})"
+
+
+def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch.Tensor | None = None) -> str | None:
+    """``None`` when the kernel handles ``plan``; otherwise the option it cannot do.
+
+    ``cache`` is the key cache (the registry passes that one); ``value_cache`` when known.
+    Each cache's dtype is read from the tensor itself (key and value may differ).
+    """
+    value_dtype = value_cache.dtype if value_cache is not None else getattr(plan, "value_dtype", cache.dtype)
+    for name, dtype in (("key_cache", cache.dtype), ("value_cache", value_dtype)):
+        reason = _dtype_reason(name, dtype)
+        if reason:
+            return reason
+    for name, tensor in (("key_cache", cache), ("value_cache", value_cache)):
+        if tensor is not None and not tensor.is_contiguous():
+            return (
+                f"{name} is a strided (pool) view with block stride {tensor.stride(0)} elements "
+                "(the PyPTO kernel hands each cache in as a reshaped view and needs it contiguous)"
+            )
+    if plan.cache_mode is CacheMode.NORM:
+        for which, dtype in (("key", cache.dtype), ("value", value_dtype)):
+            itemsize = _itemsize(dtype)
+            width = row_width(plan, which)
+            if (width * itemsize) % ALIGN_BYTES:
+                return (
+                    f"{which} token row of heads*head_dim = {width} x {itemsize} bytes = {width * itemsize} bytes "
+                    f"(PyPTO vector tiles need rows that are a multiple of {ALIGN_BYTES} bytes)"
+                )
+    if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
+        return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
+    try:
+        choose_tiles(plan, cache.dtype, value_dtype)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def choose_tiles(plan: GatherPlan, key_dtype: torch.dtype, value_dtype: torch.dtype) -> Tiles:
+    """The tiles the kernel uses for ``plan``: tuned (cached by ``tune``) if known, else the rule."""
+    shape = tiles_mod.shape_of(plan, _itemsize(key_dtype), _itemsize(value_dtype))
+    return tiles_mod.tuned(shape) or tiles_mod.rule_tiles(shape)
+
+
+# --------------------------------------------------------------------------- #
+# Entries
+# --------------------------------------------------------------------------- #
+def build_entries(plan: GatherPlan, chunk: int) -> torch.Tensor:
+    """Int32 ``[E, 4]`` rows ``(block, slot, dst, valid)``: one per chunk of ``chunk`` tokens.
+
+    Sequence q's token t reads block ``block_tables[q, table_col_starts[q] + t // bs]`` slot
+    ``t % bs`` (the floor rule), so chunk j of q starts at token ``j * chunk``; ``chunk``
+    divides ``block_size``, so no chunk crosses a block. For Norm, field 0 is the cache row
+    ``block * bs + slot`` instead (one multiply per entry done here, not in every task).
+    """
+    bs = plan.block_size
+    if bs % chunk:
+        raise ValueError(f"chunk {chunk} must divide block_size {bs}")
+    lengths = plan.seq_lengths.to(torch.int64)
+    per_seq = (lengths + chunk - 1) // chunk
+    total = int(per_seq.sum())
+    if total == 0:
+        return torch.zeros((0, 4), dtype=torch.int32)
+    seq = torch.repeat_interleave(torch.arange(plan.num_seqs), per_seq)
+    first = torch.cumsum(per_seq, 0) - per_seq
+    token = (torch.arange(total) - first[seq]) * chunk
+    col = plan.table_col_starts.to(torch.int64)[seq] + token // bs
+    block = plan.block_tables.to(torch.int64)[seq, col]
+    slot = token % bs
+    if plan.cache_mode is CacheMode.NORM:
+        block, slot = block * bs + slot, torch.zeros_like(slot)
+    valid = torch.clamp(lengths[seq] - token, max=chunk)
+    dst = plan.out_starts.to(torch.int64)[seq] + token
+    entries = torch.stack((block, slot, dst, valid), dim=1)
+    if int(entries.max()) > INT32_MAX:
+        raise ValueError("an entry exceeds int32 (the kernel reads int32 entries)")
+    return entries.to(torch.int32).contiguous()
+
+
+def kernel_inputs(
+    plan: GatherPlan,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    tiles: Tiles,
+) -> tuple[torch.Tensor, ...]:
+    """The gather kernel's tensor arguments on the caches' device (outputs as views, no copy)."""
+    entries = build_entries(plan, tiles.chunk).to(key_cache.device)
+    if plan.cache_mode is CacheMode.NORM:
+        key_width, value_width = row_width(plan, "key"), row_width(plan, "value")
+        return (
+            key_cache.view(-1, key_width),
+            value_cache.view(-1, value_width),
+            entries,
+            key_out.view(plan.num_tokens, key_width),
+            value_out.view(plan.num_tokens, value_width),
+        )
+    return (
+        key_cache.view(-1, key_cache.shape[2], key_cache.shape[3]),
+        value_cache.view(-1, value_cache.shape[2], value_cache.shape[3]),
+        entries,
+        _nz_out_view(key_out, key_cache),
+        _nz_out_view(value_out, value_cache),
+    )
+
+
+def kernel_scalars(plan: GatherPlan, key_cache: torch.Tensor, value_cache: torch.Tensor, tiles: Tiles) -> tuple:
+    """The kernel's static tuple: the tiles, and for PA_NZ each cache's fractal count C."""
+    if plan.cache_mode is CacheMode.NORM or tiles.kind == "seed":
+        return tiles.kernel_tuple()
+    return (*tiles.kernel_tuple(), key_cache.shape[1], value_cache.shape[1])
+
+
+def _nz_out_view(out: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """``[T, H*D]`` seen as ``[T, C, E]`` (the kernel cannot reshape its output)."""
+    e_dim = nz_last_dim(cache.element_size())
+    return out.view(out.shape[0], -1, e_dim)
+
+
+def seed_kernel_inputs(plan: GatherPlan, key_cache, value_cache, key_out, value_out) -> tuple[torch.Tensor, ...]:
+    """Arguments of the seed's nested-loop kernel (Norm only), for pricing the seed's rule."""
+    device = key_cache.device
+    starts = torch.cat((plan.out_starts, torch.tensor([plan.num_tokens]))).to(torch.int32)
+    return (
+        key_cache,
+        value_cache,
+        plan.block_tables.to(torch.int32).contiguous().to(device),
+        starts.to(device),
+        plan.table_col_starts.to(torch.int32).to(device),
+        key_out.view(plan.num_tokens, row_width(plan, "key")),
+        value_out.view(plan.num_tokens, row_width(plan, "value")),
+    )
+
+
+def set_output_env() -> None:
+    """Send PyPTO's files under the cache dir (a caller's own settings win)."""
+    for name, value in pypto_output_env(cache_dir("pypto", "in-process")).items():
+        os.environ.setdefault(name, value)
+
+
+def run_kernel(
+    plan: GatherPlan,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    *,
+    sim: bool,
+    verify: bool = False,
+    tiles: Tiles | None = None,
+    kernel_fn=None,
+) -> Tiles:
+    """Run the gather (NPU, or SIM on a CPU) and return the tiles it used.
+
+    ``tiles.kind == "seed"`` runs the seed's kernel with the seed's tile rows (Norm only).
+    """
+    set_output_env()
+    from pakv_onnx.kernels import BackendUnavailableError
+    from pakv_onnx.pypto import kernel
+
+    reason = unsupported_reason(plan, key_cache, value_cache)
+    if reason is not None:
+        raise BackendUnavailableError(f"the PyPTO kernel cannot run this call: {reason}")
+    tiles = tiles or choose_tiles(plan, key_cache.dtype, value_cache.dtype)
+    if plan.num_tokens == 0 or plan.num_seqs == 0:
+        return tiles
+    if tiles.kind == "seed":
+        args = seed_kernel_inputs(plan, key_cache, value_cache, key_out, value_out)
+        kind = "seed"
+    else:
+        args = kernel_inputs(plan, key_cache, value_cache, key_out, value_out, tiles)
+        kind = "norm" if plan.cache_mode is CacheMode.NORM else "nz"
+    fn = kernel.jit_kernel(kind, sim=sim, verify=verify, kernel_fn=kernel_fn)
+    fn(*args, kernel_scalars(plan, key_cache, value_cache, tiles))
+    return tiles
+
+
+def run_copy(key_src: torch.Tensor, value_src: torch.Tensor, key_out, value_out, tiles: Tiles) -> None:
+    """The floor kernel: ``[T, W]`` sources copied contiguously (SIM cost model only)."""
+    set_output_env()
+    from pakv_onnx.pypto import kernel
+
+    kernel.jit_kernel("copy", sim=True)(key_src, value_src, key_out, value_out, tiles.kernel_tuple())

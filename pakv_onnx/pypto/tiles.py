@@ -1,0 +1,230 @@
+"""Tiles of the PyPTO kernel: chunk and vector tile per cache, the closed-form rule, the tuned cache.
+
+A *chunk* is the number of token slots one kernel task moves (a divisor of ``block_size``);
+the *vector tile* is what ``pypto.set_vec_tile_shapes`` gets for that task. A tile must fit
+the AICore vector buffer (:data:`VECTOR_BUFFER_BYTES`): pypto 0.2.0 compiles a Norm copy tile
+iff ``rows * cols * itemsize <= 196,608`` (64 heads x 128 bf16 compiles with 12 rows, not 13).
+
+What the cost model charges (FACTS section 8): the static view shape, not its valid rows; a
+large fixed latency per DMA; tasks spread over 48 vector cores, dispatched one after another.
+So a chunk that is too big pays for rows that a short sequence does not have, and one that is
+too small pays the fixed latency many times. :func:`rule_tiles` estimates both with that
+model and takes the cheapest chunk; ``pakv-onnx tune`` measures the candidates with the real
+cost model, and caches the cheapest (:func:`remember`), which :func:`tuned` then returns for
+that shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+VECTOR_BUFFER_BYTES = 196_608
+ALIGN_BYTES = 32  # a vector tile row must be a multiple of one 32-byte block
+NZ_ROW_BYTES = 32  # one PA_NZ fractal row
+
+# The seed kernel's fixed rule, kept to compare against.
+SEED_DEFAULT_ROWS = (16, 32)
+SEED_LARGE_TOKEN_ROWS = (8, 8)
+SEED_LARGE_TOKEN_ELEMENTS = 4096
+
+# The rule's model of the cost model (cycles). Shape from FACTS section 8 (a fixed DMA latency
+# per task, bytes at a DMA rate, 48 vector cores, a dispatch gap per task); the three constants
+# were fitted to `tune`'s measurements of every chunk on the seed sweep, manual shapes, t4096,
+# the issue's fp16 shape, a PA_NZ and an fp32 case (worst pick 1.13x the best chunk).
+_TASK_FIXED_CYCLES = 1_700
+_CYCLES_PER_BYTE = 0.05  # per byte of a token row (key + value), in and out
+_VECTOR_CORES = 48
+_DISPATCH_CYCLES = 170
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelShape:
+    """What tiles depend on: layout, row widths (elements), itemsizes, block size, sequence lengths."""
+
+    mode: str  # "Norm" or "PA_NZ"
+    key_width: int
+    value_width: int
+    key_itemsize: int
+    value_itemsize: int
+    block_size: int
+    lengths: tuple[int, ...]
+
+    def cache_key(self) -> str:
+        return (
+            f"{self.mode}:{self.key_width}x{self.key_itemsize}:{self.value_width}x{self.value_itemsize}:"
+            f"bs{self.block_size}:lens{','.join(map(str, self.lengths))}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One kernel specialisation.
+
+    ``kind`` "entries": the flat entry kernel, ``chunk`` token slots per task, ``*_tile`` the
+    vector tile of each cache ((rows, cols) for Norm, (fractals, rows) for PA_NZ). ``kind``
+    "seed": the seed's nested-loop kernel, ``*_tile`` = (rows, cols), chunk 0.
+    """
+
+    kind: str
+    chunk: int
+    key_tile: tuple[int, int]
+    value_tile: tuple[int, int]
+
+    def kernel_tuple(self) -> tuple[int, ...]:
+        if self.kind == "seed":
+            return (*self.key_tile, *self.value_tile)
+        return (self.chunk, *self.key_tile, *self.value_tile)
+
+    def label(self) -> str:
+        if self.kind == "seed":
+            return f"seed kernel, rows {self.key_tile[0]}/{self.value_tile[0]}"
+        return f"chunk {self.chunk}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> Tiles:
+        return cls(
+            kind=str(data["kind"]),
+            chunk=int(data["chunk"]),
+            key_tile=tuple(int(v) for v in data["key_tile"]),
+            value_tile=tuple(int(v) for v in data["value_tile"]),
+        )
+
+
+def shape_of(plan, key_itemsize: int, value_itemsize: int) -> KernelShape:
+    from pakv_onnx.pypto.host import row_width
+
+    return KernelShape(
+        mode=plan.cache_mode.value,
+        key_width=row_width(plan, "key"),
+        value_width=row_width(plan, "value"),
+        key_itemsize=key_itemsize,
+        value_itemsize=value_itemsize,
+        block_size=plan.block_size,
+        lengths=tuple(int(n) for n in plan.seq_lengths.tolist()),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def norm_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
+    """(rows, cols) of a Norm tile for ``chunk`` rows of ``width``; ``None`` if no aligned tile fits."""
+    if width * itemsize <= VECTOR_BUFFER_BYTES:
+        rows = max(d for d in _divisors(chunk) if d * width * itemsize <= VECTOR_BUFFER_BYTES)
+        return rows, width
+    cols = [c for c in _divisors(width) if (c * itemsize) % ALIGN_BYTES == 0 and c * itemsize <= VECTOR_BUFFER_BYTES]
+    return (1, max(cols)) if cols else None
+
+
+def nz_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
+    """(fractals, rows) of a PA_NZ tile for ``chunk`` slots of ``width // E`` 32-byte fractals."""
+    fractals = width * itemsize // NZ_ROW_BYTES
+    fit = [d for d in _divisors(fractals) if d * chunk * NZ_ROW_BYTES <= VECTOR_BUFFER_BYTES]
+    return (max(fit), chunk) if fit else None
+
+
+def tile_for(mode: str, chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
+    return (norm_tile if mode == "Norm" else nz_tile)(chunk, width, itemsize)
+
+
+def candidate_chunks(block_size: int) -> list[int]:
+    """Chunks worth trying: power-of-two divisors of ``block_size``, and ``block_size`` itself."""
+    powers = [c for c in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024) if c <= block_size and block_size % c == 0]
+    return sorted(set(powers) | {block_size})
+
+
+def estimate_cycles(shape: KernelShape, chunk: int) -> float:
+    """The rule's estimate of the loop: one task per entry (key and value DMAs), over 48 cores."""
+    tasks = sum(-(-n // chunk) for n in shape.lengths)
+    if tasks == 0:
+        return 0.0
+    row_bytes = shape.key_width * shape.key_itemsize + shape.value_width * shape.value_itemsize
+    task = _TASK_FIXED_CYCLES + chunk * row_bytes * _CYCLES_PER_BYTE
+    return math.ceil(tasks / _VECTOR_CORES) * task + tasks * _DISPATCH_CYCLES
+
+
+def entry_tiles(shape: KernelShape, chunk: int) -> Tiles | None:
+    """The entry kernel with ``chunk`` slots per task (``None`` if a tile cannot fit)."""
+    key_tile = tile_for(shape.mode, chunk, shape.key_width, shape.key_itemsize)
+    value_tile = tile_for(shape.mode, chunk, shape.value_width, shape.value_itemsize)
+    if key_tile is None or value_tile is None:
+        return None
+    return Tiles("entries", chunk, key_tile, value_tile)
+
+
+def candidate_tiles(shape: KernelShape) -> list[Tiles]:
+    """The entry kernel at every candidate chunk whose tiles fit."""
+    return [t for t in (entry_tiles(shape, c) for c in candidate_chunks(shape.block_size)) if t is not None]
+
+
+def rule_tiles(shape: KernelShape) -> Tiles:
+    """The closed-form choice: the candidate chunk with the lowest :func:`estimate_cycles`."""
+    options = candidate_tiles(shape)
+    if not options:
+        raise ValueError(f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer")
+    return min(options, key=lambda t: estimate_cycles(shape, t.chunk))
+
+
+def seed_tiles(shape: KernelShape) -> Tiles | None:
+    """The seed's rule on the seed's kernel: [16, 32] rows, [8, 8] when heads*dim >= 4096 (Norm only)."""
+    if shape.mode != "Norm":
+        return None
+    large = max(shape.key_width, shape.value_width) >= SEED_LARGE_TOKEN_ELEMENTS
+    rows = SEED_LARGE_TOKEN_ROWS if large else SEED_DEFAULT_ROWS
+    return Tiles("seed", 0, (rows[0], shape.key_width), (rows[1], shape.value_width))
+
+
+def tile_bytes(tiles: Tiles, shape: KernelShape) -> tuple[int, int]:
+    """Vector-buffer bytes of the key and value tiles."""
+    if shape.mode == "Norm" or tiles.kind == "seed":
+        return (
+            tiles.key_tile[0] * tiles.key_tile[1] * shape.key_itemsize,
+            tiles.value_tile[0] * tiles.value_tile[1] * shape.value_itemsize,
+        )
+    return tiles.key_tile[0] * tiles.key_tile[1] * NZ_ROW_BYTES, tiles.value_tile[0] * tiles.value_tile[1] * NZ_ROW_BYTES
+
+
+def fits(tiles: Tiles, shape: KernelShape) -> bool:
+    return all(b <= VECTOR_BUFFER_BYTES for b in tile_bytes(tiles, shape))
+
+
+# --------------------------------------------------------------------------- #
+# Tuned choices, cached by `pakv-onnx tune`
+# --------------------------------------------------------------------------- #
+def _tuned_path() -> Path:
+    from pakv_onnx.paths import cache_dir
+
+    return cache_dir("pypto") / "tuned_tiles.json"
+
+
+def _load() -> dict:
+    try:
+        return json.loads(_tuned_path().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def tuned(shape: KernelShape) -> Tiles | None:
+    """The tiles ``tune`` measured cheapest for exactly this shape, if any."""
+    entry = _load().get(shape.cache_key())
+    try:
+        return Tiles.from_json(entry) if entry else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def remember(shape: KernelShape, tiles: Tiles) -> None:
+    """Cache ``tiles`` as the choice for ``shape`` (atomic replace of the JSON file)."""
+    data = _load()
+    data[shape.cache_key()] = tiles.to_json()
+    path = _tuned_path()
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps(data, indent=1, sort_keys=True))
+    scratch.replace(path)

@@ -1,0 +1,241 @@
+"""Inside a PyPTO subprocess: one request per process (:func:`worker_main`), or a served loop (:func:`serve`).
+
+``python -m pakv_onnx.pypto.worker REQUEST.json`` runs one request of :mod:`.runs`;
+``python -m pakv_onnx.pypto.worker --serve`` is the persistent worker of the ``pypto-cpu``
+backend (:mod:`.cpu`): it imports torch and pypto and loads the helper library once, then
+answers requests read as JSON lines on stdin, with tensors exchanged through files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+# A worker stops taking work once its resident memory passes this: each SIM/verify call
+# leaks a copy of its inputs and interpreter state (measured 100-250 MB per seed-sized verify;
+# six in one process reached 6.7 GB).
+RSS_CAP_BYTES = 1536 * 2**20
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def redirect_output(log_path: str) -> int:
+    """Send fds 1 and 2 to ``log_path`` (PyPTO prints from C++ and subprocesses); returns a dup of the old fd 1."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    return saved
+
+
+def flush_c_stdio() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
+def fill_sentinel(tensor: torch.Tensor) -> None:
+    from pakv_onnx.spec import bits_view
+
+    bits_view(tensor).fill_(-1)  # all bits set: a row the kernel skipped cannot pass as gathered
+
+
+def _outputs(plan, case) -> tuple[torch.Tensor, torch.Tensor]:
+    key_out = torch.empty(plan.key_out_shape, dtype=case.key_cache.dtype)
+    value_out = torch.empty(plan.value_out_shape, dtype=case.value_cache.dtype)
+    fill_sentinel(key_out)
+    fill_sentinel(value_out)
+    return key_out, value_out
+
+
+def _mismatch(outputs, goldens) -> list[str]:
+    from pakv_onnx.spec import bits_view, bitwise_equal
+
+    details = []
+    for name, got, want in zip(("key", "value"), outputs, goldens):
+        if bitwise_equal(got, want):
+            continue
+        rows = (bits_view(got) != bits_view(want)).reshape(got.shape[0], -1).any(dim=1)
+        first = int(torch.nonzero(rows)[0, 0]) if rows.any() else -1
+        details.append(f"{name}: {int(rows.sum())}/{got.shape[0]} rows differ, first row {first}")
+    return details
+
+
+def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
+    """Run one request in this process (the subprocess body; tests call it for injected kernels)."""
+    from pakv_onnx.pypto import adapter, cases, host
+    from pakv_onnx.pypto.tiles import Tiles
+    from pakv_onnx.spec import plan_gather
+
+    mode = request["mode"]
+    adapter.check_version()
+    if mode == "helper":
+        return {"ok": True, "detail": f"helper library at {adapter.build_calculator()}", "tiles": None}
+    case = cases.build_case(request["case"])
+    plan = plan_gather(*case.inputs(), **case.attributes())
+    tiles = Tiles.from_json(request["tiles"]) if request.get("tiles") else None
+    key_out, value_out = _outputs(plan, case)
+    shapes = f"key={list(key_out.shape)} value={list(value_out.shape)}"
+    if mode == "floor":
+        # Same output bytes, contiguous rows (the cost model does not look at the data).
+        key_src = torch.zeros((plan.num_tokens, host.row_width(plan, "key")), dtype=key_out.dtype)
+        value_src = torch.zeros((plan.num_tokens, host.row_width(plan, "value")), dtype=value_out.dtype)
+        host.run_copy(key_src, value_src, key_out.view_as(key_src), value_out.view_as(value_src), tiles)
+        flush_c_stdio()
+        return {"ok": True, "detail": f"contiguous copy, cost model ran ({shapes})", "tiles": tiles.to_json()}
+    reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
+    if reason is not None:
+        return {"ok": False, "refused": True, "detail": f"refused: {reason}", "tiles": None}
+    verify = mode == "verify"
+    if verify:
+        adapter.install()
+    used = host.run_kernel(
+        plan, case.key_cache, case.value_cache, key_out, value_out, sim=True, verify=verify, tiles=tiles,
+        kernel_fn=kernel_fn,
+    )
+    flush_c_stdio()
+    if not verify:
+        return {"ok": True, "detail": f"compiled, cost model ran ({shapes})", "tiles": used.to_json()}
+    bad = _mismatch((key_out, value_out), case.golden())
+    if bad:
+        return {"ok": False, "detail": f"{shapes} NOT bit-exact vs golden ({'; '.join(bad)})", "tiles": used.to_json()}
+    return {"ok": True, "detail": f"{shapes} bit-exact vs golden", "tiles": used.to_json()}
+
+
+def _failure(err: BaseException) -> dict[str, Any]:
+    traceback.print_exc()
+    lines = str(err).strip().splitlines()
+    return {"ok": False, "detail": f"{type(err).__name__}: {lines[0][:300] if lines else ''}", "tiles": None}
+
+
+def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
+    """Several cost/floor runs in this process, each with the cost-model lines its run printed.
+
+    Stops at the first failure (a failed compile poisons later ones); the parent reruns the rest.
+    """
+    from pakv_onnx.pypto.runs import parse_cost_summary
+
+    log = request["log"]
+    results = []
+    for item in request["items"]:
+        flush_c_stdio()
+        start = os.path.getsize(log)
+        try:
+            payload = execute(item, kernel_fn=kernel_fn)
+        except Exception as err:  # noqa: BLE001
+            payload = _failure(err)
+        flush_c_stdio()
+        with open(log, errors="replace") as handle:
+            handle.seek(start)
+            payload.update(parse_cost_summary(handle.read()))
+        results.append(payload)
+        if not payload["ok"] or rss_bytes() > RSS_CAP_BYTES:
+            break  # the parent runs the rest in a fresh process
+    return {"ok": True, "detail": f"{len(results)} runs", "tiles": None, "results": results}
+
+
+def worker_main(request_path: str, kernel_fn=None) -> int:
+    request = json.loads(Path(request_path).read_text())
+    redirect_output(request["log"])
+    try:
+        if request["mode"] == "batch":
+            payload = execute_batch(request, kernel_fn=kernel_fn)
+        else:
+            payload = execute(request, kernel_fn=kernel_fn)
+    except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
+        payload = _failure(err)
+    flush_c_stdio()
+    Path(request["result"]).write_text(json.dumps(payload))
+    return 0 if payload["ok"] else 1
+
+
+# --------------------------------------------------------------------------- #
+# The pypto-cpu worker
+# --------------------------------------------------------------------------- #
+def gather_files(request: dict[str, Any]) -> dict[str, Any]:
+    """One pypto-cpu call: load the inputs, plan, run the kernel through the interpreter, save the outputs."""
+    from pakv_onnx.pypto import adapter, host
+    from pakv_onnx.spec import plan_gather
+
+    inputs = torch.load(request["inputs"], weights_only=True)
+    plan = plan_gather(*inputs["tensors"], **inputs["attributes"])
+    key_cache, value_cache = inputs["tensors"][0], inputs["tensors"][1]
+    key_out = torch.empty(plan.key_out_shape, dtype=key_cache.dtype)
+    value_out = torch.empty(plan.value_out_shape, dtype=value_cache.dtype)
+    fill_sentinel(key_out)
+    fill_sentinel(value_out)
+    adapter.install()
+    tiles = host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=True, verify=True)
+    flush_c_stdio()
+    torch.save({"key": key_out, "value": value_out}, request["outputs"])
+    _clear_pypto_output()
+    return {"ok": True, "detail": tiles.label(), "retire": rss_bytes() > RSS_CAP_BYTES}
+
+
+def _clear_pypto_output() -> None:
+    """Remove what PyPTO wrote for a call that passed: pass-verify dumps every pass's tensors
+    (about 67 MB per seed-sized call), which would fill the disk over a long session."""
+    import shutil
+
+    output = os.environ.get("TILE_FWK_OUTPUT_DIR")
+    if not output or not os.path.isdir(output):
+        return
+    for entry in os.scandir(output):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        else:
+            os.unlink(entry.path)
+
+
+def serve(log_path: str) -> int:
+    """Answer JSON-line requests on stdin with JSON lines on the original stdout until EOF."""
+    replies = os.fdopen(redirect_output(log_path), "w", buffering=1)
+    from pakv_onnx.pypto import adapter
+
+    try:
+        adapter.check_version()
+        adapter.install()
+        adapter._load_calculator()  # noqa: SLF001  (the helper library: once per worker, not per call)
+        import pakv_onnx.pypto.kernel  # noqa: F401  (pypto import, once)
+
+        replies.write(json.dumps({"ok": True, "detail": "ready"}) + "\n")
+    except Exception as err:  # noqa: BLE001
+        replies.write(json.dumps(_failure(err)) + "\n")
+        return 1
+    for line in sys.stdin:
+        try:
+            payload = gather_files(json.loads(line))
+        except Exception as err:  # noqa: BLE001
+            payload = _failure(err)
+        flush_c_stdio()
+        replies.write(json.dumps(payload) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--serve"]:
+        sys.exit(serve(sys.argv[2]))
+    sys.exit(worker_main(sys.argv[1]))
