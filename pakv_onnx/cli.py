@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.cases",
     "pakv_onnx.commands.verify_kernel",
     "pakv_onnx.commands.tune",
+    "pakv_onnx.commands.generate",
 )
 
 

@@ -77,15 +77,13 @@ def ragged_attention(
         fp32 ``[N, H, Dv]``. Peak memory holds one sequence's ``[H, n_q, p_q + n_q]`` scores.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    num_new = q.shape[0]
-    num_past = k.shape[0] - num_new
     q_cu = query_seq_lens.to(torch.int64)
     p_cu = past_seq_lens.to(torch.int64)
     # Only sequences with new tokens: an empty one has nothing to compute (and zero-row
     # attention makes ORT's Loop body divide by zero).
     active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
     bounds = torch.stack((q_cu[:-1], q_cu[1:], p_cu[:-1], p_cu[1:]), dim=1).index_select(0, active)
-    out = q.new_zeros(num_new, q.shape[1], v.shape[2])
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
 
     def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return i < bounds.shape[0]
@@ -98,6 +96,8 @@ def ragged_attention(
         torch._check(p_start >= 0)
         torch._check(p_end >= p_start)
         query_rows = torch.arange(q_start, q_end)
+        # Shapes read here, not closed over: dynamo cannot lift an unbacked size into the loop body.
+        num_past = k.shape[0] - q.shape[0]
         key_rows = torch.cat((torch.arange(p_start, p_end), query_rows + num_past))
         past = p_end - p_start
         scores = torch.einsum("thd,shd->hts", q.index_select(0, query_rows), k.index_select(0, key_rows)) * scale
@@ -108,7 +108,13 @@ def ragged_attention(
         attended = torch.einsum("hts,shd->thd", probs, v.index_select(0, key_rows))
         return i + 1, out.index_copy(0, query_rows, attended)
 
-    _, out = while_loop(more, one_sequence, (torch.zeros((), dtype=torch.int64), out))
+    i = torch.zeros((), dtype=torch.int64)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        _, out = while_loop(more, one_sequence, (i, out))
+        return out
+    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
+    while bool(more(i, out)):
+        i, out = one_sequence(i, out)
     return out
 
 

@@ -132,6 +132,8 @@ def generate_reference(model: torch.nn.Module, workload: Workload) -> Generation
     disabled so every sequence runs its full budget and the logits are the raw ones.
     """
     tokens, logits = [], []
+    with torch.no_grad():  # warm-up: first calls pay lazy initialisation, not generation
+        model.generate(input_ids=torch.tensor([workload.prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     start = time.perf_counter()
     for prompt, budget in zip(workload.prompts, workload.budgets):
         ids = torch.tensor([prompt], dtype=torch.int64)

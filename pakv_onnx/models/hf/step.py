@@ -17,6 +17,7 @@ token) and ``new_key_<l>`` / ``new_value_<l>`` ``[N, H, D]`` (the rows the host 
 from __future__ import annotations
 
 import os
+import warnings
 
 import onnx
 import torch
@@ -168,7 +169,9 @@ def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: st
         pool_shape,
         list(pool_shape),
     )
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # transformers' output-capturing global shows up as a traced side effect; it is not one of ours.
+        warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
         return export(
             step.eval(),
             args,
