@@ -121,10 +121,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated plugin backends to generate on, besides stock ORT (default: native,golden)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and block order (default 0)")
-    parser.add_argument("--out", metavar="DIR", help="keep the exported .onnx step in DIR (default: a temporary directory)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="keep the exported .onnx step in DIR (default: a temporary directory)"
+    )
     parser.add_argument(
         "--json",
         action="store_true",
-        help='print {"arch": ..., "runners": {NAME: {"tokens_match", "max_logit_err", "ms_per_token"}}} instead of the table',
+        help='print {"arch": ..., "runners": {NAME: {"tokens_match", "max_logit_err", "ms_per_token"}}} '
+        "instead of the table",
     )
     parser.set_defaults(run=run)

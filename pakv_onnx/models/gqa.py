@@ -43,7 +43,8 @@ class GqaPagedAttention(PagedAttentionModel):
         q = self.q_proj(hidden_states).reshape(tokens, self.num_heads, self.head_dim)
         k = key.to(torch.float32).repeat_interleave(group, dim=1)
         v = value.to(torch.float32).repeat_interleave(group, dim=1)
-        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens)).reshape(tokens, self.num_heads * self.head_dim)
+        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))  # every token is new
+        attended = attended.reshape(tokens, self.num_heads * self.head_dim)
         return self.o_proj(attended)
 
     def random_batch(self, num_tokens: int, num_seqs: int, seed: int) -> PagedBatch:

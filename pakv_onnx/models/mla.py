@@ -52,7 +52,8 @@ class MlaContextAttention(PagedAttentionModel):
         k_nope = self.k_up(latent).reshape(tokens, self.num_heads, self.nope_dim)
         k = torch.cat((k_nope, rope.expand(tokens, self.num_heads, self.rope_dim)), dim=-1)
         v = self.v_up(latent).reshape(tokens, self.num_heads, self.v_head_dim)
-        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens)).reshape(tokens, self.num_heads * self.v_head_dim)
+        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))  # every token is new
+        attended = attended.reshape(tokens, self.num_heads * self.v_head_dim)
         return self.o_proj(attended)
 
     def random_batch(self, num_tokens: int, num_seqs: int, seed: int) -> PagedBatch:

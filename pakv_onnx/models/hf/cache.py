@@ -118,7 +118,9 @@ class PagedKVCache:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, seed)
-        self.key_pools = [torch.zeros(num_blocks, block_size, *geometry.key_shape, dtype=dtype) for _ in range(num_layers)]
+        self.key_pools = [
+            torch.zeros(num_blocks, block_size, *geometry.key_shape, dtype=dtype) for _ in range(num_layers)
+        ]
         self.value_pools = [
             torch.zeros(num_blocks, block_size, *geometry.value_shape, dtype=dtype) for _ in range(num_layers)
         ]
