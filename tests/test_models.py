@@ -11,7 +11,7 @@ import torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.demo import ATTENTION_ATOL, SAMPLE_GRAPHS
 from pakv_onnx.models import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES, GqaPagedAttention, MlaContextAttention
-from pakv_onnx.models.attention import ragged_causal_mask
+from pakv_onnx.models.attention import masked_attention, ragged_attention, ragged_causal_mask
 from pakv_onnx.spec import bitwise_equal
 
 # (num_tokens, num_seqs, seed): several batch layouts through one exported graph.
@@ -40,6 +40,39 @@ def test_ragged_causal_mask() -> None:
         dtype=torch.bool,
     )
     assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("lengths", [[5, 0, 9, 1], [1], [0, 0, 7], [16, 3]])
+def test_ragged_attention_equals_dense_masked_attention(lengths: list[int]) -> None:
+    """The per-sequence loop computes what the dense [T, T] block-diagonal mask computes."""
+    generator = torch.Generator().manual_seed(sum(lengths))
+    total = sum(lengths)
+    q, k = (torch.randn(total, 3, 8, generator=generator) for _ in range(2))
+    v = torch.randn(total, 3, 5, generator=generator)
+    seq_lens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    got = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))
+    want = masked_attention(q, k, v, ragged_causal_mask(seq_lens, total))
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+
+
+def test_ragged_attention_with_past_tokens() -> None:
+    """New tokens after a cached past: each attends to its sequence's past and earlier new tokens only."""
+    generator = torch.Generator().manual_seed(3)
+    past, new = [4, 0, 6], [2, 3, 1]
+    q = torch.randn(sum(new), 2, 4, generator=generator)
+    k_past, k_new = torch.randn(sum(past), 2, 4, generator=generator), torch.randn(sum(new), 2, 4, generator=generator)
+    v_past, v_new = torch.randn(sum(past), 2, 6, generator=generator), torch.randn(sum(new), 2, 6, generator=generator)
+    cum = lambda xs: torch.tensor([0, *xs]).cumsum(0).to(torch.int32)  # noqa: E731
+    got = ragged_attention(q, torch.cat((k_past, k_new)), torch.cat((v_past, v_new)), cum(new), cum(past))
+    p_cu, n_cu = cum(past).tolist(), cum(new).tolist()
+    for s in range(3):  # reference: one sequence at a time, full keys, dense causal mask on its last rows
+        keys = torch.cat((k_past[p_cu[s] : p_cu[s + 1]], k_new[n_cu[s] : n_cu[s + 1]]))
+        values = torch.cat((v_past[p_cu[s] : p_cu[s + 1]], v_new[n_cu[s] : n_cu[s + 1]]))
+        length = keys.shape[0]
+        full_q = torch.cat((torch.zeros(past[s], 2, 4), q[n_cu[s] : n_cu[s + 1]]))
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        want = masked_attention(full_q, keys, values, mask)[past[s] :]
+        assert torch.allclose(got[n_cu[s] : n_cu[s + 1]], want, atol=1e-6, rtol=0), s
 
 
 @pytest.mark.parametrize("model", [MlaContextAttention(), GqaPagedAttention(block_size=16)], ids=["mla", "gqa"])
