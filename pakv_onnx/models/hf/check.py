@@ -95,13 +95,21 @@ def runner_names(backends: Sequence[str], workload: Workload, num_layers: int) -
     return names, skipped
 
 
-def make_runner_session(runner: str, path: Path):
-    """An ORT session for ``runner`` over the exported step at ``path``."""
-    if runner == STOCK_ORT:
-        import onnxruntime
+def make_runner_session(runner: str, path: Path, intra_op_threads: int = 0):
+    """An ORT session for ``runner`` over the exported step at ``path``.
 
-        return onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return runtime_plugin.make_session(path, backend=runner.removeprefix("plugin:"))
+    ORT's worker threads do not spin between runs: a generation loop does host work between
+    steps, and spinning threads would take those cores from it (and from torch).
+    ``intra_op_threads`` 0 lets ORT choose.
+    """
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.intra_op_num_threads = intra_op_threads
+    if runner == STOCK_ORT:
+        return onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    return runtime_plugin.make_session(path, backend=runner.removeprefix("plugin:"), sess_options=options)
 
 
 def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
