@@ -53,6 +53,9 @@ def test_ragged_attention_equals_dense_masked_attention(lengths: list[int]) -> N
     got = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))
     want = masked_attention(q, k, v, ragged_causal_mask(seq_lens, total))
     assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    head_major = [x.transpose(0, 1).contiguous() for x in (q, k, v)]
+    got_hm = ragged_attention(*head_major, seq_lens, torch.zeros_like(seq_lens), heads_first=True)
+    assert torch.allclose(got_hm.transpose(0, 1), want, atol=1e-6, rtol=0)
 
 
 def test_ragged_attention_with_past_tokens() -> None:

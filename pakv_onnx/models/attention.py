@@ -57,6 +57,8 @@ def ragged_attention(
     query_seq_lens: torch.Tensor,
     past_seq_lens: torch.Tensor,
     scale: float | None = None,
+    *,
+    heads_first: bool = False,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its past and new keys, one sequence at a time.
 
@@ -72,10 +74,15 @@ def ragged_attention(
         query_seq_lens: int ``[Q+1]`` cumulative new-token counts starting at 0 (ends at N).
         past_seq_lens: int ``[Q+1]`` cumulative past-token counts starting at 0 (ends at P).
         scale: score scale; default ``Dqk ** -0.5``.
+        heads_first: every tensor is head-major instead (``q [H, N, Dqk]``, ``k [H, P + N, Dqk]``,
+            ``v [H, P + N, Dv]``, result ``[H, N, Dv]``), as transformers lays out attention: no
+            transposes of the whole K/V.
 
     Returns:
         fp32 ``[N, H, Dv]``. Peak memory holds one sequence's ``[H, n_q, p_q + n_q]`` scores.
     """
+    tok = 1 if heads_first else 0  # the token axis
+    spec_scores, spec_out = ("htd,hsd->hts", "hts,hsd->htd") if heads_first else ("thd,shd->hts", "hts,shd->thd")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_cu = query_seq_lens.to(torch.int64)
     p_cu = past_seq_lens.to(torch.int64)
@@ -83,7 +90,7 @@ def ragged_attention(
     # attention makes ORT's Loop body divide by zero).
     active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
     bounds = torch.stack((q_cu[:-1], q_cu[1:], p_cu[:-1], p_cu[1:]), dim=1).index_select(0, active)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # [N, H, Dv] or [H, N, Dv]
 
     def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return i < bounds.shape[0]
@@ -97,16 +104,16 @@ def ragged_attention(
         torch._check(p_end >= p_start)
         query_rows = torch.arange(q_start, q_end)
         # Shapes read here, not closed over: dynamo cannot lift an unbacked size into the loop body.
-        num_past = k.shape[0] - q.shape[0]
+        num_past = k.shape[tok] - q.shape[tok]
         key_rows = torch.cat((torch.arange(p_start, p_end), query_rows + num_past))
         past = p_end - p_start
-        scores = torch.einsum("thd,shd->hts", q.index_select(0, query_rows), k.index_select(0, key_rows)) * scale
+        scores = torch.einsum(spec_scores, q.index_select(tok, query_rows), k.index_select(tok, key_rows)) * scale
         key_pos = torch.arange(key_rows.shape[0])
         query_pos = torch.arange(query_rows.shape[0]) + past
         allowed = key_pos[None, :] <= query_pos[:, None]
         probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
-        attended = torch.einsum("hts,shd->thd", probs, v.index_select(0, key_rows))
-        return i + 1, out.index_copy(0, query_rows, attended)
+        attended = torch.einsum(spec_out, probs, v.index_select(tok, key_rows))
+        return i + 1, out.index_copy(tok, query_rows, attended)
 
     i = torch.zeros((), dtype=torch.int64)
     if torch.compiler.is_exporting() or torch.compiler.is_compiling():

@@ -213,6 +213,7 @@ class StepCache:
             "Norm",
             True,
         )
-        keys = torch.cat((past_k.to(new_k.dtype), new_k), dim=0)
-        values = torch.cat((past_v.to(new_v.dtype), new_v), dim=0)
-        return keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0)
+        # Head-major like transformers' own caches: only the past is transposed, once.
+        keys = torch.cat((past_k.to(key_states.dtype).transpose(0, 1).unsqueeze(0), key_states), dim=2)
+        values = torch.cat((past_v.to(value_states.dtype).transpose(0, 1).unsqueeze(0), value_states), dim=2)
+        return keys, values

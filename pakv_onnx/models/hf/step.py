@@ -44,15 +44,15 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     Returns:
         ``([1, N, Hq, Dv], None)`` as transformers' attention functions do.
     """
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    groups = q.shape[1] // k.shape[1]
+    q, k, v = query[0], key[0], value[0]  # head-major [H, tokens, D], as transformers hands them
+    groups = q.shape[0] // k.shape[0]
     if groups > 1:  # GQA: query head h uses KV head h // groups (transformers' repeat_kv)
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    out = ragged_attention(q, k, v, kwargs[QUERY_SEQ_LENS_KWARG], kwargs[PAST_SEQ_LENS_KWARG], scaling)
-    return out.unsqueeze(0), None
+        k = k.repeat_interleave(groups, dim=0)
+        v = v.repeat_interleave(groups, dim=0)
+    out = ragged_attention(
+        q, k, v, kwargs[QUERY_SEQ_LENS_KWARG], kwargs[PAST_SEQ_LENS_KWARG], scaling, heads_first=True
+    )
+    return out.transpose(0, 1).unsqueeze(0), None
 
 
 def register_attention() -> None:
