@@ -10,7 +10,8 @@ ms/token = decode wall time / (steps x B). torch and ORT get the same thread cou
 noise hits them alike); the median round is reported. Ratios < 1 mean the ORT path is faster.
 Prints a Markdown table.
 
-    python benchmarks/bench_generate.py [--archs llama,deepseek] [--batches 1,4,8] [--contexts 64,256]
+    python benchmarks/bench_generate.py [--archs llama,deepseek] [--batches 1,4,8]
+                                        [--contexts 64,256] [--steps 16] [--rounds 3] [--threads 1]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _paged_step(session, cache: PagedKVCache, ids: list[int], tokens: list[list[
     """One step of the paged path (inputs laid out, session run, rows written); returns the argmax tokens."""
     counts = [len(t) for t in tokens]
     layout = cache.prepare_step(ids, counts)
-    positions = [p for i, n in zip(ids, counts) for p in range(cache.sequences[i].length, cache.sequences[i].length + n)]
+    starts = [cache.sequences[i].length for i in ids]
+    positions = [p for start, n in zip(starts, counts) for p in range(start, start + n)]
     feeds = step_feeds(
         cache,
         layout,
