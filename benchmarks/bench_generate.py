@@ -6,8 +6,9 @@ For each arch, batch size B and context length C: B random prompts of C tokens a
   ort-native    the exported paged step (one GatherPaKvCache per layer, per-sequence Loop attention)
                 in an ORT session with the plugin's C kernel, plus the host write of the new rows
   stock-ort     the same graph on stock ORT (the op runs as its fallback function body)
-ms/token = decode wall time / (steps x B). torch and ORT get the same thread count (``--threads``). The paths are timed in turn round by round (so machine
-noise hits them alike); the median round is reported. Ratios < 1 mean the ORT path is faster.
+ms/token = decode wall time / (steps x B). torch and ORT get the same thread count (``--threads``).
+The paths are timed in turn round by round (so machine noise hits them alike); the median round
+is reported. Ratios < 1 mean the ORT path is faster.
 Prints a Markdown table.
 
     python benchmarks/bench_generate.py [--archs llama,deepseek] [--batches 1,4,8]
