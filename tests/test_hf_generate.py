@@ -111,6 +111,15 @@ def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.Mo
     big = make_workload(batch=2, new_tokens=30, vocab_size=256, seed=0)
     names, skipped = check.runner_names(["native"], big, num_layers=2)
     assert "plugin:pypto-cpu" not in names and "60 gather calls" in skipped["plugin:pypto-cpu"]
+    # A registered pypto-cpu that cannot run the model's pools is skipped with its own reason.
+    refusing = kernels.Backend(
+        name="pypto-cpu", description="test", gather=None, unsupported_reason=lambda plan, cache: "no fp32 here"
+    )
+    monkeypatch.setattr(kernels, "get_backend", lambda name: refusing)
+    probe = check.probe_plan(build_model("deepseek", SEED).config, 16)
+    assert probe[0].num_tokens == 1 and probe[1].shape == (1, 16, 1, 512)
+    names, skipped = check.runner_names(["native"], small, num_layers=2, probe=probe)
+    assert "plugin:pypto-cpu" not in names and skipped["plugin:pypto-cpu"] == "no fp32 here"
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 
 from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.models.hf.cache import PagedKVCache
-from pakv_onnx.models.hf.configs import build_model
+from pakv_onnx.models.hf.configs import build_model, cache_geometry
 from pakv_onnx.models.hf.generate import (
     Generation,
     Workload,
@@ -29,6 +29,7 @@ from pakv_onnx.models.hf.generate import (
     new_cache,
 )
 from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, step_feeds
+from pakv_onnx.spec import GatherPlan, plan_gather
 
 # fp32 everywhere; the paged path and transformers' dense eager path differ only in summation
 # order (measured up to ~1e-6 on these models).
@@ -75,14 +76,27 @@ def gather_calls(workload: Workload, num_layers: int) -> int:
     return max(workload.budgets) * num_layers
 
 
-def runner_names(backends: Sequence[str], workload: Workload, num_layers: int) -> tuple[list[str], dict[str, str]]:
+def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
+    """A one-token plan over pools shaped like ``config``'s (fp32), to ask a backend whether it can run them."""
+    geometry = cache_geometry(config)
+    key = torch.zeros(1, block_size, *geometry.key_shape)
+    value = torch.zeros(1, block_size, *geometry.value_shape)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    return plan_gather(key, value, torch.zeros(1, 1, dtype=torch.int32), one, torch.zeros(1, dtype=torch.int32)), key
+
+
+def runner_names(
+    backends: Sequence[str], workload: Workload, num_layers: int, probe: tuple[GatherPlan, torch.Tensor] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """The runners to use (``plugin:<b>`` for each backend, ``stock-ort``, and ``plugin:pypto-cpu``
-    when that backend is registered and the case is small) and the ones skipped, with why."""
+    when that backend is registered, can run ``probe`` (a plan and key pool like the model's) and
+    the case is small) and the ones skipped, with why."""
     names = [f"plugin:{b}" for b in backends]
     skipped: dict[str, str] = {}
     if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
         calls = gather_calls(workload, num_layers)
-        reason = kernels.get_backend(PYPTO_CPU).unavailable_reason()
+        backend = kernels.get_backend(PYPTO_CPU)
+        reason = backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
         if reason is not None:
             skipped[f"plugin:{PYPTO_CPU}"] = reason
         elif calls > PYPTO_CPU_MAX_CALLS:
@@ -168,7 +182,7 @@ def run_check(
     start = time.perf_counter()
     export_for(arch, seed, workload, block_size, path)
     progress(f"{arch}: exported in {time.perf_counter() - start:.1f}s")
-    names, skipped = runner_names(backends, workload, config.num_hidden_layers)
+    names, skipped = runner_names(backends, workload, config.num_hidden_layers, probe_plan(config, block_size))
     for runner, why in skipped.items():
         progress(f"{arch}: {runner} skipped: {why}")
     results = []
@@ -192,7 +206,8 @@ def format_table(report: CheckReport) -> str:
         f"{report.arch}: batch {len(w.prompts)}, prompt lengths {[len(p) for p in w.prompts]}, "
         f"new tokens {w.budgets}, block size {report.block_size}",
         f"  {'runner':<18} {'tokens':<7} {'max logit err':>13} {'ms/token':>9} {'steps':>6}  result",
-        f"  {'transformers':<18} {'(ref)':<7} {'':>13} {report.reference_ms_per_token:>9.3f} {'':>6}",
+        f"  {'transformers':<18} {'(ref)':<7} {'':>13} {report.reference_ms_per_token:>9.3f} {'':>6}"
+        "  (generate(), one prompt at a time)",
     ]
     for r in report.results:
         lines.append(
