@@ -1,5 +1,8 @@
 """transformers decoders over a paged cache, exported and generating in ONNX Runtime.
 
+Tests that use the ``exported`` fixture are marked slow: the step export of each arch takes
+20-110 s on the shared machine (they run in the default suite).
+
 Every runner's greedy tokens must equal transformers' own ``generate`` (dense cache) on the same
 weights and prompts; the exported step has one GatherPaKvCache per layer; a wrong backend fails.
 """
@@ -48,6 +51,7 @@ def test_workload_has_ragged_prompts_and_staggered_ends() -> None:
     assert len(set(workload.budgets)) > 1 and max(workload.budgets) == 10
 
 
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
 def test_export_has_one_gather_per_layer(exported) -> None:
     arch, path, _, _ = exported
     model = onnx.load(str(path))
@@ -64,6 +68,7 @@ def test_export_has_one_gather_per_layer(exported) -> None:
     assert sum(n.op_type == "Loop" for n in model.graph.node) == layers
 
 
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
 @pytest.mark.parametrize("runner", RUNNERS)
 def test_tokens_equal_transformers(exported, runner: str) -> None:
     arch, path, workload, reference = exported
@@ -75,6 +80,7 @@ def test_tokens_equal_transformers(exported, runner: str) -> None:
     assert result.steps == max(workload.budgets)
 
 
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
 def test_eager_paged_step_equals_transformers(exported) -> None:
     """The same step module in eager torch (no ONNX): the paged math itself matches."""
     arch, _, workload, reference = exported
@@ -85,6 +91,7 @@ def test_eager_paged_step_equals_transformers(exported) -> None:
     assert same and err <= check.LOGIT_ATOL
 
 
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
 def test_broken_backend_fails(exported, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(kernels.BACKEND_MODULES, "broken", "broken_backend")
     arch, path, workload, reference = exported
