@@ -157,10 +157,11 @@ session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
 out = runtime_plugin.run(session, dict(zip(MODEL_INPUT_NAMES, inputs)))
 # Spot-check one sequence against the eager model on just that sequence.
 q = 77
-one = (inputs[0][q * length:(q + 1) * length], *caches, tables[q:q + 1], seq_lens[:2], torch.zeros(1, dtype=torch.int32))
+rows = slice(q * length, (q + 1) * length)
+one = (inputs[0][rows], *caches, tables[q:q + 1], seq_lens[:2], torch.zeros(1, dtype=torch.int32))
 with torch.no_grad():
     ref = model(*one)[0]
-err = float((out["output"][q * length:(q + 1) * length] - ref).abs().max())
+err = float((out["output"][rows] - ref).abs().max())
 print("OK", tokens, err)
 """
 
