@@ -166,6 +166,7 @@ print("OK", tokens, err)
 """
 
 
+@pytest.mark.slow  # exports in a child process: 30-40 s on a busy machine
 def test_exported_attention_memory_is_per_sequence() -> None:
     """T = 8192 in 128 sequences runs in ONNX Runtime under a 4 GiB address-space cap (dense would need > 2 GiB
     per score tensor; the previous dense graphs fail this with an arena allocation error)."""
