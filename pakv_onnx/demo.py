@@ -11,6 +11,7 @@ within :data:`ATTENTION_ATOL`.
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ import torch
 
 from pakv_onnx import runtime_plugin
 from pakv_onnx.models import GqaPagedAttention, MlaContextAttention, PagedAttentionModel
+from pakv_onnx.models.batch import ragged_lengths
 from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
 from pakv_onnx.spec import bitwise_equal
 
@@ -63,16 +65,23 @@ SAMPLE_GRAPHS: dict[str, SampleGraph] = {
 MODEL_CHOICES = {"mla": ("mla",), "gqa": ("gqa", "gqa-bs128"), "all": tuple(SAMPLE_GRAPHS)}
 
 
-# Peak resident bytes per (head x T x T) fp32 score: dense attention over the packed batch keeps a
-# few [H, T, T] intermediates alive in torch and in each ORT session (measured 6.8 GB for GQA,
-# 32 heads, T = 2048).
+# Peak resident bytes per (head x L x L) fp32 score of the longest sequence L: attention runs one
+# sequence at a time (an ONNX Loop), keeping a few [H, L, L] intermediates alive in torch and in
+# each ORT session. (Measured when attention was dense over the packed batch, L = T: 6.8 GB for
+# GQA, 32 heads, T = 2048; per sequence, one ORT run of GQA at T = 1024 in 5 sequences, longest
+# 448, went from +493 MB to +181 MB.)
 PEAK_BYTES_PER_SCORE = 13 * 4
 
 
-def estimated_peak_bytes(graph_names: Sequence[str], num_tokens: int) -> int:
-    """Rough peak memory of the demo for these graphs at ``num_tokens`` (dominated by attention)."""
-    heads = max(SAMPLE_GRAPHS[name].build(0).num_heads for name in graph_names)
-    return PEAK_BYTES_PER_SCORE * heads * num_tokens * num_tokens
+def estimated_peak_bytes(graph_names: Sequence[str], num_tokens: int, seed: int = 0) -> int:
+    """Rough peak memory of the demo for these graphs at ``num_tokens`` (dominated by attention over
+    the longest sequence of the random batch that ``seed`` draws)."""
+    peak = 0
+    for name in graph_names:
+        graph = SAMPLE_GRAPHS[name]
+        longest = max(ragged_lengths(num_tokens, graph.num_seqs, random.Random(seed)))
+        peak = max(peak, PEAK_BYTES_PER_SCORE * graph.build(0).num_heads * longest * longest)
+    return peak
 
 
 @dataclasses.dataclass(frozen=True)

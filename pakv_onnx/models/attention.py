@@ -3,11 +3,18 @@
 Tokens of a batch of sequences are packed along one axis ``[T, ...]``; ``seq_lens`` is the
 cumulative ``[Q+1]`` form of the contract. Every op here exports through the dynamo ONNX
 exporter with a data-dependent T.
+
+:func:`ragged_attention` is what the models run: a loop over sequences (``torch.while_loop``,
+an ONNX ``Loop``) so attention scores exist for one sequence at a time and memory grows with
+the longest sequence's ``len^2``, not with ``T^2`` of the packed batch.
+:func:`ragged_causal_mask` + :func:`masked_attention` are the dense ``[T, T]`` form, kept as an
+independent reference for tests.
 """
 
 from __future__ import annotations
 
 import torch
+from torch._higher_order_ops.while_loop import while_loop
 
 
 def ragged_causal_mask(seq_lens: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -41,6 +48,81 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = scores.masked_fill(~mask[None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hts,shd->thd", probs, v)
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_seq_lens: torch.Tensor,
+    past_seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    heads_first: bool = False,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its past and new keys, one sequence at a time.
+
+    Sequence q has ``n_q`` new (query) tokens and ``p_q`` past tokens; its new tokens are its
+    last ``n_q`` positions, and query ``j`` attends to the sequence's keys at positions
+    ``0 .. p_q + j``. Sequences never see each other.
+
+    Args:
+        q: fp32 ``[N, H, Dqk]``, the new tokens packed by ``query_seq_lens``.
+        k: fp32 ``[P + N, H, Dqk]``: first the past tokens (``P`` rows, packed by
+            ``past_seq_lens``), then the new tokens (``N`` rows, packed like ``q``).
+        v: fp32 ``[P + N, H, Dv]``, rows as in ``k``.
+        query_seq_lens: int ``[Q+1]`` cumulative new-token counts starting at 0 (ends at N).
+        past_seq_lens: int ``[Q+1]`` cumulative past-token counts starting at 0 (ends at P).
+        scale: score scale; default ``Dqk ** -0.5``.
+        heads_first: every tensor is head-major instead (``q [H, N, Dqk]``, ``k [H, P + N, Dqk]``,
+            ``v [H, P + N, Dv]``, result ``[H, N, Dv]``), as transformers lays out attention: no
+            transposes of the whole K/V.
+
+    Returns:
+        fp32 ``[N, H, Dv]``. Peak memory holds one sequence's ``[H, n_q, p_q + n_q]`` scores.
+    """
+    tok = 1 if heads_first else 0  # the token axis
+    spec_scores, spec_out = ("htd,hsd->hts", "hts,hsd->htd") if heads_first else ("thd,shd->hts", "hts,shd->thd")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_cu = query_seq_lens.to(torch.int64)
+    p_cu = past_seq_lens.to(torch.int64)
+    # Only sequences with new tokens: an empty one has nothing to compute (and zero-row
+    # attention makes ORT's Loop body divide by zero).
+    active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
+    bounds = torch.stack((q_cu[:-1], q_cu[1:], p_cu[:-1], p_cu[1:]), dim=1).index_select(0, active)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # [N, H, Dv] or [H, N, Dv]
+
+    def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return i < bounds.shape[0]
+
+    def one_sequence(i: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        row = bounds.index_select(0, i.reshape(1)).reshape(4)
+        q_start, q_end, p_start, p_end = (row[j].item() for j in range(4))
+        torch._check(q_start >= 0)
+        torch._check(q_end > q_start)
+        torch._check(p_start >= 0)
+        torch._check(p_end >= p_start)
+        query_rows = torch.arange(q_start, q_end)
+        # Shapes read here, not closed over: dynamo cannot lift an unbacked size into the loop body.
+        num_past = k.shape[tok] - q.shape[tok]
+        key_rows = torch.cat((torch.arange(p_start, p_end), query_rows + num_past))
+        past = p_end - p_start
+        scores = torch.einsum(spec_scores, q.index_select(tok, query_rows), k.index_select(tok, key_rows)) * scale
+        key_pos = torch.arange(key_rows.shape[0])
+        query_pos = torch.arange(query_rows.shape[0]) + past
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+        attended = torch.einsum(spec_out, probs, v.index_select(tok, key_rows))
+        return i + 1, out.index_copy(tok, query_rows, attended)
+
+    i = torch.zeros((), dtype=torch.int64)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        _, out = while_loop(more, one_sequence, (i, out))
+        return out
+    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
+    while bool(more(i, out)):
+        i, out = one_sequence(i, out)
+    return out
 
 
 def seeded_linear(in_features: int, out_features: int, generator: torch.Generator) -> torch.nn.Linear:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.models.attention import masked_attention, ragged_causal_mask, seeded_linear
+from pakv_onnx.models.attention import ragged_attention, seeded_linear
 from pakv_onnx.models.batch import PagedBatch, random_paged_batch
 from pakv_onnx.models.paged_model import PagedAttentionModel
 
@@ -43,8 +43,8 @@ class GqaPagedAttention(PagedAttentionModel):
         q = self.q_proj(hidden_states).reshape(tokens, self.num_heads, self.head_dim)
         k = key.to(torch.float32).repeat_interleave(group, dim=1)
         v = value.to(torch.float32).repeat_interleave(group, dim=1)
-        mask = ragged_causal_mask(seq_lens, tokens)
-        attended = masked_attention(q, k, v, mask).reshape(tokens, self.num_heads * self.head_dim)
+        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))  # every token is new
+        attended = attended.reshape(tokens, self.num_heads * self.head_dim)
         return self.o_proj(attended)
 
     def random_batch(self, num_tokens: int, num_seqs: int, seed: int) -> PagedBatch:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.models.attention import masked_attention, ragged_causal_mask, seeded_linear
+from pakv_onnx.models.attention import ragged_attention, seeded_linear
 from pakv_onnx.models.batch import PagedBatch, random_paged_batch
 from pakv_onnx.models.paged_model import PagedAttentionModel
 
@@ -52,8 +52,8 @@ class MlaContextAttention(PagedAttentionModel):
         k_nope = self.k_up(latent).reshape(tokens, self.num_heads, self.nope_dim)
         k = torch.cat((k_nope, rope.expand(tokens, self.num_heads, self.rope_dim)), dim=-1)
         v = self.v_up(latent).reshape(tokens, self.num_heads, self.v_head_dim)
-        mask = ragged_causal_mask(seq_lens, tokens)
-        attended = masked_attention(q, k, v, mask).reshape(tokens, self.num_heads * self.v_head_dim)
+        attended = ragged_attention(q, k, v, seq_lens, torch.zeros_like(seq_lens))  # every token is new
+        attended = attended.reshape(tokens, self.num_heads * self.v_head_dim)
         return self.o_proj(attended)
 
     def random_batch(self, num_tokens: int, num_seqs: int, seed: int) -> PagedBatch:

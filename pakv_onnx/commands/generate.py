@@ -1,0 +1,133 @@
+"""``pakv-onnx generate``: transformers decoders generating over a paged cache in ONNX Runtime."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from pakv_onnx import kernels
+
+ARCH_CHOICES = ("llama", "deepseek")
+MAX_BATCH = 32
+MAX_NEW_TOKENS = 512  # prompts are <= 40 tokens; the models know 1024 positions
+MAX_BLOCK_SIZE = 1024
+
+
+def _int_in(low: int, high: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+
+    return parse
+
+
+def _backend_list(text: str) -> list[str]:
+    names = [b.strip() for b in text.split(",") if b.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one backend name")
+    for name in names:
+        try:
+            kernels.get_backend(name)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        from pakv_onnx.models.hf import check  # imports transformers: only when the command runs
+    except ImportError as err:
+        print(f"error: pakv-onnx generate needs transformers (pip install 'pakv-onnx[hf]'): {err}", file=sys.stderr)
+        return 2
+
+    def progress(message: str) -> None:
+        print(f"  .. {message}", file=sys.stderr, flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="pakv-onnx-generate-") as tmp:
+        out_dir = Path(args.out) if args.out else Path(tmp)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        report = check.run_check(
+            arch=args.arch,
+            batch=args.batch,
+            new_tokens=args.new_tokens,
+            block_size=args.block_size,
+            seed=args.seed,
+            backends=args.backend,
+            out_dir=out_dir,
+            progress=progress,
+        )
+    if args.json:
+        runners = {r.runner: check.json_entry(r) for r in report.results}
+        print(json.dumps({"arch": report.arch, "runners": runners}))
+        for r in report.results:
+            if r.error:
+                print(f"error: {r.runner}: {r.error}", file=sys.stderr)
+    else:
+        print(check.format_table(report))
+        if args.out:
+            print(f"ONNX file kept in {args.out}")
+        print(f"tokens identical to transformers' greedy generate, logits max abs error <= {check.LOGIT_ATOL:g}")
+        print("PASS" if report.passed else "FAIL")
+    return 0 if report.passed else 1
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "generate",
+        help="a transformers decoder generating over a paged KV cache in ONNX Runtime, checked against transformers",
+        description=(
+            "Build a small transformers decoder with seeded random weights (no downloads): Llama-style "
+            "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer reads its KV cache from a paged "
+            "block pool through pakv::GatherPaKvCache. One model step (prefill and decode share it) is "
+            "exported to ONNX and drives greedy generation for a batch of prompts of different lengths "
+            "(sequences finish at different steps and return their blocks) on each runner: the plugin "
+            "with each --backend, plugin:pypto-cpu when that backend is registered and the case is "
+            "small, and stock ONNX Runtime through the graph's fallback function. Each runner's tokens "
+            "must equal transformers' generate(do_sample=False) with its dense cache, and its logits "
+            "must be within a fp32 tolerance. Prints a table (or --json) and PASS/FAIL; exit 0/1."
+        ),
+        epilog="examples:\n  pakv-onnx generate --arch llama\n"
+        "  pakv-onnx generate --arch deepseek --batch 6 --new-tokens 24 --block-size 32 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--arch", choices=ARCH_CHOICES, required=True, help="model family")
+    parser.add_argument(
+        "--batch", type=_int_in(1, MAX_BATCH), default=4, help=f"prompts generated together (1..{MAX_BATCH}; default 4)"
+    )
+    parser.add_argument(
+        "--new-tokens",
+        type=_int_in(1, MAX_NEW_TOKENS),
+        default=16,
+        help=f"tokens the longest sequence generates; others stop earlier (1..{MAX_NEW_TOKENS}; default 16)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=_int_in(1, MAX_BLOCK_SIZE),
+        default=16,
+        help=f"tokens per cache block (1..{MAX_BLOCK_SIZE}; default 16)",
+    )
+    parser.add_argument(
+        "--backend",
+        type=_backend_list,
+        default=["native", "golden"],
+        help="comma-separated plugin backends to generate on, besides stock ORT (default: native,golden)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and block order (default 0)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="keep the exported .onnx step in DIR (default: a temporary directory)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help='print {"arch": ..., "runners": {NAME: {"tokens_match", "max_logit_err", "ms_per_token"}}} '
+        "instead of the table",
+    )
+    parser.set_defaults(run=run)

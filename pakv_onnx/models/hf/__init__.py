@@ -1,0 +1,63 @@
+"""transformers decoders generating over a paged KV cache read through GatherPaKvCache.
+
+- :mod:`~pakv_onnx.models.hf.configs`: small Llama (GQA) and DeepSeek-V3 (MLA) with seeded weights.
+- :mod:`~pakv_onnx.models.hf.cache`: block allocator, per-layer pools, block tables, host writes,
+  and the duck-typed ``cache=`` object whose ``update`` gathers through the op.
+- :mod:`~pakv_onnx.models.hf.step`: one step (prefill and decode share it) as an exportable module,
+  with the per-sequence attention function registered in transformers' AttentionInterface.
+- :mod:`~pakv_onnx.models.hf.generate`: greedy generation over any step runner, and transformers'
+  own ``generate`` as the reference.
+
+Needs the ``hf`` extra (transformers); importing this package does not import transformers.
+"""
+
+from pakv_onnx.models.hf.cache import BlockAllocator, OutOfBlocksError, PagedKVCache, StepCache, StepLayout
+from pakv_onnx.models.hf.configs import ARCHS, build_model, cache_geometry, make_config
+from pakv_onnx.models.hf.generate import (
+    Generation,
+    Workload,
+    compare,
+    generate_paged,
+    generate_reference,
+    make_workload,
+    new_cache,
+)
+from pakv_onnx.models.hf.step import (
+    ATTN_IMPLEMENTATION,
+    PagedDecoderStep,
+    export_step,
+    paged_attention,
+    register_attention,
+    run_step_torch,
+    step_feeds,
+    step_input_names,
+    step_output_names,
+)
+
+__all__ = [
+    "ARCHS",
+    "ATTN_IMPLEMENTATION",
+    "BlockAllocator",
+    "Generation",
+    "OutOfBlocksError",
+    "PagedDecoderStep",
+    "PagedKVCache",
+    "StepCache",
+    "StepLayout",
+    "Workload",
+    "build_model",
+    "cache_geometry",
+    "compare",
+    "export_step",
+    "generate_paged",
+    "generate_reference",
+    "make_config",
+    "make_workload",
+    "new_cache",
+    "paged_attention",
+    "register_attention",
+    "run_step_torch",
+    "step_feeds",
+    "step_input_names",
+    "step_output_names",
+]

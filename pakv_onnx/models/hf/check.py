@@ -1,0 +1,235 @@
+"""Generate with every runner and compare with transformers: what ``pakv-onnx generate`` runs.
+
+One model step is exported once per (arch, block size); each runner is an ONNX Runtime session
+over that file (``plugin:<backend>`` with the custom-op library, ``stock-ort`` through the graph's
+fallback function) driving :func:`~pakv_onnx.models.hf.generate.generate_paged`. Each runner's
+tokens must equal transformers' greedy ``generate`` on the same weights and prompts, and its
+logits must be within :data:`LOGIT_ATOL`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from pakv_onnx import kernels, runtime_plugin
+from pakv_onnx.models.hf.cache import PagedKVCache
+from pakv_onnx.models.hf.configs import build_model, cache_geometry
+from pakv_onnx.models.hf.generate import (
+    Generation,
+    Workload,
+    compare,
+    generate_paged,
+    generate_reference,
+    make_workload,
+    new_cache,
+)
+from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, step_feeds
+from pakv_onnx.spec import GatherPlan, plan_gather
+
+# fp32 everywhere; the paged path and transformers' dense eager path differ only in summation
+# order (measured up to ~1e-6 on these models).
+LOGIT_ATOL = 1e-4
+STOCK_ORT = "stock-ort"
+PYPTO_CPU = "pypto-cpu"
+# pypto-cpu compiles and interprets the kernel on every call (about a second or more): run it only
+# when the whole generation makes at most this many gather calls (steps x layers).
+PYPTO_CPU_MAX_CALLS = 12
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerResult:
+    """One runner's generation compared with transformers."""
+
+    runner: str
+    tokens_match: bool
+    max_logit_err: float
+    ms_per_token: float
+    steps: int = 0
+    error: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.tokens_match and self.max_logit_err <= LOGIT_ATOL
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckReport:
+    arch: str
+    workload: Workload
+    block_size: int
+    reference_ms_per_token: float
+    results: list[RunnerResult]
+    skipped: dict[str, str]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+
+def gather_calls(workload: Workload, num_layers: int) -> int:
+    """Gather calls a generation makes: one per layer per step (steps = the longest budget)."""
+    return max(workload.budgets) * num_layers
+
+
+def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
+    """A one-token plan over pools shaped like ``config``'s (fp32), to ask a backend whether it can run them."""
+    geometry = cache_geometry(config)
+    key = torch.zeros(1, block_size, *geometry.key_shape)
+    value = torch.zeros(1, block_size, *geometry.value_shape)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    return plan_gather(key, value, torch.zeros(1, 1, dtype=torch.int32), one, torch.zeros(1, dtype=torch.int32)), key
+
+
+def runner_names(
+    backends: Sequence[str], workload: Workload, num_layers: int, probe: tuple[GatherPlan, torch.Tensor] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The runners to use (``plugin:<b>`` for each backend, ``stock-ort``, and ``plugin:pypto-cpu``
+    when that backend is registered, can run ``probe`` (a plan and key pool like the model's) and
+    the case is small) and the ones skipped, with why."""
+    names = [f"plugin:{b}" for b in backends]
+    skipped: dict[str, str] = {}
+    if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
+        calls = gather_calls(workload, num_layers)
+        backend = kernels.get_backend(PYPTO_CPU)
+        reason = backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
+        if reason is not None:
+            skipped[f"plugin:{PYPTO_CPU}"] = reason
+        elif calls > PYPTO_CPU_MAX_CALLS:
+            skipped[f"plugin:{PYPTO_CPU}"] = (
+                f"{calls} gather calls at about a second each (runs when steps x layers <= {PYPTO_CPU_MAX_CALLS})"
+            )
+        else:
+            names.append(f"plugin:{PYPTO_CPU}")
+    names.append(STOCK_ORT)
+    return names, skipped
+
+
+def make_runner_session(runner: str, path: Path, intra_op_threads: int = 0):
+    """An ORT session for ``runner`` over the exported step at ``path``.
+
+    ORT's worker threads do not spin between runs: a generation loop does host work between
+    steps, and spinning threads would take those cores from it (and from torch).
+    ``intra_op_threads`` 0 lets ORT choose.
+    """
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.intra_op_num_threads = intra_op_threads
+    if runner == STOCK_ORT:
+        return onnxruntime.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    return runtime_plugin.make_session(path, backend=runner.removeprefix("plugin:"), sess_options=options)
+
+
+def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """A step function over an ORT session: torch in (bound zero-copy), torch out."""
+    return lambda feeds: runtime_plugin.run(session, feeds)
+
+
+def export_for(arch: str, seed: int, workload: Workload, block_size: int, path: Path) -> PagedDecoderStep:
+    """Build the paged model of ``arch`` and export its step (traced on the workload's prefill) to ``path``."""
+    step = PagedDecoderStep(build_model(arch, seed))
+    cache = new_cache(step.model.config, workload, block_size, seed)
+    ids = list(range(len(workload.prompts)))
+    for i in ids:
+        cache.add_sequence(i)
+    lengths = [len(p) for p in workload.prompts]
+    layout = cache.prepare_step(ids, lengths)
+    input_ids = torch.tensor([[t for p in workload.prompts for t in p]], dtype=torch.int64)
+    position_ids = torch.tensor([[pos for n in lengths for pos in range(n)]], dtype=torch.int64)
+    export_step(step, step_feeds(cache, layout, input_ids, position_ids), path)
+    return step
+
+
+def run_runner(
+    runner: str, path: Path, config, workload: Workload, block_size: int, seed: int, reference: Generation
+) -> RunnerResult:
+    """Generate ``workload`` on ``runner`` and compare with ``reference``; an exception is a FAIL row."""
+    try:
+        session = make_runner_session(runner, path)
+        cache: PagedKVCache = new_cache(config, workload, block_size, seed)
+        result = generate_paged(session_step(session), cache, workload)
+    except Exception as err:  # a failing runner is a FAIL row, not a crash of the command
+        return RunnerResult(runner, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}")
+    same, err = compare(result, reference)
+    return RunnerResult(runner, same, err, result.seconds * 1e3 / workload.generated_tokens, result.steps)
+
+
+def run_check(
+    *,
+    arch: str,
+    batch: int,
+    new_tokens: int,
+    block_size: int,
+    seed: int,
+    backends: Sequence[str],
+    out_dir: Path,
+    progress: Callable[[str], None] = lambda message: None,
+) -> CheckReport:
+    """Export ``arch``'s step into ``out_dir``, generate on every runner, compare with transformers."""
+    reference_model = build_model(arch, seed)
+    config = reference_model.config
+    workload = make_workload(batch=batch, new_tokens=new_tokens, vocab_size=config.vocab_size, seed=seed)
+    progress(f"{arch}: transformers generate (dense cache) for {batch} prompts ...")
+    reference = generate_reference(reference_model, workload)
+    path = out_dir / f"{arch}_step_bs{block_size}.onnx"
+    progress(f"{arch}: exporting one step to {path} ...")
+    start = time.perf_counter()
+    export_for(arch, seed, workload, block_size, path)
+    progress(f"{arch}: exported in {time.perf_counter() - start:.1f}s")
+    names, skipped = runner_names(backends, workload, config.num_hidden_layers, probe_plan(config, block_size))
+    for runner, why in skipped.items():
+        progress(f"{arch}: {runner} skipped: {why}")
+    results = []
+    for runner in names:
+        progress(f"{arch}: generating on {runner} ...")
+        results.append(run_runner(runner, path, config, workload, block_size, seed, reference))
+    return CheckReport(
+        arch=arch,
+        workload=workload,
+        block_size=block_size,
+        reference_ms_per_token=reference.seconds * 1e3 / workload.generated_tokens,
+        results=results,
+        skipped=skipped,
+    )
+
+
+def format_table(report: CheckReport) -> str:
+    """Plain-text table: runner, tokens identical, max logit error, ms per generated token, verdict."""
+    w = report.workload
+    lines = [
+        f"{report.arch}: batch {len(w.prompts)}, prompt lengths {[len(p) for p in w.prompts]}, "
+        f"new tokens {w.budgets}, block size {report.block_size}",
+        f"  {'runner':<18} {'tokens':<7} {'max logit err':>13} {'ms/token':>9} {'steps':>6}  result",
+        f"  {'transformers':<18} {'(ref)':<7} {'':>13} {report.reference_ms_per_token:>9.3f} {'':>6}"
+        "  (generate(), one prompt at a time)",
+    ]
+    for r in report.results:
+        lines.append(
+            f"  {r.runner:<18} {'same' if r.tokens_match else 'DIFF':<7} {r.max_logit_err:>13.3g} "
+            f"{r.ms_per_token:>9.3f} {r.steps:>6}  {'PASS' if r.passed else 'FAIL'}"
+        )
+        if r.error:
+            lines.append(f"    error: {r.error}")
+    for runner, why in report.skipped.items():
+        lines.append(f"  {runner:<18} skipped: {why}")
+    return "\n".join(lines)
+
+
+def json_entry(result: RunnerResult) -> dict:
+    """``{"tokens_match", "max_logit_err", "ms_per_token"}``; non-finite numbers (a runner that
+    raised) become ``null`` so the output stays strict JSON."""
+
+    def finite(x: float) -> float | None:
+        return x if x == x and abs(x) != float("inf") else None
+
+    return {
+        "tokens_match": result.tokens_match,
+        "max_logit_err": finite(result.max_logit_err),
+        "ms_per_token": finite(result.ms_per_token),
+    }

@@ -1,0 +1,96 @@
+"""Small transformers decoders with seeded random weights (nothing is downloaded).
+
+Two families: Llama-style grouped-query attention (``LlamaForCausalLM``; Qwen2/Mistral take the
+same path) and DeepSeek-V3 multi-head latent attention (``DeepseekV3ForCausalLM``) with the
+seed's latent widths (kv_lora_rank 512 + rope 64), so its cache read is exactly the seed's
+GatherPaKvCache shape: key ``[T, 1, 512]``, value ``[T, 1, 64]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+ARCHS = ("llama", "deepseek")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    """Per-token shapes of one layer's two paged pools: ``[num_blocks, block_size, *shape]``."""
+
+    key_shape: tuple[int, int]
+    value_shape: tuple[int, int]
+
+
+def _llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+def _deepseek_config():
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=2,  # every layer dense: no MoE routing
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
+
+
+CONFIGS: dict[str, Callable] = {"llama": _llama_config, "deepseek": _deepseek_config}
+
+
+def make_config(arch: str):
+    """The small ``transformers`` config of ``arch`` (``llama`` or ``deepseek``)."""
+    if arch not in CONFIGS:
+        raise ValueError(f"arch {arch!r} is unknown (choices: {', '.join(ARCHS)})")
+    return CONFIGS[arch]()
+
+
+def build_model(arch: str, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_config`` with weights drawn after ``torch.manual_seed(seed)``, fp32, eval.
+
+    The same (arch, seed) gives bit-identical weights on every call, so a reference model
+    (dense cache, eager attention) and a paged model can be built separately.
+    """
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def cache_geometry(config) -> CacheGeometry:
+    """What one layer caches per token: Llama K and V ``[kv_heads, head_dim]``; DeepSeek-V3 the
+    normalized latent ``[1, kv_lora_rank]`` (key pool) and the RoPE'd shared key ``[1, rope_dim]``
+    (value pool), as DeepseekV3Attention hands them to ``cache.update``."""
+    if getattr(config, "kv_lora_rank", None):
+        return CacheGeometry((1, config.kv_lora_rank), (1, config.qk_rope_head_dim))
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return CacheGeometry((config.num_key_value_heads, head_dim), (config.num_key_value_heads, head_dim))

@@ -1,0 +1,164 @@
+"""Greedy generation over a paged cache, and transformers' own greedy generation to compare with.
+
+:func:`generate_paged` is a small continuous-batching loop: every live sequence feeds its pending
+tokens (the whole prompt first, then one token per step) into one step, the step's new K/V rows
+are written into the pools, each sequence takes the argmax of its logits, and a sequence that has
+its token budget leaves the batch and returns its blocks. The step is any callable from named
+feeds to named outputs: an ONNX Runtime session (plugin or stock) or the eager module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable, Mapping
+
+import torch
+
+from pakv_onnx.models.hf.cache import PagedKVCache
+from pakv_onnx.models.hf.configs import cache_geometry
+from pakv_onnx.models.hf.step import step_feeds
+
+StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Prompts and per-sequence token budgets (different budgets: sequences finish at different steps)."""
+
+    prompts: list[list[int]]
+    budgets: list[int]
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(self.budgets)
+
+
+@dataclasses.dataclass
+class Generation:
+    """Greedy tokens and the logits each was chosen from, per sequence."""
+
+    tokens: list[list[int]]
+    logits: list[torch.Tensor]  # per sequence fp32 [budget, vocab]
+    seconds: float = 0.0
+    steps: int = 0
+
+
+def make_workload(
+    *, batch: int, new_tokens: int, vocab_size: int, seed: int, min_prompt: int = 3, max_prompt: int = 40
+) -> Workload:
+    """``batch`` random prompts of different lengths; budgets ``new_tokens`` down to about half of it."""
+    if batch < 1 or new_tokens < 1:
+        raise ValueError(f"batch and new_tokens must be >= 1, got {batch} and {new_tokens}")
+    rng = random.Random(seed)
+    lengths = rng.sample(range(min_prompt, max_prompt + 1), batch) if batch <= max_prompt - min_prompt + 1 else [
+        rng.randint(min_prompt, max_prompt) for _ in range(batch)
+    ]
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
+    drop = max(1, new_tokens // 4)
+    budgets = [max(1, new_tokens - (i % 3) * drop) for i in range(batch)]
+    return Workload(prompts, budgets)
+
+
+def blocks_needed(workload: Workload, block_size: int) -> int:
+    """Blocks for every sequence at its full length (enough without reuse)."""
+    return sum(-(-(len(p) + b) // block_size) for p, b in zip(workload.prompts, workload.budgets))
+
+
+def new_cache(model_config, workload: Workload, block_size: int, seed: int, spare_blocks: int = 3) -> PagedKVCache:
+    """Fresh fp32 pools sized for ``workload`` plus a few spare blocks."""
+    return PagedKVCache(
+        num_layers=model_config.num_hidden_layers,
+        geometry=cache_geometry(model_config),
+        num_blocks=blocks_needed(workload, block_size) + spare_blocks,
+        block_size=block_size,
+        seed=seed,
+    )
+
+
+def generate_paged(step: StepFn, cache: PagedKVCache, workload: Workload) -> Generation:
+    """Greedy generation of ``workload`` through ``step`` over ``cache`` (see the module docstring).
+
+    Raises:
+        RuntimeError: a block was not returned to the pool after every sequence finished.
+    """
+    num_layers = len(cache.key_pools)
+    count = len(workload.prompts)
+    tokens: list[list[int]] = [[] for _ in range(count)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    pending = {i: list(p) for i, p in enumerate(workload.prompts)}
+    live = list(range(count))
+    for i in live:
+        cache.add_sequence(i)
+    steps = 0
+    start = time.perf_counter()
+    while live:
+        new_counts = [len(pending[i]) for i in live]
+        layout = cache.prepare_step(live, new_counts)
+        input_ids = torch.tensor([[t for i in live for t in pending[i]]], dtype=torch.int64)
+        position_ids = torch.tensor(
+            [[p for i in live for p in range(cache.sequences[i].length, cache.sequences[i].length + len(pending[i]))]],
+            dtype=torch.int64,
+        )
+        outputs = step(step_feeds(cache, layout, input_ids, position_ids))
+        cache.write(
+            live,
+            new_counts,
+            layout,
+            [outputs[f"new_key_{layer}"] for layer in range(num_layers)],
+            [outputs[f"new_value_{layer}"] for layer in range(num_layers)],
+        )
+        step_logits = outputs["logits"]
+        chosen = step_logits.argmax(dim=-1).tolist()
+        for row, i in enumerate(live):
+            tokens[i].append(int(chosen[row]))
+            logits[i].append(step_logits[row].clone())
+            pending[i] = [int(chosen[row])]
+        for i in [i for i in live if len(tokens[i]) == workload.budgets[i]]:
+            cache.release(i)
+            live.remove(i)
+        steps += 1
+    seconds = time.perf_counter() - start
+    if cache.allocator.num_free != cache.allocator.num_blocks:
+        raise RuntimeError(f"{cache.allocator.num_blocks - cache.allocator.num_free} blocks were not returned")
+    return Generation(tokens, [torch.stack(x) for x in logits], seconds, steps)
+
+
+def generate_reference(model: torch.nn.Module, workload: Workload) -> Generation:
+    """transformers' ``generate(do_sample=False)`` per prompt with its default dense cache.
+
+    Each prompt runs alone (no padding), so positions match the paged run exactly; EOS is
+    disabled so every sequence runs its full budget and the logits are the raw ones.
+    """
+    tokens, logits = [], []
+    with torch.no_grad():  # warm-up: first calls pay lazy initialisation, not generation
+        model.generate(input_ids=torch.tensor([workload.prompts[0]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    start = time.perf_counter()
+    for prompt, budget in zip(workload.prompts, workload.budgets):
+        ids = torch.tensor([prompt], dtype=torch.int64)
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=budget,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        tokens.append(out.sequences[0, len(prompt) :].tolist())
+        logits.append(torch.stack([step[0] for step in out.logits]).to(torch.float32))
+    return Generation(tokens, logits, time.perf_counter() - start, 0)
+
+
+def compare(result: Generation, reference: Generation) -> tuple[bool, float]:
+    """``(tokens identical, max abs logit difference)`` of a paged run vs the reference."""
+    same = result.tokens == reference.tokens
+    err = 0.0
+    for mine, ref in zip(result.logits, reference.logits):
+        if mine.shape != ref.shape:
+            return False, float("inf")
+        err = max(err, float((mine - ref).abs().max()))
+    return same, err

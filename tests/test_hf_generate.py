@@ -1,0 +1,182 @@
+"""transformers decoders over a paged cache, exported and generating in ONNX Runtime.
+
+Tests that use the ``exported`` fixture are marked slow: the step export of each arch takes
+20-110 s on the shared machine (they run in the default suite).
+
+Every runner's greedy tokens must equal transformers' own ``generate`` (dense cache) on the same
+weights and prompts; the exported step has one GatherPaKvCache per layer; a wrong backend fails.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import onnx
+import pytest
+
+from pakv_onnx import cli, kernels
+from pakv_onnx.models.hf import (
+    PagedDecoderStep,
+    build_model,
+    compare,
+    generate_paged,
+    generate_reference,
+    make_workload,
+    new_cache,
+    run_step_torch,
+)
+from pakv_onnx.models.hf import check
+
+SEED = 0
+BLOCK_SIZE = 8  # small blocks: every prompt spans several, tables are long
+RUNNERS = ("plugin:native", "plugin:golden", "plugin:torch", check.STOCK_ORT)
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek"])
+def exported(request, tmp_path_factory) -> tuple:
+    """(arch, onnx path, workload, transformers reference) with the step exported once per arch."""
+    arch = request.param
+    reference_model = build_model(arch, SEED)
+    workload = make_workload(batch=4, new_tokens=10, vocab_size=reference_model.config.vocab_size, seed=5)
+    path = Path(tmp_path_factory.mktemp("hf")) / f"{arch}.onnx"
+    check.export_for(arch, SEED, workload, BLOCK_SIZE, path)
+    return arch, path, workload, generate_reference(reference_model, workload)
+
+
+def test_workload_has_ragged_prompts_and_staggered_ends() -> None:
+    workload = make_workload(batch=4, new_tokens=10, vocab_size=256, seed=5)
+    assert len({len(p) for p in workload.prompts}) == 4
+    assert len(set(workload.budgets)) > 1 and max(workload.budgets) == 10
+
+
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
+def test_export_has_one_gather_per_layer(exported) -> None:
+    arch, path, _, _ = exported
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    gathers = [n for n in model.graph.node if n.op_type == "GatherPaKvCache" and n.domain == "pakv"]
+    layers = build_model(arch, SEED).config.num_hidden_layers
+    assert len(gathers) == layers
+    pools = {i for n in gathers for i in n.input[:2]}
+    assert pools == {f"{kind}_cache_{layer}" for kind in ("key", "value") for layer in range(layers)}
+    assert [i.name for i in model.graph.input][:6] == [
+        "input_ids", "position_ids", "query_seq_lens", "seq_lens", "seq_offset", "block_tables"
+    ]
+    # Per-sequence attention is a Loop per layer, not a [T, T] mask over the packed batch.
+    assert sum(n.op_type == "Loop" for n in model.graph.node) == layers
+
+
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_tokens_equal_transformers(exported, runner: str) -> None:
+    arch, path, workload, reference = exported
+    config = build_model(arch, SEED).config
+    result = check.run_runner(runner, path, config, workload, BLOCK_SIZE, SEED, reference)
+    assert result.error is None, result.error
+    assert result.tokens_match, f"{arch} {runner}: tokens differ from transformers"
+    assert result.max_logit_err <= check.LOGIT_ATOL, f"{arch} {runner}: logit error {result.max_logit_err:.3g}"
+    assert result.steps == max(workload.budgets)
+
+
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
+def test_eager_paged_step_equals_transformers(exported) -> None:
+    """The same step module in eager torch (no ONNX): the paged math itself matches."""
+    arch, _, workload, reference = exported
+    step = PagedDecoderStep(build_model(arch, SEED))
+    cache = new_cache(step.model.config, workload, BLOCK_SIZE, SEED)
+    result = generate_paged(lambda feeds: run_step_torch(step, feeds), cache, workload)
+    same, err = compare(result, reference)
+    assert same and err <= check.LOGIT_ATOL
+
+
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
+def test_broken_backend_fails(exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "broken", "broken_backend")
+    arch, path, workload, reference = exported
+    config = build_model(arch, SEED).config
+    result = check.run_runner("plugin:broken", path, config, workload, BLOCK_SIZE, SEED, reference)
+    assert not result.passed
+    assert result.max_logit_err > check.LOGIT_ATOL
+
+
+def test_compare_sees_one_wrong_token() -> None:
+    workload = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=1)
+    reference = generate_reference(build_model("llama", SEED), workload)
+    altered = check.Generation([list(t) for t in reference.tokens], [x.clone() for x in reference.logits])
+    altered.tokens[1][-1] = (altered.tokens[1][-1] + 1) % 256
+    assert compare(altered, reference) == (False, 0.0)
+
+
+def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend registered as "pypto-cpu" joins the runners for small cases and is skipped, with why, for big ones."""
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "pypto-cpu", "broken_backend")
+    small = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=0)
+    names, skipped = check.runner_names(["native"], small, num_layers=2)
+    assert names == ["plugin:native", "plugin:pypto-cpu", check.STOCK_ORT] and not skipped
+    big = make_workload(batch=2, new_tokens=30, vocab_size=256, seed=0)
+    names, skipped = check.runner_names(["native"], big, num_layers=2)
+    assert "plugin:pypto-cpu" not in names and "60 gather calls" in skipped["plugin:pypto-cpu"]
+    # A registered pypto-cpu that cannot run the model's pools is skipped with its own reason.
+    refusing = kernels.Backend(
+        name="pypto-cpu", description="test", gather=None, unsupported_reason=lambda plan, cache: "no fp32 here"
+    )
+    monkeypatch.setattr(kernels, "get_backend", lambda name: refusing)
+    probe = check.probe_plan(build_model("deepseek", SEED).config, 16)
+    assert probe[0].num_tokens == 1 and probe[1].shape == (1, 16, 1, 512)
+    names, skipped = check.runner_names(["native"], small, num_layers=2, probe=probe)
+    assert "plugin:pypto-cpu" not in names and skipped["plugin:pypto-cpu"] == "no fp32 here"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--arch", "gpt2"], "invalid choice"),
+        (["--arch", "llama", "--batch", "0"], "must be in 1..32"),
+        (["--arch", "llama", "--new-tokens", "-3"], "must be in 1..512"),
+        (["--arch", "llama", "--block-size", "x"], "expected an integer"),
+        (["--arch", "llama", "--backend", "native,nope"], "backend 'nope' is unknown"),
+        ([], "--arch"),
+    ],
+)
+def test_generate_refuses_bad_arguments(argv, message, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["generate", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_generate_cli_json_passes(tmp_path) -> None:
+    result = subprocess.run(
+        ["pakv-onnx", "generate", "--arch", "deepseek", "--batch", "3", "--new-tokens", "5", "--block-size", "4",
+         "--json", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout)
+    assert report["arch"] == "deepseek"
+    assert set(report["runners"]) >= {"plugin:native", "plugin:golden", "stock-ort"}
+    for name, entry in report["runners"].items():
+        assert set(entry) == {"tokens_match", "max_logit_err", "ms_per_token"}, name
+        assert entry["tokens_match"] is True and entry["max_logit_err"] <= check.LOGIT_ATOL
+        assert entry["ms_per_token"] > 0
+    assert (tmp_path / "deepseek_step_bs4.onnx").is_file()
+    assert "exporting one step" in result.stderr  # progress on stderr, stdout is only the JSON
+
+
+@pytest.mark.slow
+def test_generate_cli_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypatch) -> None:
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "broken", "broken_backend")
+    code = cli.main(["generate", "--arch", "llama", "--batch", "2", "--new-tokens", "3", "--backend", "native,broken"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  plugin:")}
+    assert rows["plugin:native"].rstrip().endswith("PASS")
+    assert rows["plugin:broken"].rstrip().endswith("FAIL")
+    assert out.rstrip().endswith("FAIL")
+
+
