@@ -73,4 +73,4 @@ def test_demo_rejects_unknown_backend(capsys: pytest.CaptureFixture) -> None:
 def test_demo_refuses_tokens_beyond_memory(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["demo", "--tokens", "100000"]) == 2
     err = capsys.readouterr().err
-    assert "--tokens 100000 needs about" in err and "memory grows with T^2" in err
+    assert "--tokens 100000 needs about" in err and "memory grows with the longest sequence squared" in err

@@ -70,11 +70,11 @@ def run(args: argparse.Namespace) -> int:
     from pakv_onnx import demo  # imports torch.onnx/onnxruntime: only when the command runs
 
     graphs = demo.MODEL_CHOICES[args.model]
-    need, have = demo.estimated_peak_bytes(graphs, args.tokens), _physical_memory_bytes()
+    need, have = demo.estimated_peak_bytes(graphs, args.tokens, seed=args.seed), _physical_memory_bytes()
     if have and need > have:
         print(
             f"pakv-onnx demo: error: --tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs "
-            f"attend densely over the packed batch: memory grows with T^2) but this machine has "
+            f"attend per sequence: memory grows with the longest sequence squared) but this machine has "
             f"{have / 2**30:.0f} GiB",
             file=sys.stderr,
         )
@@ -171,7 +171,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--tokens",
         type=positive_int,
         default=256,
-        help="total tokens per batch, T (default: 256); memory grows with T^2 (about 7 GB at 2048)",
+        help="total tokens per batch, T (default: 256); memory grows with the longest sequence squared",
     )
     parser.add_argument(
         "--repeats", type=positive_int, default=5, help="timed runs per way, median reported (default: 5)"
