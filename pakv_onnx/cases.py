@@ -10,9 +10,11 @@ block-table columns, every cache dtype, both layouts and both ``seq_lens`` forms
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import json
 import random
+from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
@@ -205,6 +207,116 @@ def random_cache(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Ge
     return raw.view(dtype)
 
 
+class BlockIds(str, enum.Enum):
+    """How :func:`paged_case` fills the block-table columns a sequence reads."""
+
+    RANDOM = "random"  # any block, repeats and any order: what the op must survive
+    DISTINCT = "distinct"  # a shuffled permutation of the pool: what a block allocator hands out
+    SEQUENTIAL = "sequential"  # ascending ids in order of use: the seed sweep's rule
+
+
+class UnusedColumns(str, enum.Enum):
+    """How :func:`paged_case` fills the block-table columns no sequence reads."""
+
+    JUNK = "junk"  # random ids, out-of-range ones included: the op must never read them
+    PAD = "pad"  # -1, as a serving engine pads its tables
+
+
+def cache_layout(
+    mode: CacheMode, num_blocks: int, block_size: int, heads: int, head_dim: int, itemsize: int
+) -> tuple[int, ...]:
+    """Cache shape for ``heads x head_dim`` token rows: Norm ``[nb, bs, H, D]``, PA_NZ ``[nb, H*D // E, bs, E]``."""
+    if mode is CacheMode.NORM:
+        return (num_blocks, block_size, heads, head_dim)
+    e = nz_last_dim(itemsize)
+    return (num_blocks, heads * head_dim // e, block_size, e)
+
+
+def paged_case(
+    *,
+    case_id: str,
+    description: str,
+    lengths: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    key_token: tuple[int, int],
+    value_token: tuple[int, int],
+    key_dtype: torch.dtype,
+    value_dtype: torch.dtype | None = None,
+    offset_cols: Sequence[int] | None = None,
+    offset_slots: Sequence[int] | None = None,
+    extra_cols: int = 0,
+    cache_mode: CacheMode = CacheMode.NORM,
+    is_seq_lens_cumsum: bool = True,
+    index_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] = (torch.int32, torch.int32, torch.int32),
+    with_seq_offset: bool = True,
+    block_ids: BlockIds = BlockIds.RANDOM,
+    unused_columns: UnusedColumns = UnusedColumns.JUNK,
+    rng: random.Random,
+    generator: torch.Generator,
+) -> GatherCase:
+    """The one builder of paged cases: every random case generator draws sizes, then calls this.
+
+    Args:
+        lengths: tokens of each sequence (Q = len(lengths)).
+        key_token, value_token: ``(heads, head_dim)`` of one token row of each cache.
+        key_dtype, value_dtype: the caches' dtypes (value defaults to key's).
+        offset_cols: first block-table column of each sequence (default 0).
+        offset_slots: tokens added to each ``seq_offset`` below a block (the floor rule drops
+            them; default 0).
+        extra_cols: block-table columns beyond the longest row.
+        index_dtypes: dtypes of (block_tables, seq_lens, seq_offset).
+        with_seq_offset: pass a ``seq_offset`` input (else ``None``; offsets must then be 0).
+        block_ids, unused_columns: the policies of :class:`BlockIds` and :class:`UnusedColumns`.
+        rng, generator: draw the block ids (``rng``) and the junk and cache values (``generator``).
+    """
+    value_dtype = value_dtype or key_dtype
+    num_seqs = len(lengths)
+    offset_cols = list(offset_cols) if offset_cols is not None else [0] * num_seqs
+    offset_slots = list(offset_slots) if offset_slots is not None else [0] * num_seqs
+    if not with_seq_offset and any(offset_cols + offset_slots):
+        raise ValueError("paged_case: offsets need with_seq_offset=True")
+    used_cols = [off + -(-n // block_size) for off, n in zip(offset_cols, lengths)]
+    cols = max(1, max(used_cols, default=0) + extra_cols)
+    if unused_columns is UnusedColumns.JUNK:
+        tables = torch.randint(-3, num_blocks + 3, (num_seqs, cols), generator=generator)
+    else:
+        tables = torch.full((num_seqs, cols), -1, dtype=torch.int64)
+    pool = list(range(num_blocks))
+    if block_ids is BlockIds.DISTINCT:
+        rng.shuffle(pool)
+    counter = 0
+    for q in range(num_seqs):
+        for col in range(offset_cols[q], used_cols[q]):
+            if block_ids is BlockIds.RANDOM:
+                tables[q, col] = rng.randrange(num_blocks)
+            elif block_ids is BlockIds.DISTINCT:
+                tables[q, col] = pool.pop()
+            else:
+                tables[q, col] = counter % num_blocks
+                counter += 1
+
+    def cache(token: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+        shape = cache_layout(cache_mode, num_blocks, block_size, *token, cache_dtype(dtype).itemsize)
+        return random_cache(shape, dtype, generator)
+
+    bt_dtype, sl_dtype, so_dtype = index_dtypes
+    running = torch.tensor([0, *lengths]).cumsum(0)
+    seq_lens = running if is_seq_lens_cumsum else torch.tensor(list(lengths), dtype=torch.int64)
+    offsets = [c * block_size + x for c, x in zip(offset_cols, offset_slots)]
+    return GatherCase(
+        case_id=case_id,
+        description=description,
+        key_cache=cache(key_token, key_dtype),
+        value_cache=cache(value_token, value_dtype),
+        block_tables=tables.to(bt_dtype),
+        seq_lens=seq_lens.to(sl_dtype),
+        seq_offset=torch.tensor(offsets, dtype=so_dtype) if with_seq_offset else None,
+        cache_mode=cache_mode,
+        is_seq_lens_cumsum=is_seq_lens_cumsum,
+    )
+
+
 def random_case(
     seed: int,
     *,
@@ -238,46 +350,31 @@ def random_case(
     num_blocks = rng.randint(1, max_blocks)
     block_size = rng.choice((1, 2, 3, 4, 8, 16))
     num_seqs = rng.randint(1, max_seqs)
-    itemsize = cache_dtype(dtype).itemsize
-    e = nz_last_dim(itemsize)
+    e = nz_last_dim(cache_dtype(dtype).itemsize)
 
-    def token_shape() -> tuple[int, int]:
+    def token() -> tuple[int, int]:
         heads = rng.randint(1, 3)
         if mode is CacheMode.PA_NZ:
             return heads, e * rng.randint(1, 3)  # heads*dim must split into 32-byte fractals
         return heads, rng.randint(1, 9)
 
-    key_heads, key_dim = token_shape()
-    value_heads, value_dim = token_shape()
-
+    key_token, value_token = token(), token()
     lengths = [rng.choice((0, rng.randint(1, block_size), rng.randint(1, 3 * block_size + 1))) for _ in range(num_seqs)]
-    offset_cols = [rng.randint(0, 2) if with_offset else 0 for _ in range(num_seqs)]
-    used_cols = [off + -(-n // block_size) for off, n in zip(offset_cols, lengths)]
-    cols = max(used_cols) + rng.randint(0, 2)
-    cols = max(cols, 1)
-    # Unused columns hold junk the op must never read (including out-of-range ids).
-    tables = torch.randint(-5, num_blocks + 5, (num_seqs, cols), generator=generator)
-    for q in range(num_seqs):
-        for col in range(used_cols[q]):
-            tables[q, col] = rng.randrange(num_blocks)  # repeats and any order
-
-    def layout(heads: int, dim: int) -> tuple[int, ...]:
-        if mode is CacheMode.NORM:
-            return (num_blocks, block_size, heads, dim)
-        return (num_blocks, heads * dim // e, block_size, e)
-
-    bt_dtype, sl_dtype, so_dtype = index_dtypes
-    running = torch.tensor([0, *lengths]).cumsum(0)
-    seq_lens = running if is_cumsum else torch.tensor(lengths)
-    seq_offset = torch.tensor([c * block_size for c in offset_cols], dtype=so_dtype) if with_offset else None
-    return GatherCase(
+    return paged_case(
         case_id=f"random-{seed}",
         description=f"random case seed {seed}",
-        key_cache=random_cache(layout(key_heads, key_dim), dtype, generator),
-        value_cache=random_cache(layout(value_heads, value_dim), dtype, generator),
-        block_tables=tables.to(bt_dtype),
-        seq_lens=seq_lens.to(sl_dtype),
-        seq_offset=seq_offset,
+        lengths=lengths,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        key_token=key_token,
+        value_token=value_token,
+        key_dtype=dtype,
+        offset_cols=[rng.randint(0, 2) if with_offset else 0 for _ in range(num_seqs)],
+        extra_cols=rng.randint(0, 2),
         cache_mode=mode,
         is_seq_lens_cumsum=is_cumsum,
+        index_dtypes=index_dtypes,
+        with_seq_offset=with_offset,
+        rng=rng,
+        generator=generator,
     )

@@ -12,8 +12,8 @@ import torch
 from conftest import assert_matches_golden
 
 import pakv_onnx.export as pe
-from pakv_onnx.cases import GatherCase, random_cache, random_case
-from pakv_onnx.spec import CACHE_DTYPES, CacheMode, bitwise_equal, nz_last_dim
+from pakv_onnx.cases import GatherCase, paged_case, random_case
+from pakv_onnx.spec import CACHE_DTYPES, CacheMode, nz_last_dim
 
 
 class GatherModule(torch.nn.Module):
@@ -54,32 +54,25 @@ def sized_case(
     lengths = [rng.choice((0, rng.randint(1, block_size), rng.randint(1, 4 * block_size))) for _ in range(num_seqs)]
     offsets = [rng.randint(0, 2) if with_seq_offset else 0 for _ in range(num_seqs)]
     used = [o + -(-n // block_size) for o, n in zip(offsets, lengths)]
-    cols = max(min_size, max(used) + rng.randint(0, 3))
-    tables = torch.randint(-3, num_blocks + 3, (num_seqs, cols), generator=generator)  # junk in unused columns
-    for q in range(num_seqs):
-        for col in range(used[q]):
-            tables[q, col] = rng.randrange(num_blocks)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    e = nz_last_dim(itemsize)
-
-    def layout(heads: int, dim: int, fractals: int) -> tuple[int, ...]:
-        if cache_mode is CacheMode.NORM:
-            return (num_blocks, block_size, heads, dim)
-        return (num_blocks, fractals, block_size, e)
-
-    running = torch.tensor([0, *lengths]).cumsum(0)
-    seq_lens = running if is_seq_lens_cumsum else torch.tensor(lengths)
-    bt, sl, so = index_dtypes
-    return GatherCase(
+    e = nz_last_dim(torch.empty(0, dtype=dtype).element_size())
+    pa_nz = cache_mode is CacheMode.PA_NZ
+    return paged_case(
         case_id=f"sized-{seed}",
         description="fixed token shapes",
-        key_cache=random_cache(layout(2, 5, 2), dtype, generator),
-        value_cache=random_cache(layout(3, 4, 3), dtype, generator),
-        block_tables=tables.to(bt),
-        seq_lens=seq_lens.to(sl),
-        seq_offset=torch.tensor([o * block_size for o in offsets], dtype=so) if with_seq_offset else None,
+        lengths=lengths,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        key_token=(2, e) if pa_nz else (2, 5),
+        value_token=(3, e) if pa_nz else (3, 4),
+        key_dtype=dtype,
+        offset_cols=offsets,
+        extra_cols=max(min_size, max(used) + rng.randint(0, 3)) - max(used),
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
+        index_dtypes=index_dtypes,
+        with_seq_offset=with_seq_offset,
+        rng=rng,
+        generator=generator,
     )
 
 
@@ -190,7 +183,9 @@ def test_torch_schema_is_spec_signature():
 def test_translation_signatures_are_checked_against_spec():
     from pakv_onnx.export import translation
 
-    def wrong(key_cache, value_cache, block_tables, seq_lens, seq_offset=None, cache_mode="ND", is_seq_lens_cumsum=True):
+    def wrong(
+        key_cache, value_cache, block_tables, seq_lens, seq_offset=None, cache_mode="ND", is_seq_lens_cumsum=True
+    ):
         return None
 
     with pytest.raises(AssertionError, match=r"default of cache_mode is 'ND'"):

@@ -12,7 +12,7 @@ import random
 
 import torch
 
-from pakv_onnx.cases import random_cache
+from pakv_onnx.cases import BlockIds, UnusedColumns, paged_case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,21 +64,20 @@ def random_paged_batch(
     generator = torch.Generator().manual_seed(seed)
     lengths = ragged_lengths(num_tokens, num_seqs, rng)
     offset_cols = [rng.choice((0, 0, 1, 2)) for _ in lengths]
-    blocks_needed = [-(-n // block_size) for n in lengths]
-    num_blocks = sum(blocks_needed) + spare_blocks
-    pool = list(range(num_blocks))
-    rng.shuffle(pool)
-    cols = max(off + need for off, need in zip(offset_cols, blocks_needed)) + 1
-    # Columns a sequence does not read (before its offset, after its last block) hold junk ids.
-    tables = torch.full((num_seqs, cols), -1, dtype=torch.int32)
-    for q, (off, need) in enumerate(zip(offset_cols, blocks_needed)):
-        for col in range(need):
-            tables[q, off + col] = pool.pop()
-    seq_lens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return PagedBatch(
-        key_cache=random_cache((num_blocks, block_size, *key_token_shape), torch.bfloat16, generator),
-        value_cache=random_cache((num_blocks, block_size, *value_token_shape), torch.bfloat16, generator),
-        block_tables=tables,
-        seq_lens=seq_lens,
-        seq_offset=torch.tensor([off * block_size for off in offset_cols], dtype=torch.int32),
+    case = paged_case(
+        case_id=f"batch-{seed}",
+        description=f"ragged batch of {num_tokens} tokens in {num_seqs} sequences",
+        lengths=lengths,
+        block_size=block_size,
+        num_blocks=sum(-(-n // block_size) for n in lengths) + spare_blocks,
+        key_token=key_token_shape,
+        value_token=value_token_shape,
+        key_dtype=torch.bfloat16,
+        offset_cols=offset_cols,
+        extra_cols=1,
+        block_ids=BlockIds.DISTINCT,
+        unused_columns=UnusedColumns.PAD,
+        rng=rng,
+        generator=generator,
     )
+    return PagedBatch(case.key_cache, case.value_cache, case.block_tables, case.seq_lens, case.seq_offset)

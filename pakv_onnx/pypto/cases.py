@@ -24,8 +24,17 @@ import random
 
 import torch
 
-from pakv_onnx.cases import GatherCase, even_split, random_cache, random_case, seed_case, seed_cases
-from pakv_onnx.spec import CacheMode, nz_last_dim, plan_gather
+from pakv_onnx.cases import (
+    BlockIds,
+    GatherCase,
+    UnusedColumns,
+    even_split,
+    paged_case,
+    random_case,
+    seed_case,
+    seed_cases,
+)
+from pakv_onnx.spec import CacheMode, plan_gather
 
 SMALL_NUM_BLOCKS = 64
 # Bytes of one small cache at most: the interpreter's peak is about 24x its inputs (the
@@ -82,23 +91,19 @@ def shape_case(
 ) -> GatherCase:
     """A Norm case in the sweep's pattern: T split evenly over Q, consecutive block ids, zero offsets."""
     lengths = even_split(total_tokens, q_count)
-    blocks = [-(-n // block_size) for n in lengths]
-    num_blocks = max(SMALL_NUM_BLOCKS, sum(blocks))
-    tables = torch.zeros(q_count, max(1, max(blocks)), dtype=torch.int32)
-    counter = 0
-    for q, used in enumerate(blocks):
-        for col in range(used):
-            tables[q, col] = counter
-            counter += 1
-    generator = torch.Generator().manual_seed(seed)
-    return GatherCase(
+    return paged_case(
         case_id=case_id or f"shape:{shape_spec(dtype, key_hd, value_hd, block_size, q_count, total_tokens)}",
         description=f"Q={q_count} T={total_tokens} block_size={block_size}",
-        key_cache=random_cache((num_blocks, block_size, *key_hd), dtype, generator),
-        value_cache=random_cache((num_blocks, block_size, *value_hd), dtype, generator),
-        block_tables=tables,
-        seq_lens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
-        seq_offset=torch.zeros(q_count, dtype=torch.int32),
+        lengths=lengths,
+        block_size=block_size,
+        num_blocks=max(SMALL_NUM_BLOCKS, sum(-(-n // block_size) for n in lengths)),
+        key_token=key_hd,
+        value_token=value_hd,
+        key_dtype=dtype,
+        block_ids=BlockIds.SEQUENTIAL,
+        unused_columns=UnusedColumns.PAD,
+        rng=random.Random(seed),
+        generator=torch.Generator().manual_seed(seed),
     )
 
 
@@ -149,38 +154,36 @@ def kernel_case(
     num_blocks = rng.randint(8, SMALL_NUM_BLOCKS)
     num_seqs = rng.randint(2, 6)
 
-    def token_layout(dt: torch.dtype) -> tuple[int, ...]:
+    def token(dt: torch.dtype) -> tuple[int, int]:
         unit = 32 // torch.empty((), dtype=dt).element_size()  # elements per 32-byte block
-        heads, dim = rng.randint(1, 4), unit * rng.randint(1, 4)
-        if mode is CacheMode.NORM:
-            return (num_blocks, block_size, heads, dim)
-        e = nz_last_dim(torch.empty((), dtype=dt).element_size())
-        return (num_blocks, heads * dim // e, block_size, e)
+        return rng.randint(1, 4), unit * rng.randint(1, 4)
 
+    key_token, value_token = token(dtype), token(value_dtype)
     lengths = [rng.randint(0, 3 * block_size + block_size // 2) for _ in range(num_seqs)]
     lengths[rng.randrange(num_seqs)] = 0
     lengths[rng.randrange(num_seqs)] = block_size + max(1, block_size // 2) if block_size > 1 else 3
     offset_cols = [rng.randint(0, 2) for _ in range(num_seqs)]
     offset_cols[rng.randrange(num_seqs)] = rng.randint(1, 3)
-    used = [off + -(-n // block_size) for off, n in zip(offset_cols, lengths)]
-    cols = max(used) + rng.randint(0, 2)
-    tables = torch.randint(-3, num_blocks + 3, (num_seqs, cols), generator=generator)  # junk where unused
-    for q in range(num_seqs):
-        for col in range(offset_cols[q], used[q]):
-            tables[q, col] = rng.randrange(num_blocks)  # shuffled, repeats allowed
+    extra_cols = rng.randint(0, 2)
     index_dtype = rng.choice((torch.int32, torch.int64))
-    running = torch.tensor([0, *lengths]).cumsum(0)
-    extra = [rng.randrange(block_size) if partial_offsets else 0 for _ in range(num_seqs)]
-    return GatherCase(
+    return paged_case(
         case_id=case_id or f"kernel-{seed}",
         description=f"kernel case seed {seed}",
-        key_cache=random_cache(token_layout(dtype), dtype, generator),
-        value_cache=random_cache(token_layout(value_dtype), value_dtype, generator),
-        block_tables=tables.to(index_dtype),
-        seq_lens=(running if is_cumsum else torch.tensor(lengths)).to(index_dtype),
-        seq_offset=torch.tensor([c * block_size + x for c, x in zip(offset_cols, extra)], dtype=index_dtype),
+        lengths=lengths,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        key_token=key_token,
+        value_token=value_token,
+        key_dtype=dtype,
+        value_dtype=value_dtype,
+        offset_cols=offset_cols,
+        offset_slots=[rng.randrange(block_size) if partial_offsets else 0 for _ in range(num_seqs)],
+        extra_cols=extra_cols,
         cache_mode=mode,
         is_seq_lens_cumsum=is_cumsum,
+        index_dtypes=(index_dtype,) * 3,
+        rng=rng,
+        generator=generator,
     )
 
 
