@@ -7,19 +7,24 @@
 * :func:`junk_like`, :func:`unaligned_offsets`, :func:`with_value_dtype`, :func:`as_pool_views` —
   turn a valid case into a harder valid case (non-aligned ``seq_offset``, mixed dtypes, caches
   that are views of a larger pool).
+* fixture ``temp_cache`` — the project cache dir pointed at a temporary directory for one test
+  module (PyPTO runs, tuned tiles, the pypto-cpu worker), PyPTO's helper build kept shared.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from collections.abc import Mapping, Sequence
 
+import pytest
 import torch
 from per_token_reference import gather_per_token
 
 import pakv_onnx
 from pakv_onnx.cases import GatherCase, random_cache
+from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
 from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
 
 
@@ -124,3 +129,21 @@ def as_pool_views(case: GatherCase, *, pad: int = 0) -> GatherCase:
         key_cache=pool_view(case.key_cache, slot=0, parts=2, pad=pad),
         value_cache=pool_view(case.value_cache, slot=1, parts=2, pad=pad),
     )
+
+
+# The helper build takes about a minute, so it lives in the user's real cache (built once per
+# machine); every run directory, log, tuned-tiles file and pypto-cpu worker of the PyPTO tests goes
+# to a temporary directory removed with the test module.
+@pytest.fixture(scope="module")
+def temp_cache(tmp_path_factory):
+    """Point the project cache at a fresh temporary directory for one test module."""
+    from pakv_onnx.pypto import cpu
+    from pakv_onnx.pypto.adapter import HELPER_DIR_ENV
+
+    shared_helper = os.environ.get(HELPER_DIR_ENV) or str(cache_dir("pypto", "calculator"))
+    path = tmp_path_factory.mktemp("pakv-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(path))
+        patch.setenv(HELPER_DIR_ENV, shared_helper)
+        yield path
+        cpu._stop_worker()

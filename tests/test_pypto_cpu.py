@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from _pypto_cache import temp_cache  # noqa: F401  (fixture)
 
 from pakv_onnx import gather_pa_kv_cache, kernels, runtime_plugin
 from pakv_onnx.export.builder import make_gather_model

@@ -14,7 +14,6 @@ from pakv_onnx.cases import random_case
 from pakv_onnx.pypto import cases, host, runs
 from pakv_onnx.pypto import tiles as tiles_mod
 from pakv_onnx.spec import CacheMode, bitwise_equal, nz_last_dim, plan_gather
-from _pypto_cache import temp_cache  # noqa: F401  (fixture)
 
 
 def _plan(case):

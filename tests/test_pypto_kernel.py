@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _pypto_cache import temp_cache  # noqa: F401  (fixture)
 
 from pakv_onnx import cli
 from pakv_onnx.pypto import runs
