@@ -163,7 +163,7 @@ KNOWN = {
         ("pakv_onnx.kernels.native", "from pakv_onnx import runtime_plugin\n", "above kernels"),
         ("pakv_onnx.export.builder", "from pakv_onnx.runtime_plugin import _tensors\n", "beside export"),
         ("pakv_onnx.runtime_plugin", "from ..export import builder\n", "beside runtime_plugin"),
-        ("pakv_onnx.kernels.native", "import importlib\nimportlib.import_module('pakv_onnx.export')\n", "above kernels"),
+        ("pakv_onnx.kernels", "import importlib\nimportlib.import_module('pakv_onnx.export')\n", "above kernels"),
         ("pakv_onnx.spec", "from pakv_onnx import gather_pa_kv_cache\n", "above spec"),
     ],
 )

@@ -103,17 +103,22 @@ def test_opset_choice_and_the_fallback_option() -> None:
     assert {(o.domain, o.version) for o in pe.make_gather_model(torch.float32).opset_import} >= {("", pe.DEFAULT_OPSET)}
 
 
+def _model(**options):
+    """A thunk building an int8 model with ``options`` (for the error table below)."""
+    return lambda: pe.make_gather_model(torch.int8, **options)
+
+
 @pytest.mark.parametrize(
     ("call", "error", "pattern"),
     [
         (lambda: pe.make_gather_model(torch.float64), ValueError, r"key_cache: cache dtype torch.float64 is not"),
-        (lambda: pe.make_gather_model(torch.int8, value_dtype=torch.bool), ValueError, r"value_cache: cache dtype"),
-        (lambda: pe.make_gather_model(torch.int8, index_dtypes=(torch.int16,) * 3), ValueError, r"block_tables: index"),
-        (lambda: pe.make_gather_model(torch.int8, index_dtypes=(torch.int32,) * 2), ValueError, r"no dtype for \['seq_offset'\]"),
-        (lambda: pe.make_gather_model(torch.int8, cache_mode="NZ"), ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'"),
-        (lambda: pe.make_gather_model(torch.int8, is_seq_lens_cumsum=2), ValueError, r"is_seq_lens_cumsum must be 0/1"),
-        (lambda: pe.make_gather_model(torch.int8, shapes={"keys": [1]}), ValueError, r"unknown inputs \['keys'\]"),
-        (lambda: pe.make_gather_model(torch.int8, shapes="static"), ValueError, r"shapes must be 'symbolic', None"),
+        (_model(value_dtype=torch.bool), ValueError, r"value_cache: cache dtype torch.bool is not"),
+        (_model(index_dtypes=(torch.int16,) * 3), ValueError, r"block_tables: index dtype torch.int16 is not"),
+        (_model(index_dtypes=(torch.int32,) * 2), ValueError, r"gives no dtype for \['seq_offset'\]"),
+        (_model(cache_mode="NZ"), ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'"),
+        (_model(is_seq_lens_cumsum=2), ValueError, r"is_seq_lens_cumsum must be 0/1 or a bool, got 2"),
+        (_model(shapes={"keys": [1]}), ValueError, r"unknown inputs \['keys'\]"),
+        (_model(shapes="static"), ValueError, r"shapes must be 'symbolic', None"),
         (lambda: pe.gather_node("k", "", "b", "s"), ValueError, r"required input\(s\) \['value_cache'\]"),
         (lambda: pe.gather_node("k", "v", "b", "s", outputs=["key"]), ValueError, r"outputs must name 2 values"),
         (

@@ -136,6 +136,7 @@ def test_a_raw_registration_in_between_cannot_take_the_chosen_backend(monkeypatc
 # --- 10.4 one domain per backend, not one per registration --------------------------------------
 COUNT_DOMAINS = """
 import ctypes
+from fake_ort_api import fake_ort, register_custom_ops
 from pakv_onnx import native_lib
 
 lib = native_lib.load()
@@ -161,22 +162,10 @@ funcs = {
     130: add_t(lambda options, key, value: None),
     237: has_t(lambda options, key, out: (out.__setitem__(0, 0), None)[1]),
 }
-table = (ctypes.c_void_p * 300)()
-for slot, fn in funcs.items():
-    table[slot] = ctypes.cast(fn, ctypes.c_void_p)
-get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
-get_api = get_api_t(lambda version: ctypes.addressof(table) if version <= 17 else None)
-version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)
-version_string = version_t(lambda: None)
-class ApiBase(ctypes.Structure):
-    _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
-base = ApiBase(get_api, version_string)
-register = lib.RegisterCustomOps
-register.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-register.restype = ctypes.c_void_p
+fake = fake_ort(funcs, api_version=17)
 options = (ctypes.c_char * 64)()
 for _ in range(200):
-    assert register(ctypes.addressof(options), ctypes.addressof(base)) is None
+    assert register_custom_ops(lib, ctypes.addressof(options), fake) is None
 print("domains created", len(created))
 """
 

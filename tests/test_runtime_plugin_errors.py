@@ -11,6 +11,7 @@ import types
 import pytest
 import torch
 from conftest import ORT_ERRORS
+from fake_ort_api import fake_ort, register_custom_ops
 from onnx_graphs import feeds_for_case, model_for_case, plugin_model, plugin_model_for
 
 from pakv_onnx import kernels, runtime_plugin
@@ -229,30 +230,8 @@ def test_runtimes_older_than_api_16_are_refused_with_a_clear_message() -> None:
         messages.append((code, msg.decode()))
         return 0xBAD
 
-    table = (ctypes.c_void_p * 128)()
-    table[0] = ctypes.cast(create_status, ctypes.c_void_p)
-    requested = []
-    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
-    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # returns a char* we own (no ctypes conversion)
-    version_text = ctypes.create_string_buffer(b"1.13.1")
-
-    @get_api_t
-    def get_api(version):
-        requested.append(version)
-        return ctypes.addressof(table) if version <= 13 else None  # a runtime with API 13 (ORT 1.13)
-
-    @version_t
-    def version_string():
-        return ctypes.addressof(version_text)
-
-    class ApiBase(ctypes.Structure):
-        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
-
-    base = ApiBase(get_api, version_string)
-    register = lib.RegisterCustomOps
-    register.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    register.restype = ctypes.c_void_p
-    status = register(None, ctypes.addressof(base))
+    fake = fake_ort({0: create_status}, api_version=13, version=b"1.13.1")  # a runtime with API 13 (ORT 1.13)
+    status = register_custom_ops(lib, None, fake)
     assert status == 0xBAD
-    assert requested[0] == 16
+    assert fake.requested[0] == 16
     assert messages and "ONNX Runtime >= 1.16" in messages[0][1] and "1.13.1" in messages[0][1]
