@@ -113,7 +113,6 @@ def gather_node(
     return node
 
 
-
 def _element_type(name: str, dtype: torch.dtype, strict: bool) -> int:
     """ONNX element type of input ``name``; strict: a contract dtype for that input or ``ValueError``."""
     lookup = spec.cache_dtype if name in _CACHE_INPUTS else spec.index_dtype
@@ -131,7 +130,8 @@ def _element_type(name: str, dtype: torch.dtype, strict: bool) -> int:
 def _input_shapes(shapes: Shapes, mode: object, is_seq_lens_cumsum: object) -> dict[str, Sequence[int | str] | None]:
     if shapes is None:
         return dict.fromkeys(spec.INPUT_NAMES)
-    known_mode = mode in tuple(m.value for m in CacheMode)  # str or CacheMode; anything else (strict=False): Norm dims
+    # A str or CacheMode; anything else (an invalid attribute, strict=False) gets the Norm dims.
+    known_mode = mode in tuple(m.value for m in CacheMode)
     symbolic = _symbolic_shapes(CacheMode(mode) if known_mode else CacheMode.NORM, bool(is_seq_lens_cumsum))
     if isinstance(shapes, str):
         if shapes != "symbolic":
