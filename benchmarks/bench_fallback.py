@@ -19,29 +19,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import onnxruntime as ort
 import torch
+from _timing import interleaved_medians_us
 
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase, seed_case
 from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
-
-
-def interleaved_medians_us(fns: dict, repeats: int, warmup: int = 20) -> dict:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def seed_shaped(case_id: str, num_blocks: int) -> GatherCase:
@@ -69,14 +55,7 @@ def as_pa_nz(case: GatherCase) -> GatherCase:
 
 
 def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
-    index_dtypes = tuple(t.dtype for t in case.inputs()[2:])
-    model = pe.make_gather_model(
-        case.key_cache.dtype,
-        value_dtype=case.value_cache.dtype,
-        cache_mode=case.cache_mode,
-        is_seq_lens_cumsum=case.is_seq_lens_cumsum,
-        index_dtypes=index_dtypes,
-    )
+    model = pe.make_gather_model_for(*case.inputs(), **case.attributes())
     feeds = dict(zip(INPUT_NAMES, case.inputs()))
     golden = case.golden()
     outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
@@ -92,7 +71,7 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
         assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1]), name
         binding = runtime_plugin.bind(session, feeds, out=outs)
         runs[name] = lambda s=session, b=binding: s.run_with_iobinding(b)
-    medians = interleaved_medians_us(runs, repeats)
+    medians = interleaved_medians_us(runs, repeats, warmup=20)
     return {"case": label, "T": int(case.seq_lens[-1]), **medians, "ratio": medians["fallback"] / medians["plugin"]}
 
 

@@ -9,6 +9,10 @@
   that are views of a larger pool).
 * fixture ``temp_cache`` — the project cache dir pointed at a temporary directory for one test
   module (PyPTO runs, tuned tiles, the pypto-cpu worker), PyPTO's helper build kept shared.
+* :data:`ORT_ERRORS` — what onnxruntime raises for a refused model or a failed run.
+* :func:`run_python` — a script in a fresh interpreter (crash-prone scenarios; exit behaviour).
+
+One-node models for the runtime plugin are in ``onnx_graphs.py``.
 """
 
 from __future__ import annotations
@@ -16,8 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import subprocess
+import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 
+import onnxruntime as ort
 import pytest
 import torch
 from per_token_reference import gather_per_token
@@ -26,6 +34,34 @@ import pakv_onnx
 from pakv_onnx.cases import GatherCase, random_cache
 from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
 from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
+
+
+# session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
+# session creation raises onnxruntime's own exception types.
+ORT_ERRORS = (
+    RuntimeError,
+    ort.capi.onnxruntime_pybind11_state.Fail,
+    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
+    ort.capi.onnxruntime_pybind11_state.RuntimeException,
+    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+)
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_python(
+    script: str,
+    timeout: int = 240,
+    env: Mapping[str, str] | None = None,
+    args: Sequence[str] = (),
+    cwd: str | os.PathLike | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``script`` (dedented; ``sys.argv[1:]`` = ``args``) in a fresh interpreter, this checkout
+    and tests/ first on sys.path (so it can import ``onnx_graphs``)."""
+    root = os.path.dirname(TESTS_DIR)
+    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
+    full_env.update(env or {})
+    command = [sys.executable, "-c", textwrap.dedent(script), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
 def _as_pair(outputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

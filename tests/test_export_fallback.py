@@ -35,23 +35,13 @@ def stock_session(model: onnx.ModelProto) -> ort.InferenceSession:
 
 
 def model_for(case: GatherCase, *, ranked: bool = True, **overrides) -> onnx.ModelProto:
-    """A one-node model with the fallback for ``case``'s dtypes and attributes.
+    """A one-node model with the fallback for ``case``'s dtypes and attributes (``overrides``: any
+    option of :func:`pakv_onnx.export.make_gather_model`).
 
-    ``ranked=False`` drops the declared input shapes, so inputs of any rank reach the function.
+    ``ranked=False`` declares no input shapes, so inputs of any rank reach the function.
     """
-    index_dtypes = tuple(t.dtype if t is not None else torch.int32 for t in case.inputs()[2:])
-    options = {"cache_mode": case.cache_mode, "is_seq_lens_cumsum": case.is_seq_lens_cumsum, **overrides}
-    model = pe.make_gather_model(
-        case.key_cache.dtype,
-        value_dtype=case.value_cache.dtype,
-        with_seq_offset=case.seq_offset is not None,
-        index_dtypes=index_dtypes,
-        **options,
-    )
-    if not ranked:
-        for value in (*model.graph.input, *model.graph.output):
-            value.type.tensor_type.ClearField("shape")
-    return model
+    options = {**case.attributes(), "shapes": "symbolic" if ranked else None, **overrides}
+    return pe.make_gather_model_for(*case.inputs(), **options)
 
 
 def run_stock(case: GatherCase, model: onnx.ModelProto | None = None) -> list[torch.Tensor]:
@@ -211,25 +201,18 @@ def test_zero_block_size() -> None:
     expect_rejected(case, INPUTS_RULE)
 
 
-def test_unknown_cache_mode_attribute() -> None:
+@pytest.mark.parametrize(
+    ("attribute", "pattern"),
+    [
+        ({"cache_mode": "NZ"}, r"cache_mode must be 'Norm' or 'PA_NZ'|stoll"),
+        ({"is_seq_lens_cumsum": 2}, r"is_seq_lens_cumsum must be 0 or 1|stoll|Split"),
+    ],
+    ids=["unknown-cache-mode", "cumsum-flag-outside-0-1"],
+)
+def test_attribute_values_outside_the_contract(attribute: dict, pattern: str) -> None:
     case = base_case()
-    model = model_for(case)
-    node = model.graph.node[-1]
-    for attr in node.attribute:
-        if attr.name == "cache_mode":
-            attr.s = b"NZ"
-    with pytest.raises(Exception, match=r"cache_mode must be 'Norm' or 'PA_NZ'|stoll"):
-        run_stock(case, model)
-
-
-def test_cumsum_flag_attribute_outside_0_1() -> None:
-    case = base_case()
-    model = model_for(case)
-    node = model.graph.node[-1]
-    for attr in node.attribute:
-        if attr.name == "is_seq_lens_cumsum":
-            attr.i = 2
-    with pytest.raises(Exception, match=r"is_seq_lens_cumsum must be 0 or 1|stoll|Split"):
+    model = model_for(case, strict=False, **attribute)
+    with pytest.raises(Exception, match=pattern):
         run_stock(case, model)
 
 

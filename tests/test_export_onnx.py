@@ -19,7 +19,7 @@ from test_export_torch import GatherModule, module_args, sized_case
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import random_case
-from pakv_onnx.export.builder import PAKV_OPSET
+from pakv_onnx.export import PAKV_OPSET
 from pakv_onnx.spec import (
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
@@ -147,16 +147,8 @@ def test_shape_inference_fills_outputs_symbolic_and_constant_t():
 
     # Two nodes get two different T symbols; a constant seq_lens gives a number.
     node = model.graph.node[0]
-    second = onnx.helper.make_node(
-        OP_TYPE,
-        list(node.input[:3]) + ["const_lens"],
-        ["k2", "v2"],
-        domain=DOMAIN,
-        name="second",
-        is_seq_lens_cumsum=0,
-        cache_mode="Norm",
-    )
-    third = onnx.helper.make_node(OP_TYPE, list(node.input), ["k3", "v3"], domain=DOMAIN, name="third")
+    second = pe.gather_node(*node.input[:3], "const_lens", outputs=["k2", "v2"], is_seq_lens_cumsum=False, name="second")
+    third = pe.gather_node(*node.input, outputs=["k3", "v3"], name="third")
     model.graph.node.extend([second, third])
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([3, 0, 4], np.int64), "const_lens"))
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
@@ -237,16 +229,7 @@ def test_random_contract_cases_on_hand_built_models():
     for seed in range(300, 316):
         dtype = FALLBACK_DTYPES[seed % len(FALLBACK_DTYPES)]
         case = random_case(seed, dtype=dtype)
-        index_dtypes = tuple(t.dtype for t in case.inputs()[2:] if t is not None)
-        if len(index_dtypes) == 2:
-            index_dtypes = (*index_dtypes, torch.int32)
-        model = pe.make_gather_model(
-            dtype,
-            cache_mode=case.cache_mode,
-            is_seq_lens_cumsum=case.is_seq_lens_cumsum,
-            with_seq_offset=case.seq_offset is not None,
-            index_dtypes=index_dtypes,
-        )
+        model = pe.make_gather_model_for(*case.inputs(), **case.attributes())
         onnx.checker.check_model(model, full_check=True)
         session = stock_session(model)
         feeds = {n: t for n, t in zip(INPUT_NAMES, case.inputs()) if t is not None}

@@ -5,17 +5,15 @@ test instead of killing pytest."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
+from conftest import run_python
 
-SCRIPT = textwrap.dedent(
+SCRIPT = (
     """
     import sys
     import torch
     from hypothesis import HealthCheck, given, settings, strategies as st
     from pakv_onnx import gather_pa_kv_cache, runtime_plugin
-    from pakv_onnx.runtime_plugin.models import one_node_model
+    from onnx_graphs import plugin_model_for
     from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, bitwise_equal, nz_last_dim, plan_gather
 
     sessions = {}
@@ -74,8 +72,7 @@ SCRIPT = textwrap.dedent(
             spec_ok = True
         except (TypeError, ValueError):
             spec_ok = False
-        dtypes = [None if t is None else t.dtype for t in inputs]
-        model = one_node_model(dtypes, cache_mode=mode, is_seq_lens_cumsum=cumsum).SerializeToString()
+        model = plugin_model_for(*inputs, cache_mode=mode, is_seq_lens_cumsum=cumsum).SerializeToString()
         if model not in sessions:
             sessions[model] = runtime_plugin.make_session(model, backend="native")
         feeds = {n: t for n, t in zip(INPUT_NAMES, inputs) if t is not None}
@@ -98,15 +95,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_malformed_inputs_never_crash_the_native_kernel(tmp_path) -> None:
-    script = tmp_path / "fuzz.py"
-    script.write_text(SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), "400"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**__import__("os").environ, "ORT_LOGGING_LEVEL": "3"},
-    )
+    # cwd: hypothesis keeps its example database in the working directory.
+    result = run_python(SCRIPT, timeout=600, env={"ORT_LOGGING_LEVEL": "3"}, args=["400"], cwd=tmp_path)
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     assert "stats" in result.stdout

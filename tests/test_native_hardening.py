@@ -9,39 +9,17 @@ killing pytest.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 
 import onnxruntime as ort
 import pytest
 import torch
+from conftest import ORT_ERRORS, run_python
+from onnx_graphs import feeds_for_case, model_for_case, plugin_model
 
 from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.cases import random_case
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case, one_node_model
 from pakv_onnx.spec import CacheMode, bitwise_equal
-
-ORT_ERRORS = (
-    RuntimeError,
-    ort.capi.onnxruntime_pybind11_state.Fail,
-    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-    ort.capi.onnxruntime_pybind11_state.RuntimeException,
-    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-)
-TESTS_DIR = os.path.dirname(__file__)
-
-
-def run_python(script: str, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh interpreter (this checkout first on sys.path)."""
-    root = os.path.dirname(TESTS_DIR)
-    full_env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, TESTS_DIR, os.environ.get("PYTHONPATH", "")]))
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=timeout, env=full_env
-    )
 
 
 # --- 10.1 block tables changed while the kernel runs -------------------------------------------
@@ -50,7 +28,7 @@ import sys, threading, time
 import numpy as np
 import torch
 from pakv_onnx import gather_pa_kv_cache, runtime_plugin
-from pakv_onnx.runtime_plugin.models import one_node_model
+from onnx_graphs import plugin_model_for
 from pakv_onnx.spec import bitwise_equal
 
 mode, index_dtype, seconds = "{mode}", getattr(torch, "{index}"), 10.0
@@ -74,7 +52,7 @@ def writer():  # flips every entry between its valid id and a wild one, as fast 
         raw[...] = raw_good
 
 if mode == "ort":
-    session = runtime_plugin.make_session(one_node_model([torch.bfloat16, torch.bfloat16, index_dtype, torch.int64, None]))
+    session = runtime_plugin.make_session(plugin_model_for(*inputs))
     feeds = dict(zip(("key_cache", "value_cache", "block_tables", "seq_lens"), inputs))  # bound in place
     def call():
         out = runtime_plugin.run(session, feeds)
@@ -158,6 +136,7 @@ def test_a_raw_registration_in_between_cannot_take_the_chosen_backend(monkeypatc
 # --- 10.4 one domain per backend, not one per registration --------------------------------------
 COUNT_DOMAINS = """
 import ctypes
+from fake_ort_api import fake_ort, register_custom_ops
 from pakv_onnx import native_lib
 
 lib = native_lib.load()
@@ -183,22 +162,10 @@ funcs = {
     130: add_t(lambda options, key, value: None),
     237: has_t(lambda options, key, out: (out.__setitem__(0, 0), None)[1]),
 }
-table = (ctypes.c_void_p * 300)()
-for slot, fn in funcs.items():
-    table[slot] = ctypes.cast(fn, ctypes.c_void_p)
-get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
-get_api = get_api_t(lambda version: ctypes.addressof(table) if version <= 17 else None)
-version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)
-version_string = version_t(lambda: None)
-class ApiBase(ctypes.Structure):
-    _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
-base = ApiBase(get_api, version_string)
-register = lib.RegisterCustomOps
-register.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-register.restype = ctypes.c_void_p
+fake = fake_ort(funcs, api_version=17)
 options = (ctypes.c_char * 64)()
 for _ in range(200):
-    assert register(ctypes.addressof(options), ctypes.addressof(base)) is None
+    assert register_custom_ops(lib, ctypes.addressof(options), fake) is None
 print("domains created", len(created))
 """
 
@@ -238,6 +205,9 @@ def test_a_raw_second_registration_on_the_same_options_is_refused_saying_why() -
 _BUFFER = torch.zeros(64, dtype=torch.int64)  # backs every zero-element input below
 
 
+INT64_INDICES = (torch.int64, torch.int64)
+
+
 def _run_shapes(model, shapes: dict[str, tuple[int, list[int]]]) -> list[tuple[int, ...]]:
     """Run ``model`` on zero-element inputs of the given (ONNX type, shape); the output shapes."""
     session = runtime_plugin.make_session(model)
@@ -253,7 +223,7 @@ def _run_shapes(model, shapes: dict[str, tuple[int, list[int]]]) -> list[tuple[i
 def test_pa_nz_bytes_per_token_overflow_is_an_error_not_an_empty_output() -> None:
     """A zero-block PA_NZ cache [0, 2**62, 1, 16] (bf16) has 2**66 elements per token: the output
     shape used to wrap to [0, 0]; now an error naming the cache."""
-    model = one_node_model([torch.bfloat16, torch.bfloat16, torch.int64, torch.int64, None], cache_mode="PA_NZ")
+    model = plugin_model(torch.bfloat16, index_dtypes=INT64_INDICES, with_seq_offset=False, cache_mode="PA_NZ")
     shapes = {
         "key_cache": (16, [0, 2**62, 1, 16]),
         "value_cache": (16, [0, 1, 1, 16]),
@@ -267,7 +237,7 @@ def test_pa_nz_bytes_per_token_overflow_is_an_error_not_an_empty_output() -> Non
 
 
 def test_norm_bytes_per_token_overflow_is_an_error() -> None:
-    model = one_node_model([torch.bfloat16, torch.bfloat16, torch.int64, torch.int64, None])
+    model = plugin_model(torch.bfloat16, index_dtypes=INT64_INDICES, with_seq_offset=False)
     shapes = {
         "key_cache": (16, [0, 1, 2**32, 2**32]),
         "value_cache": (16, [0, 1, 1, 1]),
@@ -305,7 +275,7 @@ import torch
 from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.kernels import Backend
 from pakv_onnx.cases import random_case
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
+from onnx_graphs import feeds_for_case, model_for_case
 
 def slow(plan, key_cache, value_cache, key_out, value_out):
     time.sleep({sleep})  # still inside Python when the main thread exits

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from per_token_reference import gather_per_token
+from onnx_graphs import plugin_model_for
 from test_runtime_plugin_parity import _pool_views, floor_case
 
 from pakv_onnx import gather_pa_kv_cache, kernels, native_lib, runtime_plugin
-from pakv_onnx.runtime_plugin.models import one_node_model
 from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal, plan_gather
 
 
@@ -69,7 +69,7 @@ def test_mixed_dtypes_and_any_offset_through_the_python_callback(backend) -> Non
     for n, (kd, vd) in enumerate(pairs * 2):
         mode = (CacheMode.NORM, CacheMode.PA_NZ)[n % 2]
         inputs, attributes = floor_case(700 + n, mode, bool(n % 3), kd, vd)
-        model = one_node_model([t.dtype for t in inputs], **attributes).SerializeToString()
+        model = plugin_model_for(*inputs, **attributes).SerializeToString()
         if model not in sessions:
             sessions[model] = runtime_plugin.make_session(model, backend=backend)
         out = runtime_plugin.run(sessions[model], dict(zip(INPUT_NAMES, inputs)))

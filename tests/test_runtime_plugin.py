@@ -17,10 +17,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
+from onnx_graphs import feeds_for_case, model_for_case
 
 from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.cases import random_case, seed_case, seed_cases
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
 from pakv_onnx.spec import CACHE_DTYPES, OUTPUT_NAMES, CacheMode, bitwise_equal
 
 BACKENDS = ("native", "golden", "torch")

@@ -8,11 +8,11 @@ import threading
 import onnxruntime as ort
 import pytest
 import torch
+from onnx_graphs import feeds_for_case, model_for_case, plugin_model_for
 
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import random_case
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
-from pakv_onnx.spec import CacheMode, bitwise_equal
+from pakv_onnx.spec import INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal
 
 NODES = 4
 
@@ -45,7 +45,7 @@ def test_ort_parallel_several_nodes_and_eight_python_threads(backend: str) -> No
     for i, case in enumerate(cases):
         feeds.update(feeds_for_case(case, suffix=f"_{i}"))
     expected = {
-        f"{name}_{i}": out for i, case in enumerate(cases) for name, out in zip(("key", "value"), case.golden())
+        f"{name}_{i}": out for i, case in enumerate(cases) for name, out in zip(OUTPUT_NAMES, case.golden())
     }
     failures: list[str] = []
     runs_per_thread = 40 if backend == "native" else 15
@@ -83,14 +83,6 @@ def test_large_copies_take_the_threaded_path_bit_exact(monkeypatch) -> None:
     golden = gather_pa_kv_cache(*args, backend="torch")
     native = gather_pa_kv_cache(*args, backend="native")
     assert all(bitwise_equal(a, b) for a, b in zip(golden, native))
-    case_session = runtime_plugin.make_session(
-        model_for_case(
-            type(
-                "C",
-                (),
-                {"inputs": lambda self: (*args, None), "cache_mode": CacheMode.NORM, "is_seq_lens_cumsum": True},
-            )()
-        )
-    )
-    out = runtime_plugin.run(case_session, dict(zip(("key_cache", "value_cache", "block_tables", "seq_lens"), args)))
+    case_session = runtime_plugin.make_session(plugin_model_for(*args))
+    out = runtime_plugin.run(case_session, dict(zip(INPUT_NAMES, args)))
     assert bitwise_equal(out["key"], golden[0]) and bitwise_equal(out["value"], golden[1])

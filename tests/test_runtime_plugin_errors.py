@@ -8,23 +8,23 @@ import ctypes
 import sys
 import types
 
-import onnxruntime as ort
 import pytest
 import torch
+from conftest import ORT_ERRORS
+from fake_ort_api import fake_ort, register_custom_ops
+from onnx_graphs import feeds_for_case, model_for_case, plugin_model, plugin_model_for
 
 from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.cases import random_case
 from pakv_onnx.kernels import Backend
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case, one_node_model
-from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
-
-# session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...").
-ORT_ERRORS = (
-    RuntimeError,
-    ort.capi.onnxruntime_pybind11_state.Fail,
-    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-    ort.capi.onnxruntime_pybind11_state.RuntimeException,
-    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+from pakv_onnx.spec import (
+    ATTR_CACHE_MODE,
+    ATTR_IS_SEQ_LENS_CUMSUM,
+    INPUT_NAMES,
+    INT64_MAX,
+    CacheMode,
+    bitwise_equal,
+    plan_gather,
 )
 
 
@@ -96,21 +96,12 @@ def test_every_rejection_names_the_input_and_the_session_survives(backend, mode)
     tried = 0
     for label, name, feeds in mutations(case):
         # The contract (spec) rejects it too, naming the same input.
+        inputs = [feeds.get(n) for n in INPUT_NAMES]
         with pytest.raises((TypeError, ValueError)) as spec_error:
-            plan_gather(
-                *[feeds.get(n) for n in ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")],
-                **case.attributes(),
-            )
+            plan_gather(*inputs, **case.attributes())
         assert name in str(spec_error.value), (label, str(spec_error.value))
-        model = model_for_case(
-            types.SimpleNamespace(
-                inputs=lambda feeds=feeds: [
-                    feeds[n] for n in ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
-                ],
-                cache_mode=case.cache_mode,
-                is_seq_lens_cumsum=case.is_seq_lens_cumsum,
-            )
-        ).SerializeToString()
+        # strict=False: the model declares whatever dtype the bad feed has (e.g. float block_tables).
+        model = plugin_model_for(*inputs, **case.attributes(), strict=False).SerializeToString()
         if model not in sessions:
             sessions[model] = runtime_plugin.make_session(model, backend=backend)
         message = run_expecting_error(sessions[model], feeds)
@@ -142,61 +133,43 @@ def test_session_keeps_working_after_errors_interleaved() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool, torch.uint64])
 def test_cache_dtype_outside_the_contract_is_refused_at_session_creation(dtype) -> None:
-    model = one_node_model([dtype, dtype, torch.int32, torch.int32, None])
+    model = plugin_model(dtype, with_seq_offset=False, strict=False)
     for backend in ("native", "golden"):
         with pytest.raises(ORT_ERRORS, match="key_cache"):
             runtime_plugin.make_session(model, backend=backend)
 
 
-def _with_attribute(model, name: str, value):
-    """``model`` with node attribute ``name`` replaced by ``value`` (any ONNX attribute type)."""
-    from onnx import helper
-
-    node = model.graph.node[0]
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.append(helper.make_attribute(name, value))
-    return model
-
-
-BF16_INPUTS = [torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, None]
-
-
 @pytest.mark.parametrize(
     ("name", "value", "pattern"),
     [
-        ("cache_mode", 1, r"cache_mode must be a STRING attribute \('Norm' or 'PA_NZ'\), got attribute type INT"),
-        ("cache_mode", 0.0, r"cache_mode must be a STRING attribute \('Norm' or 'PA_NZ'\), got attribute type FLOAT"),
-        ("cache_mode", ["PA_NZ"], r"cache_mode must be a STRING attribute .* got attribute type STRINGS"),
-        ("cache_mode", [1, 2], r"cache_mode must be a STRING attribute .* got attribute type INTS"),
-        ("cache_mode", b"Norm\0junk", r"cache_mode must be 'Norm' or 'PA_NZ', got 'Norm' followed by a NUL byte"),
-        ("is_seq_lens_cumsum", "1", r"is_seq_lens_cumsum must be an INT attribute \(0 or 1\), got .* STRING"),
-        ("is_seq_lens_cumsum", 1.0, r"is_seq_lens_cumsum must be an INT attribute .* got attribute type FLOAT"),
-        ("is_seq_lens_cumsum", [1], r"is_seq_lens_cumsum must be an INT attribute \(0 or 1\), got attribute type INTS"),
-        ("is_seq_lens_cumsum", [1.0], r"is_seq_lens_cumsum must be an INT attribute .* got attribute type FLOATS"),
-        ("is_seq_lens_cumsum", -1, r"is_seq_lens_cumsum must be 0/1 \(an INT attribute\), got -1"),
+        (ATTR_CACHE_MODE, 1, r"cache_mode must be a STRING attribute \('Norm' or 'PA_NZ'\), got attribute type INT"),
+        (ATTR_CACHE_MODE, 0.0, r"cache_mode must be a STRING attribute \('Norm' or 'PA_NZ'\), got attribute type FLOAT"),
+        (ATTR_CACHE_MODE, ["PA_NZ"], r"cache_mode must be a STRING attribute .* got attribute type STRINGS"),
+        (ATTR_CACHE_MODE, [1, 2], r"cache_mode must be a STRING attribute .* got attribute type INTS"),
+        (ATTR_CACHE_MODE, b"Norm\0junk", r"cache_mode must be 'Norm' or 'PA_NZ', got 'Norm' followed by a NUL byte"),
+        (ATTR_IS_SEQ_LENS_CUMSUM, "1", r"is_seq_lens_cumsum must be an INT attribute \(0 or 1\), got .* STRING"),
+        (ATTR_IS_SEQ_LENS_CUMSUM, 1.0, r"is_seq_lens_cumsum must be an INT attribute .* got attribute type FLOAT"),
+        (ATTR_IS_SEQ_LENS_CUMSUM, [1], r"is_seq_lens_cumsum must be an INT attribute \(0 or 1\), got attribute type INTS"),
+        (ATTR_IS_SEQ_LENS_CUMSUM, [1.0], r"is_seq_lens_cumsum must be an INT attribute .* got attribute type FLOATS"),
+        (ATTR_IS_SEQ_LENS_CUMSUM, -1, r"is_seq_lens_cumsum must be 0/1 \(an INT attribute\), got -1"),
     ],
 )
 def test_attributes_of_the_wrong_type_or_value_are_refused_at_session_creation(name, value, pattern) -> None:
     """Issue 10.2: present with the wrong type or value is an error naming attribute, type and allowed values
     (it used to run as the default: a PA_NZ cache gathered as Norm)."""
     for backend in ("native", "golden"):
-        model = _with_attribute(one_node_model(BF16_INPUTS), name, value)
+        model = plugin_model(torch.bfloat16, with_seq_offset=False, strict=False, **{name: value})
         with pytest.raises(ORT_ERRORS, match=pattern):
             runtime_plugin.make_session(model, backend=backend)
 
 
 def test_missing_attributes_take_the_contract_defaults() -> None:
-    from onnx import helper
-
     case = random_case(44, dtype=torch.float16, cache_mode=CacheMode.NORM, is_seq_lens_cumsum=True)
-    model = model_for_case(case)
-    del model.graph.node[0].attribute[:]
+    model = plugin_model_for(*case.inputs(), strict=False, cache_mode=None, is_seq_lens_cumsum=None)
+    assert not model.graph.node[0].attribute
     session = runtime_plugin.make_session(model)
     out = runtime_plugin.run(session, feeds_for_case(case))
-    assert bitwise_equal(out["key"], case.golden()[0])
-    assert helper  # onnx imported for the model edit
+    assert bitwise_equal(out["key"], case.golden()[0]) and bitwise_equal(out["value"], case.golden()[1])
 
 
 def _install_test_backend(monkeypatch, name, gather):
@@ -257,30 +230,8 @@ def test_runtimes_older_than_api_16_are_refused_with_a_clear_message() -> None:
         messages.append((code, msg.decode()))
         return 0xBAD
 
-    table = (ctypes.c_void_p * 128)()
-    table[0] = ctypes.cast(create_status, ctypes.c_void_p)
-    requested = []
-    get_api_t = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)
-    version_t = ctypes.CFUNCTYPE(ctypes.c_void_p)  # returns a char* we own (no ctypes conversion)
-    version_text = ctypes.create_string_buffer(b"1.13.1")
-
-    @get_api_t
-    def get_api(version):
-        requested.append(version)
-        return ctypes.addressof(table) if version <= 13 else None  # a runtime with API 13 (ORT 1.13)
-
-    @version_t
-    def version_string():
-        return ctypes.addressof(version_text)
-
-    class ApiBase(ctypes.Structure):
-        _fields_ = [("GetApi", get_api_t), ("GetVersionString", version_t)]
-
-    base = ApiBase(get_api, version_string)
-    register = lib.RegisterCustomOps
-    register.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    register.restype = ctypes.c_void_p
-    status = register(None, ctypes.addressof(base))
+    fake = fake_ort({0: create_status}, api_version=13, version=b"1.13.1")  # a runtime with API 13 (ORT 1.13)
+    status = register_custom_ops(lib, None, fake)
     assert status == 0xBAD
-    assert requested[0] == 16
+    assert fake.requested[0] == 16
     assert messages and "ONNX Runtime >= 1.16" in messages[0][1] and "1.13.1" in messages[0][1]

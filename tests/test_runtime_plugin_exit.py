@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
+
+from conftest import run_python
 
 SETUP = """
 import threading, time
 import torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import random_case
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
+from onnx_graphs import feeds_for_case, model_for_case
 case = random_case(5, dtype=torch.bfloat16)
 session = runtime_plugin.make_session(model_for_case(case), backend="golden")
 feeds = feeds_for_case(case)
@@ -20,8 +21,7 @@ runtime_plugin.run(session, feeds)
 
 
 def run_script(body: str) -> subprocess.CompletedProcess:
-    script = textwrap.dedent(SETUP) + textwrap.dedent(body)
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    return run_python(textwrap.dedent(SETUP) + textwrap.dedent(body), timeout=120)
 
 
 def test_exit_while_threads_still_call_python_backends() -> None:

@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import random
 
-import onnxruntime as ort
 import pytest
 import torch
+from conftest import ORT_ERRORS
+from onnx_graphs import plugin_model, plugin_model_for
 from per_token_reference import gather_per_token
 
 from pakv_onnx import golden, native_lib, runtime_plugin
 from pakv_onnx.kernels import native
-from pakv_onnx.runtime_plugin.models import one_node_model
 from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim, plan_gather
 
-ORT_ERRORS = (
-    RuntimeError,
-    ort.capi.onnxruntime_pybind11_state.Fail,
-    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-)
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
@@ -72,8 +66,7 @@ def floor_case(seed: int, mode: CacheMode, cumsum: bool, key_dtype: torch.dtype,
 
 
 def run_native_ort(inputs, attributes, sessions: dict) -> dict[str, torch.Tensor]:
-    dtypes = [t.dtype for t in inputs]
-    model = one_node_model(dtypes, **attributes).SerializeToString()
+    model = plugin_model_for(*inputs, **attributes).SerializeToString()
     if model not in sessions:
         sessions[model] = runtime_plugin.make_session(model, backend="native")
     return runtime_plugin.run(sessions[model], dict(zip(INPUT_NAMES, inputs)))
@@ -121,14 +114,14 @@ def test_every_pair_of_key_and_value_dtypes_runs_through_ort() -> None:
     assert len(sessions) == len(pairs)  # one session per pair: each pair has its own kernel
 
 
-@pytest.mark.parametrize("position", ["key_cache", "value_cache"])
+@pytest.mark.parametrize("position", INPUT_NAMES[:2])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.bool])
 def test_a_cache_dtype_outside_the_contract_is_refused_at_session_creation_naming_it(position, dtype) -> None:
-    dtypes = [torch.bfloat16, torch.bfloat16, torch.int32, torch.int32, None]
-    dtypes[0 if position == "key_cache" else 1] = dtype
+    key_dtype, value_dtype = (dtype, torch.bfloat16) if position == INPUT_NAMES[0] else (torch.bfloat16, dtype)
+    model = plugin_model(key_dtype, value_dtype=value_dtype, with_seq_offset=False, strict=False)
     for backend in ("native", "golden"):
         with pytest.raises(ORT_ERRORS, match=position):
-            runtime_plugin.make_session(one_node_model(dtypes), backend=backend)
+            runtime_plugin.make_session(model, backend=backend)
 
 
 # --- pool views in the C core -----------------------------------------------------------------------

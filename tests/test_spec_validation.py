@@ -29,6 +29,14 @@ def norm_inputs(**overrides):
     return inputs, attrs
 
 
+def caches(key_shape: tuple, value_shape: tuple, key_dtype: torch.dtype, value_dtype: torch.dtype | None = None):
+    """Overrides for :func:`norm_inputs`: zero key/value caches (value_dtype defaults to key_dtype's)."""
+    return {
+        "key_cache": torch.zeros(key_shape, dtype=key_dtype),
+        "value_cache": torch.zeros(value_shape, dtype=value_dtype or key_dtype),
+    }
+
+
 def expect(error: type[Exception], pattern: str, **overrides) -> None:
     inputs, attrs = norm_inputs(**overrides)
     with pytest.raises(error, match=pattern):
@@ -61,12 +69,8 @@ def test_wrong_rank(name: str, value: torch.Tensor) -> None:
 
 # --- dtype ----------------------------------------------------------------- #
 def test_cache_dtype_outside_contract() -> None:
-    expect(
-        TypeError,
-        r"key_cache dtype torch.float64 is not in the contract",
-        key_cache=torch.zeros(6, 4, 2, 8, dtype=torch.float64),
-        value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float64),
-    )
+    pattern = r"key_cache dtype torch.float64 is not in the contract"
+    expect(TypeError, pattern, **caches((6, 4, 2, 8), (6, 4, 1, 4), torch.float64))
 
 
 def test_value_cache_dtype_outside_contract() -> None:
@@ -78,9 +82,7 @@ def test_value_cache_dtype_outside_contract() -> None:
     [(torch.float8_e4m3fn, torch.bfloat16), (torch.float8_e5m2, torch.float16), (torch.bfloat16, torch.int8)],
 )
 def test_key_and_value_dtypes_may_differ(key_dtype: torch.dtype, value_dtype: torch.dtype) -> None:
-    inputs, attrs = norm_inputs(
-        key_cache=torch.zeros(6, 4, 2, 8, dtype=key_dtype), value_cache=torch.zeros(6, 4, 1, 4, dtype=value_dtype)
-    )
+    inputs, attrs = norm_inputs(**caches((6, 4, 2, 8), (6, 4, 1, 4), key_dtype, value_dtype))
     plan = plan_gather(**inputs, **attrs)
     assert (plan.key_dtype, plan.value_dtype) == (key_dtype, value_dtype)
     assert not hasattr(plan, "dtype")  # one dtype for both is gone for good
@@ -91,11 +93,7 @@ def test_key_and_value_dtypes_may_differ(key_dtype: torch.dtype, value_dtype: to
 
 def test_pa_nz_e_is_per_cache() -> None:
     """E = 32 bytes / itemsize of that cache: 32 for an int8 key cache, 16 for a bf16 value cache."""
-    inputs, attrs = norm_inputs(
-        cache_mode="PA_NZ",
-        key_cache=torch.zeros(6, 1, 4, 32, dtype=torch.int8),
-        value_cache=torch.zeros(6, 2, 4, 16, dtype=torch.bfloat16),
-    )
+    inputs, attrs = norm_inputs(cache_mode="PA_NZ", **caches((6, 1, 4, 32), (6, 2, 4, 16), torch.int8, torch.bfloat16))
     plan = plan_gather(**inputs, **attrs)
     assert plan.key_out_shape == (8, 32) and plan.value_out_shape == (8, 32)
 
@@ -143,24 +141,14 @@ def test_key_value_geometry_mismatch(value_shape: tuple, pattern: str) -> None:
 
 
 def test_zero_block_size() -> None:
-    expect(
-        ValueError,
-        r"block_size must be >= 1",
-        key_cache=torch.zeros(6, 0, 2, 8, dtype=torch.bfloat16),
-        value_cache=torch.zeros(6, 0, 1, 4, dtype=torch.bfloat16),
-    )
+    expect(ValueError, r"block_size must be >= 1", **caches((6, 0, 2, 8), (6, 0, 1, 4), torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype, good_e", [(torch.bfloat16, 16), (torch.int8, 32), (torch.float32, 8)])
 def test_pa_nz_last_dim(dtype: torch.dtype, good_e: int) -> None:
     bad = good_e * 2
-    expect(
-        ValueError,
-        rf"key_cache: PA_NZ last dim must be 32 bytes / element size = {good_e}.*got {bad}",
-        cache_mode="PA_NZ",
-        key_cache=torch.zeros(6, 2, 4, bad, dtype=dtype),
-        value_cache=torch.zeros(6, 1, 4, good_e, dtype=dtype),
-    )
+    pattern = rf"key_cache: PA_NZ last dim must be 32 bytes / element size = {good_e}.*got {bad}"
+    expect(ValueError, pattern, cache_mode="PA_NZ", **caches((6, 2, 4, bad), (6, 1, 4, good_e), dtype))
 
 
 def test_bad_cache_mode_and_flag() -> None:

@@ -4,25 +4,56 @@
 * :func:`export` — ``torch.onnx.export(..., dynamo=True)`` with the op's translation, the
   ONNX schema registered and the stock-ONNX fallback function attached.
 * :func:`export_legacy` — the TorchScript exporter (``dynamo=False``) path.
-* :func:`gather_node` / :func:`make_gather_model` — hand-built graphs without PyTorch.
+* :func:`gather_node` / :func:`make_gather_model` / :func:`make_gather_model_for` — hand-built
+  graphs without the exporter; :data:`PAKV_OPSET` for onnxscript functions.
 * :func:`register_schema`, :func:`attach_fallback`, :func:`op_dynamic_shapes`.
 
-Importing this package registers the torch op and the ONNX schema (both idempotent).
+Importing this package registers the torch op and the ONNX schema (both idempotent). The
+names that need onnxscript (the exporters, the fallback, the translations) are imported on
+first use, so the torch op and hand-built graphs work where onnxscript is absent.
 """
 
 from __future__ import annotations
 
-from pakv_onnx.export.builder import gather_node, make_gather_model
-from pakv_onnx.export.exporter import DEFAULT_OPSET, export, export_legacy, op_dynamic_shapes
-from pakv_onnx.export.fallback import attach_fallback, has_fallback, make_function
+import importlib
+
+from pakv_onnx.export.builder import DEFAULT_OPSET, gather_node, make_gather_model, make_gather_model_for
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.torch_op import gather_pa_kv_cache
-from pakv_onnx.export.translation import register_legacy_symbolic, translation_table
 
 register_schema()
 
+# name -> submodule that defines it (each of these submodules imports onnxscript).
+_ONNXSCRIPT_NAMES = {
+    "export": "exporter",
+    "export_legacy": "exporter",
+    "op_dynamic_shapes": "exporter",
+    "attach_fallback": "fallback",
+    "has_fallback": "fallback",
+    "make_function": "fallback",
+    "PAKV_OPSET": "translation",
+    "register_legacy_symbolic": "translation",
+    "translation_table": "translation",
+}
+
+
+def __getattr__(name: str) -> object:
+    """The onnxscript-dependent names, imported on first use (PEP 562)."""
+    module = _ONNXSCRIPT_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_ONNXSCRIPT_NAMES})
+
+
 __all__ = [
     "DEFAULT_OPSET",
+    "PAKV_OPSET",
     "attach_fallback",
     "export",
     "export_legacy",
@@ -31,6 +62,7 @@ __all__ = [
     "has_fallback",
     "make_function",
     "make_gather_model",
+    "make_gather_model_for",
     "op_dynamic_shapes",
     "register_legacy_symbolic",
     "register_schema",

@@ -1,40 +1,77 @@
-"""Hand-built graphs: add ``pakv::GatherPaKvCache`` to an ONNX graph without PyTorch.
+"""Hand-built graphs: ``pakv::GatherPaKvCache`` in an ONNX graph without the exporter.
+
+Every node and model here comes from the op's one declaration in :mod:`pakv_onnx.spec` (input
+names in order, which are optional, output names, attribute names and defaults), the way
+onnxruntime-extensions' ``SingleOpGraph`` builds each one-node graph from its op's declaration.
 
 * :func:`gather_node` — one ``NodeProto`` (for ``onnx.helper`` graphs).
-* :func:`make_gather_model` — a whole model whose inputs are the op's inputs.
-* onnxscript users call ``PAKV_OPSET.GatherPaKvCache(...)`` (``_outputs=2``) inside
-  ``@onnxscript.script()`` functions; the schema is registered on import.
+* :func:`make_gather_model` — a model with one node whose graph inputs are the op's inputs,
+  typed from dtypes; :func:`make_gather_model_for` takes the dtypes from example tensors.
+  Options cover what tests need as well: mixed dtypes, an absent ``seq_offset``, symbolic,
+  concrete or no input shapes, the default-domain opset, and ``strict=False`` for graphs the
+  runtime must refuse (dtypes outside the contract, attributes of any type or value, or none).
+* onnxscript users call ``PAKV_OPSET.GatherPaKvCache(...)`` (``_outputs=2``; from
+  :mod:`pakv_onnx.export`) inside ``@onnxscript.script()`` functions.
+
+This module needs onnx and torch only (no onnxscript; the fallback is imported when attached),
+so hand-built graphs work wherever the runtime plugin does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
+import numpy as np
 import onnx
 import torch
 from onnx import helper as h
 
-from pakv_onnx.export.exporter import DEFAULT_OPSET
-from pakv_onnx.export.fallback import attach_fallback
+from pakv_onnx import spec
 from pakv_onnx.export.schema import register_schema
-from pakv_onnx.export.translation import PAKV_OPSET
-from pakv_onnx.spec import (
-    ATTR_CACHE_MODE,
-    ATTR_IS_SEQ_LENS_CUMSUM,
-    DEFAULT_CACHE_MODE,
-    DEFAULT_IS_SEQ_LENS_CUMSUM,
-    DOMAIN,
-    INPUT_NAMES,
-    OP_TYPE,
-    OPSET_VERSION,
-    OPTIONAL_INPUTS,
-    OUTPUT_NAMES,
-    CacheMode,
-    cache_dtype,
-    index_dtype,
-)
+from pakv_onnx.spec import CacheMode
 
-__all__ = ["PAKV_OPSET", "gather_node", "make_gather_model"]
+__all__ = ["DEFAULT_OPSET", "gather_node", "make_gather_model", "make_gather_model_for"]
+
+# torch 2.13's dynamo exporter emits opset 20 by default; the fallback body needs >= 19.
+DEFAULT_OPSET = 20
+
+# Input shapes of a built model: "symbolic" (named dims, below), None (unranked: inputs of any
+# rank reach the node), or {input name: dims} with ints (concrete) or strings (named dims);
+# inputs the mapping leaves out keep their symbolic dims.
+Shapes = Literal["symbolic"] | Mapping[str, Sequence[int | str]] | None
+
+_KEY_CACHE, _VALUE_CACHE, _BLOCK_TABLES, _SEQ_LENS, _SEQ_OFFSET = spec.INPUT_NAMES
+_CACHE_INPUTS = (_KEY_CACHE, _VALUE_CACHE)
+_INT32_INDICES = (torch.int32,) * len(spec.INPUT_NAMES[2:])
+_OP_NAME = f"{spec.DOMAIN}::{spec.OP_TYPE}"
+
+
+def _symbolic_shapes(mode: CacheMode, is_seq_lens_cumsum: bool) -> dict[str, list[str]]:
+    """Named dims of every input: caches share num_blocks, index inputs share num_seqs."""
+    if mode is CacheMode.NORM:
+        key, value = ["num_blocks", "block_size", "Hk", "Dk"], ["num_blocks", "block_size", "Hv", "Dv"]
+    else:
+        # E is per cache (32 bytes / that cache's element size): the two may differ.
+        key, value = ["num_blocks", "Fk", "block_size", "Ek"], ["num_blocks", "Fv", "block_size", "Ev"]
+    return {
+        _KEY_CACHE: key,
+        _VALUE_CACHE: value,
+        _BLOCK_TABLES: ["num_seqs", "table_cols"],
+        _SEQ_LENS: ["num_seqs_plus_1" if is_seq_lens_cumsum else "num_seqs"],
+        _SEQ_OFFSET: ["num_seqs"],
+    }
+
+
+def _checked_attributes(cache_mode: object, is_seq_lens_cumsum: object) -> dict[str, object]:
+    """The node attributes as the contract writes them; ``ValueError`` naming a bad one."""
+    try:
+        mode = CacheMode(cache_mode)
+    except ValueError:
+        raise ValueError(f"{spec.ATTR_CACHE_MODE} must be 'Norm' or 'PA_NZ', got {cache_mode!r}") from None
+    if isinstance(is_seq_lens_cumsum, float) or is_seq_lens_cumsum not in (0, 1):  # True/False are 1/0
+        raise ValueError(f"{spec.ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
+    return {spec.ATTR_CACHE_MODE: mode.value, spec.ATTR_IS_SEQ_LENS_CUMSUM: int(is_seq_lens_cumsum)}
 
 
 def gather_node(
@@ -44,74 +81,159 @@ def gather_node(
     seq_lens: str,
     seq_offset: str | None = None,
     *,
-    outputs: Sequence[str] = OUTPUT_NAMES,
-    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+    outputs: Sequence[str] = spec.OUTPUT_NAMES,
+    cache_mode: str | CacheMode | object = spec.DEFAULT_CACHE_MODE,
+    is_seq_lens_cumsum: bool | object = spec.DEFAULT_IS_SEQ_LENS_CUMSUM,
     name: str | None = None,
+    strict: bool = True,
 ) -> onnx.NodeProto:
-    """A ``pakv::GatherPaKvCache`` node reading the named values (``seq_offset`` optional)."""
-    mode = CacheMode(cache_mode)
-    if len(outputs) != len(OUTPUT_NAMES):
-        raise ValueError(f"outputs must name {len(OUTPUT_NAMES)} values {OUTPUT_NAMES}, got {list(outputs)}")
-    inputs = [key_cache, value_cache, block_tables, seq_lens]
-    if seq_offset:
-        inputs.append(seq_offset)
-    return h.make_node(
-        OP_TYPE,
-        inputs,
-        list(outputs),
-        name=name,
-        domain=DOMAIN,
-        **{ATTR_CACHE_MODE: mode.value, ATTR_IS_SEQ_LENS_CUMSUM: int(bool(is_seq_lens_cumsum))},
-    )
+    """A ``pakv::GatherPaKvCache`` node reading the named values (``seq_offset`` optional).
+
+    With ``strict=False`` the attributes are written as given (any ONNX attribute type or
+    value; ``None`` leaves one out) and a required input may be empty: a node the runtime must
+    refuse, for tests.
+
+    Raises:
+        ValueError: (strict) an empty required input, a bad attribute, or not two outputs.
+    """
+    if len(outputs) != len(spec.OUTPUT_NAMES):
+        raise ValueError(f"outputs must name {len(spec.OUTPUT_NAMES)} values {spec.OUTPUT_NAMES}, got {list(outputs)}")
+    inputs = [key_cache, value_cache, block_tables, seq_lens, seq_offset or ""]
+    if strict:
+        missing = [n for n, v in zip(spec.INPUT_NAMES, inputs) if not v and n not in spec.OPTIONAL_INPUTS]
+        if missing:
+            raise ValueError(f"{_OP_NAME} needs a value for the required input(s) {missing}")
+        attributes = _checked_attributes(cache_mode, is_seq_lens_cumsum)
+    else:
+        attributes = {spec.ATTR_CACHE_MODE: cache_mode, spec.ATTR_IS_SEQ_LENS_CUMSUM: is_seq_lens_cumsum}
+    while inputs and not inputs[-1]:
+        inputs.pop()  # an absent trailing optional input is left out, not named ""
+    node = h.make_node(spec.OP_TYPE, inputs, list(outputs), name=name, domain=spec.DOMAIN)
+    node.attribute.extend(h.make_attribute(k, v) for k, v in attributes.items() if v is not None)
+    return node
+
+
+def _element_type(name: str, dtype: torch.dtype, strict: bool) -> int:
+    """ONNX element type of input ``name``; strict: a contract dtype for that input or ``ValueError``."""
+    lookup = spec.cache_dtype if name in _CACHE_INPUTS else spec.index_dtype
+    try:
+        return lookup(dtype).onnx_type
+    except ValueError as err:
+        if strict:
+            raise ValueError(f"{name}: {err}") from None
+    try:  # outside the contract (a graph the runtime must refuse): onnx's own numpy mapping
+        return h.np_dtype_to_tensor_dtype(np.dtype(str(dtype).removeprefix("torch.")))
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: torch dtype {dtype} has no ONNX element type") from None
+
+
+def _input_shapes(shapes: Shapes, mode: object, is_seq_lens_cumsum: object) -> dict[str, Sequence[int | str] | None]:
+    if shapes is None:
+        return dict.fromkeys(spec.INPUT_NAMES)
+    # A str or CacheMode; anything else (an invalid attribute, strict=False) gets the Norm dims.
+    known_mode = mode in tuple(m.value for m in CacheMode)
+    symbolic = _symbolic_shapes(CacheMode(mode) if known_mode else CacheMode.NORM, bool(is_seq_lens_cumsum))
+    if isinstance(shapes, str):
+        if shapes != "symbolic":
+            raise ValueError(f"shapes must be 'symbolic', None or {{input name: dims}}, got {shapes!r}")
+        return symbolic
+    unknown = set(shapes) - set(spec.INPUT_NAMES)
+    if unknown:
+        raise ValueError(f"shapes names unknown inputs {sorted(unknown)} (inputs: {', '.join(spec.INPUT_NAMES)})")
+    return {**symbolic, **shapes}
 
 
 def make_gather_model(
     dtype: torch.dtype,
     *,
     value_dtype: torch.dtype | None = None,
-    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+    cache_mode: str | CacheMode | object = spec.DEFAULT_CACHE_MODE,
+    is_seq_lens_cumsum: bool | object = spec.DEFAULT_IS_SEQ_LENS_CUMSUM,
     with_seq_offset: bool = True,
-    index_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype] = (torch.int32, torch.int32, torch.int32),
+    index_dtypes: Sequence[torch.dtype] = _INT32_INDICES,
+    shapes: Shapes = "symbolic",
     fallback: bool = True,
     opset_version: int = DEFAULT_OPSET,
+    strict: bool = True,
 ) -> onnx.ModelProto:
-    """A model with one GatherPaKvCache node; every input dim symbolic, outputs typed.
+    """A model with one GatherPaKvCache node; inputs named as in the contract, outputs ``key``, ``value``.
 
-    Inputs are named as in the contract (``key_cache`` ...), outputs ``key`` and ``value``.
-    ``dtype`` is key_cache's element type, ``value_dtype`` value_cache's (default: ``dtype``).
+    Args:
+        dtype: key_cache's element type; ``value_dtype`` value_cache's (default: ``dtype``).
+            Each output has its cache's type.
+        index_dtypes: of (block_tables, seq_lens[, seq_offset]), int32 or int64 each.
+        with_seq_offset: False leaves the optional input out.
+        shapes: the inputs' dims (see :data:`Shapes`); every dim symbolic by default.
+        fallback: attach the stock-ONNX fallback function (needs ``opset_version`` >= 19).
+        opset_version: of the default ONNX domain.
+        strict: False writes dtypes and attributes as given (see :func:`gather_node`), for
+            graphs the runtime (or the fallback) must refuse; the outputs are typed, unshaped.
+
+    Outputs: each cache's element type; shapes from the schema's inference when inputs are
+    shaped (``[T, H, D]`` Norm, ``[T, H*D]`` PA_NZ, T a per-node symbol).
+
+    Raises:
+        ValueError / TypeError: (strict) a dtype outside the contract or a bad attribute, naming it.
     """
-    register_schema()
-    mode = CacheMode(cache_mode)
-    key_elem = cache_dtype(dtype).onnx_type
-    value_elem = cache_dtype(value_dtype if value_dtype is not None else dtype).onnx_type
-    index_names = INPUT_NAMES[2:]  # block_tables, seq_lens, seq_offset
-    index_types = {name: index_dtype(d).onnx_type for name, d in zip(index_names, index_dtypes)}
-    if mode is CacheMode.NORM:
-        key_shape, value_shape = ["num_blocks", "block_size", "Hk", "Dk"], ["num_blocks", "block_size", "Hv", "Dv"]
-    else:
-        key_shape, value_shape = ["num_blocks", "Fk", "block_size", "E"], ["num_blocks", "Fv", "block_size", "E"]
-    seq_lens_dim = "num_seqs_plus_1" if is_seq_lens_cumsum else "num_seqs"
-    key_cache, value_cache, block_tables, seq_lens, seq_offset = INPUT_NAMES
-    shapes = {
-        key_cache: (key_elem, key_shape),
-        value_cache: (value_elem, value_shape),
-        block_tables: (index_types[block_tables], ["num_seqs", "table_cols"]),
-        seq_lens: (index_types[seq_lens], [seq_lens_dim]),
-        seq_offset: (index_types[seq_offset], ["num_seqs"]),
-    }
-    names = [n for n in INPUT_NAMES if with_seq_offset or n not in OPTIONAL_INPUTS]
-    inputs = [h.make_tensor_value_info(n, *shapes[n]) for n in names]
-    node = gather_node(*names, cache_mode=mode, is_seq_lens_cumsum=is_seq_lens_cumsum, name="gather")
-    graph = h.make_graph([node], "gather_pa_kv_cache", inputs, [])
-    model = h.make_model(
-        graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(DOMAIN, OPSET_VERSION)]
+    present = [n for n in spec.INPUT_NAMES if with_seq_offset or n not in spec.OPTIONAL_INPUTS]
+    dtypes = dict(zip(spec.INPUT_NAMES, (dtype, value_dtype if value_dtype is not None else dtype, *index_dtypes)))
+    if not set(present) <= set(dtypes):
+        raise ValueError(f"index_dtypes {tuple(index_dtypes)} gives no dtype for {sorted(set(present) - set(dtypes))}")
+    dims = _input_shapes(shapes, cache_mode, is_seq_lens_cumsum)
+    inputs = [h.make_tensor_value_info(n, _element_type(n, dtypes[n], strict), dims[n]) for n in present]
+    node = gather_node(
+        *present, cache_mode=cache_mode, is_seq_lens_cumsum=is_seq_lens_cumsum, name="gather", strict=strict
     )
-    # Output types from the schema's inference (T becomes a per-node symbol).
-    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    by_name = {v.name: v for v in inferred.graph.value_info}
-    model.graph.output.extend(by_name[o] for o in OUTPUT_NAMES)
+    output_types = [i.type.tensor_type.elem_type for i in inputs[: len(spec.OUTPUT_NAMES)]]  # key <- key_cache
+    outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.OUTPUT_NAMES, output_types)]
+    graph = h.make_graph([node], "gather_pa_kv_cache", inputs, outputs)
+    model = h.make_model(
+        graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)]
+    )
+    if strict:
+        _infer_outputs(model)
     if fallback:
+        from pakv_onnx.export.fallback import attach_fallback  # onnxscript: only when attached
+
         attach_fallback(model)
     return model
+
+
+def _infer_outputs(model: onnx.ModelProto) -> None:
+    """Check the node against the schema and take the outputs' inferred shapes (in place)."""
+    register_schema()
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    by_name = {v.name: v for v in (*inferred.graph.value_info, *inferred.graph.output)}
+    for output in model.graph.output:
+        found = by_name.get(output.name)
+        if found is not None and found.type.tensor_type.HasField("shape"):
+            output.CopyFrom(found)
+
+
+def make_gather_model_for(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_offset: torch.Tensor | None = None,
+    *,
+    shapes: Shapes | Literal["concrete"] = "symbolic",
+    **options: object,
+) -> onnx.ModelProto:
+    """:func:`make_gather_model` for example inputs: their dtypes, ``seq_offset`` present when given.
+
+    ``shapes="concrete"`` declares the examples' own shapes; ``options`` are
+    :func:`make_gather_model`'s (``cache_mode``, ``is_seq_lens_cumsum``, ``fallback``, ...).
+    """
+    examples = dict(zip(spec.INPUT_NAMES, (key_cache, value_cache, block_tables, seq_lens, seq_offset)))
+    if shapes == "concrete":
+        shapes = {name: list(t.shape) for name, t in examples.items() if t is not None}
+    index_dtypes = tuple(t.dtype if t is not None else torch.int32 for t in (block_tables, seq_lens, seq_offset))
+    return make_gather_model(
+        key_cache.dtype,
+        value_dtype=value_cache.dtype,
+        with_seq_offset=seq_offset is not None,
+        index_dtypes=index_dtypes,
+        shapes=shapes,
+        **options,  # type: ignore[arg-type]
+    )

@@ -13,13 +13,11 @@ from typing import Any
 import onnx
 import torch
 
+from pakv_onnx.export.builder import DEFAULT_OPSET
 from pakv_onnx.export.fallback import MIN_OPSET, attach_fallback
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.translation import register_legacy_symbolic, translation_table
 from pakv_onnx.spec import DOMAIN, OPSET_VERSION
-
-# torch 2.13's dynamo exporter emits opset 20 by default; the fallback body needs >= 19.
-DEFAULT_OPSET = 20
 
 
 def _check_opset(opset_version: int, fallback: bool) -> None:

@@ -175,7 +175,14 @@ def _infer(ctx) -> None:
 
 
 def make_schema() -> onnx.defs.OpSchema:
-    """A fresh OpSchema for the contract (not registered)."""
+    """A fresh OpSchema for the contract (not registered).
+
+    onnx 1.16 (the oldest supported) has neither node determinism nor Python inference functions:
+    there the schema still gives the checker the names, types and attributes, and shape inference
+    leaves the outputs as declared.
+    """
+    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)  # onnx >= 1.17
+    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
     schema = onnx.defs.OpSchema(
         OP_TYPE,
         DOMAIN,
@@ -185,9 +192,10 @@ def make_schema() -> onnx.defs.OpSchema:
         outputs=[onnx.defs.OpSchema.FormalParameter(name, _OUTPUT_T[name]) for name in OUTPUT_NAMES],
         type_constraints=_type_constraints(),
         attributes=_attributes(),
-        node_determinism=onnx.defs.OpSchema.NodeDeterminism.Deterministic,
+        **extra,
     )
-    schema.set_type_and_shape_inference_function(_infer)
+    if hasattr(schema, "set_type_and_shape_inference_function"):  # onnx >= 1.17
+        schema.set_type_and_shape_inference_function(_infer)
     return schema
 
 

@@ -1,0 +1,71 @@
+"""One-node test models for the runtime plugin, all from the one builder
+(:func:`pakv_onnx.export.make_gather_model`), with the options the plugin's tests share.
+
+* :func:`plugin_model` / :func:`plugin_model_for` — from dtypes / from example tensors.
+* :func:`model_for_case` / :func:`feeds_for_case` — a :class:`~pakv_onnx.cases.GatherCase`'s
+  model and its inputs keyed by the model's input names.
+* :func:`parallel_copies` — independent copies of a model's node in one graph (ORT_PARALLEL).
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from pakv_onnx.cases import GatherCase
+from pakv_onnx.export import make_gather_model, make_gather_model_for
+from pakv_onnx.spec import INPUT_NAMES
+
+# Unranked inputs: an input of any rank reaches the node, so the plugin's own checks answer
+# (not ORT's shape check). No fallback function: nothing but the plugin can run the node.
+PLUGIN_OPTIONS: dict[str, object] = {"shapes": None, "fallback": False}
+
+
+def plugin_model(dtype: torch.dtype, **options: object) -> onnx.ModelProto:
+    """:func:`make_gather_model` (``dtype`` = key_cache's) with :data:`PLUGIN_OPTIONS` under ``options``."""
+    return make_gather_model(dtype, **{**PLUGIN_OPTIONS, **options})  # type: ignore[arg-type]
+
+
+def plugin_model_for(*inputs: torch.Tensor | None, **options: object) -> onnx.ModelProto:
+    """:func:`make_gather_model_for` (example inputs' dtypes) with :data:`PLUGIN_OPTIONS` under ``options``."""
+    return make_gather_model_for(*inputs, **{**PLUGIN_OPTIONS, **options})  # type: ignore[arg-type]
+
+
+def model_for_case(case: GatherCase, num_nodes: int = 1) -> onnx.ModelProto:
+    """``case``'s dtypes and attributes; with ``num_nodes`` > 1, see :func:`parallel_copies`."""
+    model = plugin_model_for(*case.inputs(), **case.attributes())
+    return parallel_copies(model, num_nodes) if num_nodes > 1 else model
+
+
+def feeds_for_case(case: GatherCase, suffix: str = "") -> dict[str, torch.Tensor]:
+    """The case's inputs keyed by the model's input names (absent optional inputs left out)."""
+    return {name + suffix: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
+
+
+def parallel_copies(model: onnx.ModelProto, count: int) -> onnx.ModelProto:
+    """``count`` independent copies of ``model``'s graph in one model (branches for ORT_PARALLEL).
+
+    Copy ``i`` reads ``<input>_<i>`` and writes ``<output>_<i>``; an empty (absent) input stays empty.
+    """
+    merged = onnx.ModelProto()
+    merged.CopyFrom(model)
+    graph = merged.graph
+    for field in (graph.node, graph.input, graph.output, graph.value_info):
+        del field[:]
+    for i in range(count):
+
+        def renamed(name: str, i: int = i) -> str:
+            return f"{name}_{i}" if name else name
+
+        for node in model.graph.node:
+            copy = graph.node.add()
+            copy.CopyFrom(node)
+            copy.name = renamed(node.name)
+            copy.input[:] = [renamed(n) for n in node.input]
+            copy.output[:] = [renamed(n) for n in node.output]
+        for source, target in ((model.graph.input, graph.input), (model.graph.output, graph.output)):
+            for value in source:
+                copy = target.add()
+                copy.CopyFrom(value)
+                copy.name = renamed(value.name)
+    return merged

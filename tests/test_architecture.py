@@ -1,0 +1,205 @@
+"""No import reaches upward or sideways across the package's layers (docs/architecture.md).
+
+The layer order is written once, in the ```layers block of docs/architecture.md; this test reads
+it, parses every module of ``pakv_onnx`` with ``ast`` (module-level and lazy imports,
+``importlib.import_module("pakv_onnx...")`` calls included) and fails on an import of a unit that
+is not strictly below the importer's layer. The checker itself is tested on synthetic modules and
+on a copy of the package with an upward import added.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = "pakv_onnx"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def read_layers(doc: str) -> dict[str, int]:
+    """``{unit: rank}`` from the doc's ```layers block (lines ``rank | units | description``)."""
+    match = re.search(r"^```layers\n(.*?)^```", doc, re.S | re.M)
+    assert match, "docs/architecture.md has no ```layers block"
+    layers: dict[str, int] = {}
+    for line in match.group(1).splitlines():
+        if not line.strip():
+            continue
+        rank, units, _what = (part.strip() for part in line.split("|", 2))
+        for unit in units.split():
+            assert unit not in layers, f"{unit} is in two layers"
+            layers[unit] = int(rank)
+    return layers
+
+
+def package_modules(package_dir: Path) -> dict[str, Path]:
+    """Every module of the package under ``package_dir``: dotted name -> file."""
+    modules = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        parts = list(path.relative_to(package_dir.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+@dataclasses.dataclass(frozen=True)
+class Import:
+    line: int
+    target: str  # dotted module inside the package
+
+
+def _resolve_from(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    """The absolute module of ``from <node.module> import ...`` (relative levels resolved)."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports_of(module: str, source: str, known: set[str], is_package: bool = False) -> list[Import]:
+    """The package modules ``source`` imports, anywhere in the file.
+
+    ``from pakv_onnx.x import y`` imports ``pakv_onnx.x.y`` when that is a module (``known``),
+    else ``pakv_onnx.x``; ``importlib.import_module("pakv_onnx...")`` with a literal name counts.
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_from(module, is_package, node)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                targets = [node.args[0].value]
+        found += [Import(node.lineno, t) for t in targets if t == PACKAGE or t.startswith(PACKAGE + ".")]
+    return found
+
+
+def unit_of(module: str, layers: dict[str, int]) -> str | None:
+    """The layer unit of a package module: the longest dotted prefix (below ``pakv_onnx``) in ``layers``."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in layers:
+            return ".".join(parts[:n])
+    return PACKAGE if not parts and PACKAGE in layers else None
+
+
+def violations(module: str, found: list[Import], layers: dict[str, int]) -> list[str]:
+    """One line per import of a unit that is not strictly below ``module``'s layer (its own unit is fine)."""
+    unit = unit_of(module, layers)
+    assert unit is not None, f"{module} is in no layer of docs/architecture.md"
+    bad = []
+    for imp in found:
+        target = unit_of(imp.target, layers)
+        assert target is not None, f"{module}:{imp.line} imports {imp.target}, which is in no layer"
+        if target != unit and layers[target] >= layers[unit]:
+            where = "above" if layers[target] > layers[unit] else "beside"
+            bad.append(
+                f"{module}:{imp.line} imports {imp.target} ({target}, layer {layers[target]}) "
+                f"{where} {unit} (layer {layers[unit]})"
+            )
+    return bad
+
+
+def check_tree(package_dir: Path, layers: dict[str, int]) -> list[str]:
+    modules = package_modules(package_dir)
+    known = set(modules)
+    bad = []
+    for module, path in modules.items():
+        found = imports_of(module, path.read_text(), known, is_package=path.name == "__init__.py")
+        bad += violations(module, found, layers)
+    return bad
+
+
+LAYERS = read_layers(DOC.read_text())
+
+
+# --------------------------------------------------------------------------- #
+# The tree
+# --------------------------------------------------------------------------- #
+def test_every_module_has_a_layer() -> None:
+    homeless = [m for m in package_modules(ROOT / PACKAGE) if unit_of(m, LAYERS) is None]
+    assert homeless == [], f"place these in the layers table of docs/architecture.md: {homeless}"
+
+
+def test_no_import_reaches_upward_or_sideways() -> None:
+    bad = check_tree(ROOT / PACKAGE, LAYERS)
+    assert bad == [], "\n".join(bad)
+
+
+# --------------------------------------------------------------------------- #
+# The checker can fail
+# --------------------------------------------------------------------------- #
+KNOWN = {
+    "pakv_onnx",
+    "pakv_onnx.spec",
+    "pakv_onnx.golden",
+    "pakv_onnx.native_lib",
+    "pakv_onnx.kernels",
+    "pakv_onnx.kernels.native",
+    "pakv_onnx.export",
+    "pakv_onnx.export.builder",
+    "pakv_onnx.runtime_plugin",
+    "pakv_onnx.models",
+}
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("pakv_onnx.spec", "def f():\n    from pakv_onnx.kernels import Backend\n", "above spec"),
+        ("pakv_onnx.golden", "import pakv_onnx.models.gqa\n", "above golden"),
+        ("pakv_onnx.kernels.native", "from pakv_onnx import runtime_plugin\n", "above kernels"),
+        ("pakv_onnx.export.builder", "from pakv_onnx.runtime_plugin import _tensors\n", "beside export"),
+        ("pakv_onnx.runtime_plugin", "from ..export import builder\n", "beside runtime_plugin"),
+        ("pakv_onnx.kernels", "import importlib\nimportlib.import_module('pakv_onnx.export')\n", "above kernels"),
+        ("pakv_onnx.spec", "from pakv_onnx import gather_pa_kv_cache\n", "above spec"),
+    ],
+)
+def test_the_checker_catches_upward_and_sideways_imports(module: str, source: str, expected: str) -> None:
+    is_package = module in ("pakv_onnx.runtime_plugin",)
+    bad = violations(module, imports_of(module, source, KNOWN, is_package), LAYERS)
+    assert len(bad) == 1 and expected in bad[0], bad
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("pakv_onnx.kernels.native", "from pakv_onnx.spec import GatherPlan\nfrom pakv_onnx import native_lib\n"),
+        ("pakv_onnx.kernels.native", "from pakv_onnx.kernels import Backend\n"),  # its own unit
+        ("pakv_onnx.models", "from pakv_onnx.export import export\nimport torch\n"),
+        ("pakv_onnx.export.builder", "from . import schema\n"),
+    ],
+)
+def test_the_checker_allows_downward_and_own_unit_imports(module: str, source: str) -> None:
+    is_package = module == "pakv_onnx.models"
+    assert violations(module, imports_of(module, source, KNOWN, is_package), LAYERS) == []
+
+
+def test_an_upward_import_added_to_a_copy_of_the_package_is_caught(tmp_path: Path) -> None:
+    copy = tmp_path / PACKAGE
+    shutil.copytree(ROOT / PACKAGE, copy, ignore=shutil.ignore_patterns("*.so", "*.c", "*.h", "__pycache__", "data"))
+    assert check_tree(copy, LAYERS) == []  # the copy is as clean as the tree
+    spec = copy / "spec.py"
+    spec.write_text(spec.read_text() + "\n\ndef _sneaky():\n    from pakv_onnx.runtime_plugin import make_session\n")
+    (bad,) = check_tree(copy, LAYERS)
+    assert bad.startswith("pakv_onnx.spec:") and "runtime_plugin" in bad and "above spec" in bad
+    (copy / "newthing.py").write_text("X = 1\n")
+    assert "pakv_onnx.newthing is in no layer" in _assertion_text(lambda: check_tree(copy, LAYERS))
+
+
+def _assertion_text(call) -> str:
+    with pytest.raises(AssertionError) as info:
+        call()
+    return str(info.value)
