@@ -110,6 +110,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     is_seq_lens_cumsum: int = 1,
 ):
     """Stock-ONNX body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."""
+    # Every node costs ORT about half a microsecond whatever its size, so the body is written for
+    # few nodes: checks share one compare, index values are kept [T, 1] (no Unsqueeze per use).
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     minus_one = op.Constant(value_ints=[-1])
@@ -128,10 +130,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
 
     # Cache geometry, [1]-shaped dims (Split by 1s fails on any rank but 4):
     # Norm [nb, bs, H, D], PA_NZ [nb, F, bs, E].
-    key_shape = op.Shape(key_cache)
-    value_shape = op.Shape(value_cache)
-    num_blocks, key_d1, key_d2, key_d3 = op.Split(key_shape, op.Constant(value_ints=[1, 1, 1, 1]))
-    value_blocks, value_d1, value_d2, value_d3 = op.Split(value_shape, op.Constant(value_ints=[1, 1, 1, 1]))
+    num_blocks, key_d1, key_d2, key_d3 = op.Split(op.Shape(key_cache), op.Constant(value_ints=[1, 1, 1, 1]))
+    value_blocks, value_d1, value_d2, value_d3 = op.Split(op.Shape(value_cache), op.Constant(value_ints=[1, 1, 1, 1]))
     if is_nz:
         key_block_size = op.Identity(key_d2)
         value_block_size = op.Identity(value_d2)
@@ -170,71 +170,65 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     offset_remainder = op.Mod(offsets, block_size)  # in [0, bs): <= seq_offset iff seq_offset >= 0
     first_column_token = op.Sub(offsets, offset_remainder)
     row_tokens = op.Mul(cols, block_size)
-    # The row holds the sequence from its first column: first + end <= row + start (as spec:
-    # ceil(length / bs) <= cols - first column; an empty sequence's first column must exist or be the end).
-    fit_low = op.Add(first_column_token, ends)
-    fit_high = op.Add(row_tokens, starts)
+    # Token t of sequence q sits at position t + base[q] of the table flattened into token
+    # slots, base[q] = q*row_tokens + local_base[q].
+    local_base = op.Sub(first_column_token, starts)
+    # room[q] = row_tokens - local_base[q]: the row holds the sequence from its first column iff
+    # ends <= room (first + end <= row + start, as spec: ceil(length / bs) <= cols - first column;
+    # an empty sequence's first column must exist or be the end).
+    room = op.Sub(row_tokens, local_base)
 
     low = op.Concat(
-        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, fit_low,
+        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, ends,
         axis=0,
     )
     high = op.Concat(
-        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, fit_high,
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, room,
         axis=0,
     )
-    # "1" where the pair holds; "" fails to parse. The max of the ones is the 1 that sizes the array below.
-    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), op.Constant(value_string="1"), failed), to=7)
-
-    # Token t of sequence q sits at position t + base[q] of the table flattened into token
-    # slots, base[q] = q*cols*bs + first_column_token[q] - starts[q]. A scatter-add of base's
-    # steps at the output starts over ones (which add t + 1), then one cumsum, gives every position.
-    local_base = op.Sub(first_column_token, starts)
-    previous = op.Concat(op.Add(row_tokens, one), op.Slice(local_base, zero, minus_one), axis=0)
-    step = op.Add(op.Sub(local_base, previous), row_tokens)  # step[0] = base[0] - 1
-    # The array's size (T + 1) waits for the check, so ORT runs the check before anything a
-    # broken input could make fail with a less clear message.
-    one_after_check = op.ReduceMax(check_inputs, keepdims=1)
-    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one_after_check)), starts, step, axis=0, reduction="add")
-    position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
+    # The array below has T + 1 entries when every pair holds and -1 (which Expand rejects) when
+    # one fails, so the check runs before anything a broken input could make fail less clearly.
+    size = op.ReduceMin(op.Where(op.LessOrEqual(low, high), op.Add(num_tokens, one), minus_one), keepdims=1)
+    check_inputs = op.Expand(one, size)
+    # A scatter-add of base's steps at the output starts over ones (which add t + 1), then one
+    # cumsum, gives every position: step[0] = base[0] - 1, step[q] = base[q] - base[q-1]
+    # = local_base[q] + room[q-1].
+    step = op.Add(local_base, op.Concat(minus_one, op.Slice(room, zero, minus_one), axis=0))
+    marks = op.ScatterElements(check_inputs, starts, step, axis=0, reduction="add")
+    position = op.Unsqueeze(op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens), one)  # [T, 1]
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
     # of at least 2**62, which they reject with the rest of the out-of-range ids.
     tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Constant(value_ints=[9223372036854775807]))
-    block = op.Gather(tables, op.Div(position, block_size))
+    block = op.Gather(tables, op.Div(position, block_size))  # [T, 1]
 
     if is_nz:
-        # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row (block*F + f)*bs + slot.
-        # Out-of-range ids become num_blocks first, so the row arithmetic cannot wrap into range.
-        block = op.Min(block, num_blocks)
-        key_source = op.Reshape(key_cache, op.Concat(minus_one, key_d3, axis=0))
-        key_index = op.Unsqueeze(
-            op.Add(
-                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, key_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(key_d1), op.Squeeze(one))), block_size),
-                op.Unsqueeze(slot, one),
-            ),
-            op.Constant(value_ints=[2]),
-        )  # [T, F, 1]
-        value_source = op.Reshape(value_cache, op.Concat(minus_one, value_d3, axis=0))
-        value_index = op.Unsqueeze(
-            op.Add(
-                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, value_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(value_d1), op.Squeeze(one))), block_size),
-                op.Unsqueeze(slot, one),
-            ),
-            op.Constant(value_ints=[2]),
-        )
+        # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row
+        # block*F*bs + slot + f*bs. Out-of-range ids become num_blocks first, so the row
+        # arithmetic cannot wrap into range.
+        block_nz = op.Min(block, num_blocks)
+        bs_scalar = op.Squeeze(block_size)
+        key_stride = op.Mul(key_d1, block_size)
+        key_fractals = op.Range(op.Squeeze(zero), op.Squeeze(key_stride), bs_scalar)
+        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_nz, key_stride), slot), key_fractals), op.Constant(value_ints=[2]))
+        value_stride = op.Mul(value_d1, block_size)
+        value_fractals = op.Range(op.Squeeze(zero), op.Squeeze(value_stride), bs_scalar)
+        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_nz, value_stride), slot), value_fractals), op.Constant(value_ints=[2]))
+        key_source = op.Flatten(key_cache, axis=3)  # [nb*F*bs, E]; index [T, F, 1]
+        value_source = op.Flatten(value_cache, axis=3)
     else:
         # [nb, bs, H, D]: one (block, slot) index per token reads its [H, D] row.
         key_source = op.Identity(key_cache)
         value_source = op.Identity(value_cache)
-        key_index = op.Concat(op.Unsqueeze(block, one), op.Unsqueeze(slot, one), axis=1)  # [T, 2]
+        key_index = op.Concat(block, slot, axis=1)  # [T, 2]
         value_index = op.Identity(key_index)
-    # Outside the If, so ORT's error names this node: GatherND rejects the out-of-range ids.
+    # Outside the If, so ORT's error names this node (ORT renames nodes of a folded If):
+    # GatherND rejects the out-of-range ids.
     key_rows_read = op.GatherND(key_source, key_index)
     value_rows_read = op.GatherND(value_source, value_index)
     if is_nz:
-        key = op.Reshape(key_rows_read, op.Concat(num_tokens, op.Mul(key_d1, key_d3), axis=0), allowzero=1)
-        value = op.Reshape(value_rows_read, op.Concat(num_tokens, op.Mul(value_d1, value_d3), axis=0), allowzero=1)
+        key = op.Flatten(key_rows_read, axis=1)  # [T, F, E] -> [T, F*E]
+        value = op.Flatten(value_rows_read, axis=1)
     else:
         key = op.Identity(key_rows_read)
         value = op.Identity(value_rows_read)
