@@ -115,7 +115,6 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     minus_one = op.Constant(value_ints=[-1])
-    to_end = op.Constant(value_ints=[9223372036854775807])
     passed = op.Constant(value_string="0")
     failed = op.Constant(value_string="")
 
@@ -148,23 +147,27 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
     offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
     # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
-    # than one compare per rule). Each branch gives the same number of pieces.
+    # than one compare per rule). Each branch gives the same pieces; the vectors are
+    #   low  = [geometry, low_a,  low_b, low_c,          offset_remainder]
+    #   high = [geometry, high_a, high_b, high_c, room, offsets]
+    # where low_c lines up with [high_c, room] (room: see the row-fit check below).
     if is_cumsum:
         starts = op.Identity(counted_lens)
         num_tokens = op.Identity(last_len)
-        ends = op.Slice(lens, one, to_end)
-        first = op.Slice(lens, zero, one)
-        # seq_lens[0] == 0 and non-decreasing (compared, not subtracted: no wrap-around).
-        low_a, low_b, low_c = op.Identity(first), op.Identity(zero), op.Identity(starts)
-        high_a, high_b, high_c = op.Identity(zero), op.Identity(first), op.Identity(ends)
+        # Pieces of seq_lens itself, shifted by one (no Slice nodes), compared, not subtracted
+        # (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and non-decreasing;
+        # lens <= [0, room] is seq_lens[0] <= 0 and the row fit of each end seq_lens[q+1].
+        low_a, low_b, low_c = op.Identity(zero), op.Identity(lens), op.Identity(lens)
+        high_a, high_b, high_c = op.Identity(lens), op.Identity(last_len), op.Identity(zero)
     else:
         ends = op.CumSum(counted_lens, op.Constant(value_int=0))
         starts = op.Sub(ends, counted_lens)
         num_tokens = op.ReduceSum(counted_lens, keepdims=1)
         # Lengths non-negative; partial sums of non-negative lengths turn negative at the first
-        # int64 overflow, so the ends must be non-negative too.
-        low_a, low_b, low_c = op.Identity(zero), op.Mul(counted_lens, zero), op.Mul(ends, zero)
-        high_a, high_b, high_c = op.Identity(zero), op.Identity(counted_lens), op.Identity(ends)
+        # int64 overflow, so the ends must be non-negative too; ends <= room is the row fit.
+        low_a = op.Mul(counted_lens, zero)
+        low_b, low_c = op.Identity(low_a), op.Identity(ends)
+        high_a, high_b, high_c = op.Identity(counted_lens), op.Identity(ends), op.Constant(value_ints=[])
 
     # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
     offset_remainder = op.Mod(offsets, block_size)  # in [0, bs): <= seq_offset iff seq_offset >= 0
@@ -174,16 +177,16 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     # slots, base[q] = q*row_tokens + local_base[q].
     local_base = op.Sub(first_column_token, starts)
     # room[q] = row_tokens - local_base[q]: the row holds the sequence from its first column iff
-    # ends <= room (first + end <= row + start, as spec: ceil(length / bs) <= cols - first column;
-    # an empty sequence's first column must exist or be the end).
+    # its end <= room[q] (first + end <= row + start, as spec: ceil(length / bs) <= cols - first
+    # column; an empty sequence's first column must exist or be the end).
     room = op.Sub(row_tokens, local_base)
 
     low = op.Concat(
-        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, ends,
+        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder,
         axis=0,
     )
     high = op.Concat(
-        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, room,
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, room, offsets,
         axis=0,
     )
     # The array below has T + 1 entries when every pair holds and -1 (which Expand rejects) when
