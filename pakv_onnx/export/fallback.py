@@ -153,6 +153,7 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     # where low_c lines up with [high_c, room] (room: see the row-fit check below).
     if is_cumsum:
         starts = op.Identity(counted_lens)
+        ends = op.Slice(lens, one, op.Constant(value_ints=[9223372036854775807]))
         num_tokens = op.Identity(last_len)
         # Pieces of seq_lens itself, shifted by one (no Slice nodes), compared, not subtracted
         # (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and non-decreasing;
@@ -189,15 +190,22 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
         value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, room, offsets,
         axis=0,
     )
-    # The array below has T + 1 entries when every pair holds and -1 (which Expand rejects) when
-    # one fails, so the check runs before anything a broken input could make fail less clearly.
-    size = op.ReduceMin(op.Where(op.LessOrEqual(low, high), op.Add(num_tokens, one), minus_one), keepdims=1)
+    # The array below has T ones when every pair holds and -1 entries (which Expand rejects)
+    # when one fails, so the check runs before anything a broken input could make fail less clearly.
+    size = op.ReduceMin(op.Where(op.LessOrEqual(low, high), num_tokens, minus_one), keepdims=1)
     check_inputs = op.Expand(one, size)
-    # A scatter-add of base's steps at the output starts over ones (which add t + 1), then one
-    # cumsum, gives every position: step[0] = base[0] - 1, step[q] = base[q] - base[q-1]
-    # = local_base[q] + room[q-1].
-    step = op.Add(local_base, op.Concat(minus_one, op.Slice(room, zero, minus_one), axis=0))
-    marks = op.ScatterElements(check_inputs, starts, step, axis=0, reduction="add")
+    # Every position from one cumsum over [0, 1, ..., 1] (T + 1 entries: which adds t at
+    # output row t) with local_base[q] added at each sequence's start and room[q] at its end:
+    # row t of sequence q sums to t + local_base[q] + sum over q' < q of
+    # (local_base[q'] + room[q']) = t + local_base[q] + q*row_tokens = t + base[q].
+    # (O(T + Q), no per-token search; an end at T lands on the extra last entry.)
+    marks = op.ScatterElements(
+        op.ScatterElements(op.Concat(zero, check_inputs, axis=0), starts, local_base, axis=0, reduction="add"),
+        ends,
+        room,
+        axis=0,
+        reduction="add",
+    )
     position = op.Unsqueeze(op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens), one)  # [T, 1]
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
@@ -209,14 +217,12 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
         # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row
         # block*F*bs + slot + f*bs. Out-of-range ids become num_blocks first, so the row
         # arithmetic cannot wrap into range.
-        block_nz = op.Min(block, num_blocks)
-        bs_scalar = op.Squeeze(block_size)
-        key_stride = op.Mul(key_d1, block_size)
-        key_fractals = op.Range(op.Squeeze(zero), op.Squeeze(key_stride), bs_scalar)
-        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_nz, key_stride), slot), key_fractals), op.Constant(value_ints=[2]))
-        value_stride = op.Mul(value_d1, block_size)
-        value_fractals = op.Range(op.Squeeze(zero), op.Squeeze(value_stride), bs_scalar)
-        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_nz, value_stride), slot), value_fractals), op.Constant(value_ints=[2]))
+        block_rows = op.Mul(op.Min(block, num_blocks), block_size)  # block*bs, [T, 1]
+        # f*bs for f < F: an exclusive cumsum of F copies of bs (no scalar Range inputs).
+        key_fractals = op.CumSum(op.Expand(block_size, key_d1), op.Constant(value_int=0), exclusive=1)  # [F]
+        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, key_d1), slot), key_fractals), op.Constant(value_ints=[2]))
+        value_fractals = op.CumSum(op.Expand(block_size, value_d1), op.Constant(value_int=0), exclusive=1)
+        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, value_d1), slot), value_fractals), op.Constant(value_ints=[2]))
         key_source = op.Flatten(key_cache, axis=3)  # [nb*F*bs, E]; index [T, F, 1]
         value_source = op.Flatten(value_cache, axis=3)
     else:
