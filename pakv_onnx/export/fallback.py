@@ -69,8 +69,10 @@ _PAKV = Opset(DOMAIN, OPSET_VERSION)
 _NORM, _PA_NZ = CacheMode.NORM.value, CacheMode.PA_NZ.value
 
 # Check nodes: Python variable of the check (its output name) -> the rule, which becomes the
-# node's name and so appears in ORT's error. A check is Cast(Where(ok, "0", ""), to=INT64):
-# the empty string fails to parse wherever ``ok`` is false.
+# node's name and so appears in ORT's error. The attribute checks are Cast(Where(ok, "0", ""),
+# to=INT64) (the empty string fails to parse wherever ``ok`` is false); the rank and count checks
+# are the Splits / Concat that fail on a wrong size; the value checks share one Expand whose size
+# is -1 when any of them fails; the block-id checks are the gathers, which reject the ids.
 CHECKS: dict[str, str] = {
     "check_cache_mode": f"{ATTR_CACHE_MODE} must be '{_NORM}' or '{_PA_NZ}'",
     "check_cumsum_flag": f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0 or 1",
@@ -119,8 +121,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     is_seq_lens_cumsum: int = 1,
 ):
     """Stock-ONNX body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."""
-    # Every node costs ORT about half a microsecond whatever its size, so the body is written for
-    # few nodes: checks share one compare, index values are kept [T, 1] (no Unsqueeze per use).
+    # Every node costs ORT 0.25-0.75 us whatever its size, so the body is written for few nodes
+    # (see the module doc): checks share one compare, index values are kept [T, 1].
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     minus_one = op.Constant(value_ints=[-1])
@@ -157,16 +159,17 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
     # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
     # than one compare per rule). Each branch gives the same pieces; the vectors are
-    #   low  = [geometry, low_a,  low_b, low_c,          offset_remainder]
+    #   low  = [geometry, low_a,  low_b,  low_c,          offset_remainder]
     #   high = [geometry, high_a, high_b, high_c, room, offsets]
-    # where low_c lines up with [high_c, room] (room: see the row-fit check below).
+    # where [low_a, low_b] lines up with [high_a, high_b] and low_c with [high_c, room] (room:
+    # see the row-fit check below), entry by entry.
     if is_cumsum:
         starts = op.Identity(counted_lens)
         ends = op.Slice(lens, one, op.Constant(value_ints=[9223372036854775807]))
         num_tokens = op.Identity(last_len)
-        # Pieces of seq_lens itself, shifted by one (no Slice nodes), compared, not subtracted
-        # (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and non-decreasing;
-        # lens <= [0, room] is seq_lens[0] <= 0 and the row fit of each end seq_lens[q+1].
+        # Pieces of seq_lens itself shifted by one (no node to cut out the first entry), compared,
+        # not subtracted (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and
+        # non-decreasing; lens <= [0, room] is seq_lens[0] <= 0 and the row fit of each end.
         low_a, low_b, low_c = op.Identity(zero), op.Identity(lens), op.Identity(lens)
         high_a, high_b, high_c = op.Identity(lens), op.Identity(last_len), op.Identity(zero)
     else:
