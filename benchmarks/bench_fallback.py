@@ -35,7 +35,16 @@ from onnx import helper
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase, seed_case
-from pakv_onnx.spec import DOMAIN, INPUT_NAMES, OP_TYPE, OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim, plan_gather
+from pakv_onnx.spec import (
+    DOMAIN,
+    INPUT_NAMES,
+    OP_TYPE,
+    OUTPUT_NAMES,
+    CacheMode,
+    bitwise_equal,
+    nz_last_dim,
+    plan_gather,
+)
 
 
 def interleaved_medians_us(fns: dict, repeats: int, warmup: int = 20) -> dict:
@@ -128,10 +137,11 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
     # Default session options on every side (the plugin's adds only the custom-op library).
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    cpu = ["CPUExecutionProvider"]
     sessions = {
-        "fallback": ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]),
+        "fallback": ort.InferenceSession(model.SerializeToString(), options, providers=cpu),
         "plugin": runtime_plugin.make_session(model, backend="native"),
-        "floor": ort.InferenceSession(floor_model(model, case).SerializeToString(), options, providers=["CPUExecutionProvider"]),
+        "floor": ort.InferenceSession(floor_model(model, case).SerializeToString(), options, providers=cpu),
     }
     runs = {}
     for name, session in sessions.items():
@@ -150,7 +160,10 @@ def main() -> None:
     parser.add_argument("--num-blocks", default="64,256,512")
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
-    print("| case | layout | num_blocks | T | fallback us | plugin (native) us | fallback / plugin | floor us | floor / plugin |")
+    print(
+        "| case | layout | num_blocks | T | fallback us | plugin (native) us | fallback / plugin "
+        "| floor us | floor / plugin |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for case_id in [c for c in args.cases.split(",") if c]:
         for num_blocks in [int(n) for n in args.num_blocks.split(",") if n]:

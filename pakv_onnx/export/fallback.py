@@ -199,7 +199,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
         axis=0,
     )
     high = op.Concat(
-        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, room, offsets,
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size,
+        high_a, high_b, high_c, room, offsets,
         axis=0,
     )
     # The array below has T ones when every pair holds and -1 entries (which Expand rejects)
@@ -222,7 +223,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
     # of at least 2**62, which they reject with the rest of the out-of-range ids.
-    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Constant(value_ints=[9223372036854775807]))
+    sign_off = op.Constant(value_ints=[9223372036854775807])
+    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), sign_off)
     block = op.Gather(tables, op.Div(position, block_size))  # [T, 1]
 
     if is_nz:
@@ -232,9 +234,10 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
         block_rows = op.Mul(op.Min(block, num_blocks), block_size)  # block*bs, [T, 1]
         # f*bs for f < F: an exclusive cumsum of F copies of bs (no scalar Range inputs).
         key_fractals = op.CumSum(op.Expand(block_size, key_d1), op.Constant(value_int=0), exclusive=1)  # [F]
-        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, key_d1), slot), key_fractals), op.Constant(value_ints=[2]))
+        last_axis = op.Constant(value_ints=[2])
+        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, key_d1), slot), key_fractals), last_axis)
         value_fractals = op.CumSum(op.Expand(block_size, value_d1), op.Constant(value_int=0), exclusive=1)
-        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, value_d1), slot), value_fractals), op.Constant(value_ints=[2]))
+        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, value_d1), slot), value_fractals), last_axis)
         key_source = op.Flatten(key_cache, axis=3)  # [nb*F*bs, E]; index [T, F, 1]
         value_source = op.Flatten(value_cache, axis=3)
     else:
