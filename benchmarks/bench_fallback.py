@@ -7,6 +7,11 @@ through an IOBinding built once, outputs bound to reused buffers, timed in turn 
 (so machine noise hits them alike); the table gives medians and the fallback / plugin ratio
 measured in the same run. The plugin is another component: this file only times it.
 
+A third session gives the floor of any stock-ONNX body: the same model whose function only
+runs the final gathers with the case's (block, slot) indices baked in as constants (Norm: two
+GatherND; PA_NZ: Flatten, GatherND, Flatten per cache), so it costs ORT's per-run overhead plus
+the row copies and nothing to find the rows. Every session's output is checked bit-exact first.
+
 Shapes: the seed sweep's cases (``pakv_onnx/data/seed_sweep.json``: token shapes, Q, T, block
 table width) with ``num_blocks`` cut to ``--num-blocks`` (default 64,256,512) so the caches stay
 small on a shared machine. Both layouts of the same geometry: Norm as in the seed, PA_NZ the
@@ -20,14 +25,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import onnx
 import onnxruntime as ort
 import torch
 from _timing import interleaved_medians_us
+from onnx import helper
 
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase, seed_case
-from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
+from pakv_onnx.spec import (
+    DOMAIN,
+    INPUT_NAMES,
+    OP_TYPE,
+    OUTPUT_NAMES,
+    CacheMode,
+    bitwise_equal,
+    nz_last_dim,
+    plan_gather,
+)
 
 
 def seed_shaped(case_id: str, num_blocks: int) -> GatherCase:
@@ -54,16 +70,57 @@ def as_pa_nz(case: GatherCase) -> GatherCase:
     )
 
 
+def floor_function(case: GatherCase, opset_version: int) -> onnx.FunctionProto:
+    """A body that only gathers: ``case``'s per-token (block, slot) as constants (see the module doc)."""
+    block, slot = plan_gather(*case.inputs(), **case.attributes()).token_slots()
+    nodes = []
+
+    def constant(name: str, values: torch.Tensor) -> str:
+        tensor = helper.make_tensor(name, onnx.TensorProto.INT64, list(values.shape), values.flatten().tolist())
+        nodes.append(helper.make_node("Constant", [], [name], value=tensor))
+        return name
+
+    if case.cache_mode is CacheMode.NORM:
+        index = constant("index", torch.stack([block, slot], dim=1))  # [T, 2]
+        for cache, out in zip(INPUT_NAMES[:2], OUTPUT_NAMES):
+            nodes.append(helper.make_node("GatherND", [cache, index], [out]))
+    else:
+        for cache, out, tensor in zip(INPUT_NAMES[:2], OUTPUT_NAMES, (case.key_cache, case.value_cache)):
+            fractals, block_size = tensor.shape[1], tensor.shape[2]
+            # Row of E elements of (block, fractal f, slot) in [nb*F*bs, E]: (block*F + f)*bs + slot.
+            rows = (block[:, None] * fractals + torch.arange(fractals)[None, :]) * block_size + slot[:, None]
+            index = constant(f"{out}_index", rows[..., None])  # [T, F, 1]
+            nodes.append(helper.make_node("Flatten", [cache], [f"{out}_rows"], axis=3))
+            nodes.append(helper.make_node("GatherND", [f"{out}_rows", index], [f"{out}_read"]))
+            nodes.append(helper.make_node("Flatten", [f"{out}_read"], [out], axis=1))
+    return helper.make_function(
+        DOMAIN, OP_TYPE, list(INPUT_NAMES), list(OUTPUT_NAMES), nodes,
+        [helper.make_opsetid("", opset_version)], attributes=["cache_mode", "is_seq_lens_cumsum"],
+    )
+
+
+def floor_model(model: onnx.ModelProto, case: GatherCase) -> onnx.ModelProto:
+    floor = onnx.ModelProto()
+    floor.CopyFrom(model)
+    opset = next(o.version for o in floor.opset_import if o.domain in ("", "ai.onnx"))
+    del floor.functions[:]
+    floor.functions.append(floor_function(case, opset))
+    return floor
+
+
 def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
     model = pe.make_gather_model_for(*case.inputs(), **case.attributes())
     feeds = dict(zip(INPUT_NAMES, case.inputs()))
     golden = case.golden()
     outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
+    # Default session options on every side (the plugin's adds only the custom-op library).
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    cpu = ["CPUExecutionProvider"]
     sessions = {
-        "fallback": ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]),
+        "fallback": ort.InferenceSession(model.SerializeToString(), options, providers=cpu),
         "plugin": runtime_plugin.make_session(model, backend="native"),
+        "floor": ort.InferenceSession(floor_model(model, case).SerializeToString(), options, providers=cpu),
     }
     runs = {}
     for name, session in sessions.items():
@@ -72,7 +129,8 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
         binding = runtime_plugin.bind(session, feeds, out=outs)
         runs[name] = lambda s=session, b=binding: s.run_with_iobinding(b)
     medians = interleaved_medians_us(runs, repeats, warmup=20)
-    return {"case": label, "T": int(case.seq_lens[-1]), **medians, "ratio": medians["fallback"] / medians["plugin"]}
+    ratios = {"ratio": medians["fallback"] / medians["plugin"], "floor_ratio": medians["floor"] / medians["plugin"]}
+    return {"case": label, "T": int(case.seq_lens[-1]), **medians, **ratios}
 
 
 def main() -> None:
@@ -81,8 +139,11 @@ def main() -> None:
     parser.add_argument("--num-blocks", default="64,256,512")
     parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
-    print("| case | layout | num_blocks | T | fallback us | plugin (native) us | fallback / plugin |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| case | layout | num_blocks | T | fallback us | plugin (native) us | fallback / plugin "
+        "| floor us | floor / plugin |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for case_id in [c for c in args.cases.split(",") if c]:
         for num_blocks in [int(n) for n in args.num_blocks.split(",") if n]:
             norm = seed_shaped(case_id, num_blocks)
@@ -90,7 +151,7 @@ def main() -> None:
                 row = bench_case(case_id, case, args.repeats)
                 print(
                     f"| {row['case']} | {case.cache_mode.value} | {num_blocks} | {row['T']} | {row['fallback']:.1f} "
-                    f"| {row['plugin']:.1f} | {row['ratio']:.2f} |",
+                    f"| {row['plugin']:.1f} | {row['ratio']:.2f} | {row['floor']:.1f} | {row['floor_ratio']:.2f} |",
                     flush=True,
                 )
 

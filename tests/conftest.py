@@ -35,7 +35,6 @@ from pakv_onnx.cases import GatherCase, random_cache
 from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
 from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
 
-
 # session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
 # session creation raises onnxruntime's own exception types.
 ORT_ERRORS = (

@@ -12,8 +12,17 @@ only the branch of the node's layout and ``seq_lens`` form.
 Gather: token t of sequence q sits at position ``t + base[q]`` of the block table flattened
 into token slots (``base[q] = (q * cols + seq_offset[q] // bs) * bs - out_start[q]``, the
 FLOOR RULE of :mod:`pakv_onnx.spec`); ``position // bs`` indexes the flattened table and
-``position % bs`` is the slot. ``base`` reaches every token through a scatter-add of its
-steps at the sequences' output starts and one cumsum (O(T + Q), no per-token search).
+``position % bs`` is the slot. ``base`` reaches every token through two scatter-adds (at the
+sequences' output starts and ends) and one cumsum (O(T + Q), no per-token search). PA_NZ
+caches are read as rows of E elements (a Flatten view, no transpose copy): one GatherND
+index per (token, fractal).
+
+Speed: ORT spends about 0.25-0.75 us per node whatever its size (Where, Split, Concat and
+Slice at the top), so at small T the body's cost is its node count. After ORT inlines the
+function and folds the attribute branches, 39 nodes remain for Norm with cumsum ``seq_lens``
+(42 with lengths) and 56 for PA_NZ (59); about a third of them are the checks.
+``benchmarks/bench_fallback.py`` times the body against the plugin and against a floor
+that only runs the final gathers.
 
 Never silently wrong: every rule of :func:`pakv_onnx.spec.plan_gather` that standard ops can
 express has a check node, named after the rule (ORT's error names the node, e.g.
@@ -60,8 +69,10 @@ _PAKV = Opset(DOMAIN, OPSET_VERSION)
 _NORM, _PA_NZ = CacheMode.NORM.value, CacheMode.PA_NZ.value
 
 # Check nodes: Python variable of the check (its output name) -> the rule, which becomes the
-# node's name and so appears in ORT's error. A check is Cast(Where(ok, "0", ""), to=INT64):
-# the empty string fails to parse wherever ``ok`` is false.
+# node's name and so appears in ORT's error. The attribute checks are Cast(Where(ok, "0", ""),
+# to=INT64) (the empty string fails to parse wherever ``ok`` is false); the rank and count checks
+# are the Splits / Concat that fail on a wrong size; the value checks share one Expand whose size
+# is -1 when any of them fails; the block-id checks are the gathers, which reject the ids.
 CHECKS: dict[str, str] = {
     "check_cache_mode": f"{ATTR_CACHE_MODE} must be '{_NORM}' or '{_PA_NZ}'",
     "check_cumsum_flag": f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0 or 1",
@@ -110,10 +121,11 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     is_seq_lens_cumsum: int = 1,
 ):
     """Stock-ONNX body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."""
+    # Every node costs ORT 0.25-0.75 us whatever its size, so the body is written for few nodes
+    # (see the module doc): checks share one compare, index values are kept [T, 1].
     zero = op.Constant(value_ints=[0])
     one = op.Constant(value_ints=[1])
     minus_one = op.Constant(value_ints=[-1])
-    to_end = op.Constant(value_ints=[9223372036854775807])
     passed = op.Constant(value_string="0")
     failed = op.Constant(value_string="")
 
@@ -128,10 +140,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
 
     # Cache geometry, [1]-shaped dims (Split by 1s fails on any rank but 4):
     # Norm [nb, bs, H, D], PA_NZ [nb, F, bs, E].
-    key_shape = op.Shape(key_cache)
-    value_shape = op.Shape(value_cache)
-    num_blocks, key_d1, key_d2, key_d3 = op.Split(key_shape, op.Constant(value_ints=[1, 1, 1, 1]))
-    value_blocks, value_d1, value_d2, value_d3 = op.Split(value_shape, op.Constant(value_ints=[1, 1, 1, 1]))
+    num_blocks, key_d1, key_d2, key_d3 = op.Split(op.Shape(key_cache), op.Constant(value_ints=[1, 1, 1, 1]))
+    value_blocks, value_d1, value_d2, value_d3 = op.Split(op.Shape(value_cache), op.Constant(value_ints=[1, 1, 1, 1]))
     if is_nz:
         key_block_size = op.Identity(key_d2)
         value_block_size = op.Identity(value_d2)
@@ -148,93 +158,101 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
     offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
     # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
-    # than one compare per rule). Each branch gives the same number of pieces.
+    # than one compare per rule). Each branch gives the same pieces; the vectors are
+    #   low  = [geometry, low_a,  low_b,  low_c,          offset_remainder]
+    #   high = [geometry, high_a, high_b, high_c, room, offsets]
+    # where [low_a, low_b] lines up with [high_a, high_b] and low_c with [high_c, room] (room:
+    # see the row-fit check below), entry by entry.
     if is_cumsum:
         starts = op.Identity(counted_lens)
+        ends = op.Slice(lens, one, op.Constant(value_ints=[9223372036854775807]))
         num_tokens = op.Identity(last_len)
-        ends = op.Slice(lens, one, to_end)
-        first = op.Slice(lens, zero, one)
-        # seq_lens[0] == 0 and non-decreasing (compared, not subtracted: no wrap-around).
-        low_a, low_b, low_c = op.Identity(first), op.Identity(zero), op.Identity(starts)
-        high_a, high_b, high_c = op.Identity(zero), op.Identity(first), op.Identity(ends)
+        # Pieces of seq_lens itself shifted by one (no node to cut out the first entry), compared,
+        # not subtracted (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and
+        # non-decreasing; lens <= [0, room] is seq_lens[0] <= 0 and the row fit of each end.
+        low_a, low_b, low_c = op.Identity(zero), op.Identity(lens), op.Identity(lens)
+        high_a, high_b, high_c = op.Identity(lens), op.Identity(last_len), op.Identity(zero)
     else:
         ends = op.CumSum(counted_lens, op.Constant(value_int=0))
         starts = op.Sub(ends, counted_lens)
         num_tokens = op.ReduceSum(counted_lens, keepdims=1)
         # Lengths non-negative; partial sums of non-negative lengths turn negative at the first
-        # int64 overflow, so the ends must be non-negative too.
-        low_a, low_b, low_c = op.Identity(zero), op.Mul(counted_lens, zero), op.Mul(ends, zero)
-        high_a, high_b, high_c = op.Identity(zero), op.Identity(counted_lens), op.Identity(ends)
+        # int64 overflow, so the ends must be non-negative too; ends <= room is the row fit.
+        low_a = op.Mul(counted_lens, zero)
+        low_b, low_c = op.Identity(low_a), op.Identity(ends)
+        high_a, high_b, high_c = op.Identity(counted_lens), op.Identity(ends), op.Constant(value_ints=[])
 
     # FLOOR RULE: sequence q starts at slot 0 of block-table column seq_offset[q] // bs.
     offset_remainder = op.Mod(offsets, block_size)  # in [0, bs): <= seq_offset iff seq_offset >= 0
     first_column_token = op.Sub(offsets, offset_remainder)
     row_tokens = op.Mul(cols, block_size)
-    # The row holds the sequence from its first column: first + end <= row + start (as spec:
-    # ceil(length / bs) <= cols - first column; an empty sequence's first column must exist or be the end).
-    fit_low = op.Add(first_column_token, ends)
-    fit_high = op.Add(row_tokens, starts)
+    # Token t of sequence q sits at position t + base[q] of the table flattened into token
+    # slots, base[q] = q*row_tokens + local_base[q].
+    local_base = op.Sub(first_column_token, starts)
+    # room[q] = row_tokens - local_base[q]: the row holds the sequence from its first column iff
+    # its end <= room[q] (first + end <= row + start, as spec: ceil(length / bs) <= cols - first
+    # column; an empty sequence's first column must exist or be the end).
+    room = op.Sub(row_tokens, local_base)
 
     low = op.Concat(
-        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder, fit_low,
+        num_blocks, value_blocks, key_block_size, value_block_size, one, low_a, low_b, low_c, offset_remainder,
         axis=0,
     )
     high = op.Concat(
-        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size, high_a, high_b, high_c, offsets, fit_high,
+        value_blocks, num_blocks, value_block_size, key_block_size, key_block_size,
+        high_a, high_b, high_c, room, offsets,
         axis=0,
     )
-    # "1" where the pair holds; "" fails to parse. The max of the ones is the 1 that sizes the array below.
-    check_inputs = op.Cast(op.Where(op.LessOrEqual(low, high), op.Constant(value_string="1"), failed), to=7)
-
-    # Token t of sequence q sits at position t + base[q] of the table flattened into token
-    # slots, base[q] = q*cols*bs + first_column_token[q] - starts[q]. A scatter-add of base's
-    # steps at the output starts over ones (which add t + 1), then one cumsum, gives every position.
-    local_base = op.Sub(first_column_token, starts)
-    previous = op.Concat(op.Add(row_tokens, one), op.Slice(local_base, zero, minus_one), axis=0)
-    step = op.Add(op.Sub(local_base, previous), row_tokens)  # step[0] = base[0] - 1
-    # The array's size (T + 1) waits for the check, so ORT runs the check before anything a
-    # broken input could make fail with a less clear message.
-    one_after_check = op.ReduceMax(check_inputs, keepdims=1)
-    marks = op.ScatterElements(op.Expand(one, op.Add(num_tokens, one_after_check)), starts, step, axis=0, reduction="add")
-    position = op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens)
+    # The array below has T ones when every pair holds and -1 entries (which Expand rejects)
+    # when one fails, so the check runs before anything a broken input could make fail less clearly.
+    size = op.ReduceMin(op.Where(op.LessOrEqual(low, high), num_tokens, minus_one), keepdims=1)
+    check_inputs = op.Expand(one, size)
+    # Every position from one cumsum over [0, 1, ..., 1] (T + 1 entries: which adds t at
+    # output row t) with local_base[q] added at each sequence's start and room[q] at its end:
+    # row t of sequence q sums to t + local_base[q] + sum over q' < q of
+    # (local_base[q'] + room[q']) = t + local_base[q] + q*row_tokens = t + base[q].
+    # (O(T + Q), no per-token search; an end at T lands on the extra last entry.)
+    marks = op.ScatterElements(
+        op.ScatterElements(op.Concat(zero, check_inputs, axis=0), starts, local_base, axis=0, reduction="add"),
+        ends,
+        room,
+        axis=0,
+        reduction="add",
+    )
+    position = op.Unsqueeze(op.Slice(op.CumSum(marks, op.Constant(value_int=0)), zero, num_tokens), one)  # [T, 1]
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
     # of at least 2**62, which they reject with the rest of the out-of-range ids.
-    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), op.Constant(value_ints=[9223372036854775807]))
-    block = op.Gather(tables, op.Div(position, block_size))
+    sign_off = op.Constant(value_ints=[9223372036854775807])
+    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), sign_off)
+    block = op.Gather(tables, op.Div(position, block_size))  # [T, 1]
 
     if is_nz:
-        # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row (block*F + f)*bs + slot.
-        # Out-of-range ids become num_blocks first, so the row arithmetic cannot wrap into range.
-        block = op.Min(block, num_blocks)
-        key_source = op.Reshape(key_cache, op.Concat(minus_one, key_d3, axis=0))
-        key_index = op.Unsqueeze(
-            op.Add(
-                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, key_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(key_d1), op.Squeeze(one))), block_size),
-                op.Unsqueeze(slot, one),
-            ),
-            op.Constant(value_ints=[2]),
-        )  # [T, F, 1]
-        value_source = op.Reshape(value_cache, op.Concat(minus_one, value_d3, axis=0))
-        value_index = op.Unsqueeze(
-            op.Add(
-                op.Mul(op.Add(op.Unsqueeze(op.Mul(block, value_d1), one), op.Range(op.Squeeze(zero), op.Squeeze(value_d1), op.Squeeze(one))), block_size),
-                op.Unsqueeze(slot, one),
-            ),
-            op.Constant(value_ints=[2]),
-        )
+        # [nb, F, bs, E] as rows of E elements: fractal f of (block, slot) is row
+        # block*F*bs + slot + f*bs. Out-of-range ids become num_blocks first, so the row
+        # arithmetic cannot wrap into range.
+        block_rows = op.Mul(op.Min(block, num_blocks), block_size)  # block*bs, [T, 1]
+        # f*bs for f < F: an exclusive cumsum of F copies of bs (no scalar Range inputs).
+        key_fractals = op.CumSum(op.Expand(block_size, key_d1), op.Constant(value_int=0), exclusive=1)  # [F]
+        last_axis = op.Constant(value_ints=[2])
+        key_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, key_d1), slot), key_fractals), last_axis)
+        value_fractals = op.CumSum(op.Expand(block_size, value_d1), op.Constant(value_int=0), exclusive=1)
+        value_index = op.Unsqueeze(op.Add(op.Add(op.Mul(block_rows, value_d1), slot), value_fractals), last_axis)
+        key_source = op.Flatten(key_cache, axis=3)  # [nb*F*bs, E]; index [T, F, 1]
+        value_source = op.Flatten(value_cache, axis=3)
     else:
         # [nb, bs, H, D]: one (block, slot) index per token reads its [H, D] row.
         key_source = op.Identity(key_cache)
         value_source = op.Identity(value_cache)
-        key_index = op.Concat(op.Unsqueeze(block, one), op.Unsqueeze(slot, one), axis=1)  # [T, 2]
+        key_index = op.Concat(block, slot, axis=1)  # [T, 2]
         value_index = op.Identity(key_index)
-    # Outside the If, so ORT's error names this node: GatherND rejects the out-of-range ids.
+    # Outside the If, so ORT's error names this node (ORT renames nodes of a folded If):
+    # GatherND rejects the out-of-range ids.
     key_rows_read = op.GatherND(key_source, key_index)
     value_rows_read = op.GatherND(value_source, value_index)
     if is_nz:
-        key = op.Reshape(key_rows_read, op.Concat(num_tokens, op.Mul(key_d1, key_d3), axis=0), allowzero=1)
-        value = op.Reshape(value_rows_read, op.Concat(num_tokens, op.Mul(value_d1, value_d3), axis=0), allowzero=1)
+        key = op.Flatten(key_rows_read, axis=1)  # [T, F, E] -> [T, F*E]
+        value = op.Flatten(value_rows_read, axis=1)
     else:
         key = op.Identity(key_rows_read)
         value = op.Identity(value_rows_read)
