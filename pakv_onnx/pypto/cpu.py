@@ -147,10 +147,8 @@ def gather_pypto_cpu(
     """Gather through PyPTO's SIM compile + pass-verify interpreter; writes ``key_out``/``value_out``."""
     global _worker
     reason = unsupported_reason(plan, key_cache, value_cache)
-    if reason:
-        from pakv_onnx.kernels import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend 'pypto-cpu' cannot run this call: {reason}")
+    if reason:  # the registry refuses such calls first; this guards direct callers
+        raise ValueError(f"backend 'pypto-cpu' cannot run this call: {reason}")
     if plan.num_tokens == 0:
         return
     inputs = _replan_inputs(plan, key_cache.contiguous(), value_cache.contiguous())

@@ -225,12 +225,11 @@ def run_kernel(
     ``tiles.kind == "seed"`` runs the seed's kernel with the seed's tile rows (Norm only).
     """
     set_output_env()
-    from pakv_onnx.kernels import BackendUnavailableError
     from pakv_onnx.pypto import kernel
 
     reason = unsupported_reason(plan, key_cache, value_cache)
-    if reason is not None:
-        raise BackendUnavailableError(f"the PyPTO kernel cannot run this call: {reason}")
+    if reason is not None:  # the registry refuses such calls first; this guards direct callers
+        raise ValueError(f"the PyPTO kernel cannot run this call: {reason}")
     tiles = tiles or choose_tiles(plan, key_cache.dtype, value_cache.dtype)
     if plan.num_tokens == 0 or plan.num_seqs == 0:
         return tiles
