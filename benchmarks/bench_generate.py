@@ -57,14 +57,7 @@ def _paged_step(session, cache: PagedKVCache, ids: list[int], tokens: list[list[
         torch.tensor([positions], dtype=torch.int64),
     )
     outputs = check.session_step(session)(feeds)
-    layers = len(cache.key_pools)
-    cache.write(
-        ids,
-        counts,
-        layout,
-        [outputs[f"new_key_{layer}"] for layer in range(layers)],
-        [outputs[f"new_value_{layer}"] for layer in range(layers)],
-    )
+    cache.write_step_outputs(ids, counts, layout, outputs)
     return outputs["logits"].argmax(-1).tolist()
 
 
@@ -111,8 +104,10 @@ def bench_arch(
                         times[name].append(fn())
                 ms = {name: statistics.median(t[1:]) * 1e3 / (steps * batch) for name, t in times.items()}
                 rows.append((arch, batch, context, ms))
-                print(f"  .. {arch} B={batch} C={context}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
-                      flush=True)
+                print(
+                    f"  .. {arch} B={batch} C={context}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()),
+                    flush=True,
+                )
     return rows
 
 
@@ -136,13 +131,17 @@ def main() -> None:
             arch, ints(args.batches), ints(args.contexts), args.steps, args.rounds, args.block_size, args.threads
         )
     print()
-    print("| arch | batch | context | transformers eager ms/token | ORT plugin native ms/token | ratio | "
-          "stock ORT ms/token | ratio |")
+    print(
+        "| arch | batch | context | transformers eager ms/token | ORT plugin native ms/token | ratio | "
+        "stock ORT ms/token | ratio |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for arch, batch, context, ms in rows:
         hf, native, stock = ms["transformers"], ms["plugin:native"], ms[check.STOCK_ORT]
-        print(f"| {arch} | {batch} | {context} | {hf:.3f} | {native:.3f} | {native / hf:.2f} | "
-              f"{stock:.3f} | {stock / hf:.2f} |")
+        print(
+            f"| {arch} | {batch} | {context} | {hf:.3f} | {native:.3f} | {native / hf:.2f} | "
+            f"{stock:.3f} | {stock / hf:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from pakv_onnx.commands._args import positive_int
+
 DEFAULT_SHAPE = {"dtype": "bfloat16", "key_heads": 1, "key_dim": 512, "value_heads": 1, "value_dim": 64}
 
 
@@ -28,16 +30,6 @@ class TuneRow:
     chosen: bool = False
     seed: bool = False
     rule: bool = False
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def case_id_for(args: argparse.Namespace) -> str:
@@ -149,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    say = (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else (lambda text: print(text, flush=True))
+    say = (
+        (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else (lambda text: print(text, flush=True))
+    )
     if not args.case:
         say(f"no --case given: tuning the shape options' case {case_id}")
     say(f"{case_id}: {case.summary()} T={plan.num_tokens}")
@@ -201,7 +195,9 @@ def _ratio(value: float | None, floor: float | None) -> float | None:
 
 
 def _print_table(rows: list[TuneRow], summary: dict) -> None:
-    print(f"{'kernel':<8} {'chunk':>5} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} {'floor@chunk':>11}  mark")
+    print(
+        f"{'kernel':<8} {'chunk':>5} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} {'floor@chunk':>11}  mark"
+    )
     for r in rows:
         marks = [m for m, on in (("chosen", r.chosen), ("seed rule", r.seed), ("closed-form rule", r.rule)) if on]
         if r.status != "ok":

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 
+from pakv_onnx.commands._args import non_negative_int, positive_int
 from pakv_onnx.commands._report import case_line, totals_line
 
 DEFAULT_KERNEL_CASES = 4
@@ -89,7 +90,11 @@ def _run_npu(case_ids: list[str], built):
         try:
             key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto")
             golden = case.golden()
-            bad = [n for n, got, want in zip(("key", "value"), (key.cpu(), value.cpu()), golden) if not bitwise_equal(got, want)]
+            bad = [
+                n
+                for n, got, want in zip(("key", "value"), (key.cpu(), value.cpu()), golden)
+                if not bitwise_equal(got, want)
+            ]
             ok, detail = not bad, ("bit-exact vs golden" if not bad else f"NOT bit-exact vs golden ({', '.join(bad)})")
         except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
             ok, detail = False, f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
@@ -162,19 +167,7 @@ def _result_line(index: int, total: int, case_id: str, summary: str, result) -> 
     return case_line(index, total, result.ok, case_id, summary, detail, result.seconds) + where
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want a count >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from pakv_onnx.commands.tune import positive_int
-
     parser = commands.add_parser(
         "verify-kernel",
         help="check the PyPTO kernel bit-exact vs the golden (CPU: SIM compile + PyPTO's interpreter; or --device npu)",
@@ -215,7 +208,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
     parser.add_argument(
         "--random",
-        type=_count,
+        type=non_negative_int,
         default=DEFAULT_KERNEL_CASES,
         metavar="N",
         help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",
@@ -224,7 +217,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--list", action="store_true", help="list the default cases with T and their shapes, and exit")
     parser.add_argument("--device", choices=("cpu", "npu"), default="cpu", help="where the kernel runs (default: cpu)")
     parser.add_argument(
-        "--timeout", type=positive_int, default=900, metavar="S", help="per-subprocess timeout in seconds (default: 900)"
+        "--timeout",
+        type=positive_int,
+        default=900,
+        metavar="S",
+        help="per-subprocess timeout in seconds (default: 900)",
     )
     parser.add_argument("--keep", action="store_true", help="keep every run directory (logs, PyPTO output)")
     parser.set_defaults(run=run)

@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir, pypto_output_env
+from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir, pypto_output_env, tree_size
 
 DEFAULT_TIMEOUT_S = 900
 KEEP_FAILED_RUNS = 10
@@ -126,17 +126,6 @@ def new_run_dir(label: str, parent: Path | None = None) -> Path:
     return path
 
 
-def _tree_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def prune_failed_runs(keep: int = KEEP_FAILED_RUNS, max_bytes: int = KEEP_FAILED_BYTES) -> list[Path]:
     """Keep the newest ``keep`` run directories that fit in ``max_bytes`` together (the newest always).
 
@@ -147,7 +136,7 @@ def prune_failed_runs(keep: int = KEEP_FAILED_RUNS, max_bytes: int = KEEP_FAILED
     )
     removed, total = [], 0
     for index, path in enumerate(newest_first):
-        total += _tree_bytes(path)
+        total += tree_size(path)
         if index >= keep or (index > 0 and total > max_bytes):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -222,7 +211,9 @@ def run_in_subprocess(
     return result
 
 
-def run_batch(items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S, keep: bool = False) -> list[RunResult]:
+def run_batch(
+    items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S, keep: bool = False
+) -> list[RunResult]:
     """Cost/floor runs, several per subprocess (saves the ~1.5 s import per run).
 
     A run that fails ends its subprocess (later compiles there would fail too); the rest

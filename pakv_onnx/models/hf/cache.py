@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Mapping
 
 import torch
 
 import pakv_onnx.export  # noqa: F401  registers torch.ops.pakv.gather_pa_kv_cache
 from pakv_onnx.models.hf.configs import CacheGeometry
+
+# Names of one step's new rows of layer l among the step graph's outputs.
+NEW_KEY_OUTPUT = "new_key_{}"
+NEW_VALUE_OUTPUT = "new_value_{}"
 
 
 class OutOfBlocksError(RuntimeError):
@@ -174,6 +179,19 @@ class PagedKVCache:
             pool.view(-1, *pool.shape[2:]).index_copy_(0, layout.write_slots, rows.to(pool.dtype))
         for seq_id, count in zip(seq_ids, new_tokens):
             self.sequences[seq_id].length += count
+
+    def write_step_outputs(
+        self, seq_ids: list[int], new_tokens: list[int], layout: StepLayout, outputs: Mapping[str, torch.Tensor]
+    ) -> None:
+        """:meth:`write` the rows a step graph returned as ``new_key_<l>`` / ``new_value_<l>``."""
+        layers = range(len(self.key_pools))
+        self.write(
+            seq_ids,
+            new_tokens,
+            layout,
+            [outputs[NEW_KEY_OUTPUT.format(layer)] for layer in layers],
+            [outputs[NEW_VALUE_OUTPUT.format(layer)] for layer in layers],
+        )
 
 
 class StepCache:

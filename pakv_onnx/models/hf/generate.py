@@ -52,9 +52,11 @@ def make_workload(
     if batch < 1 or new_tokens < 1:
         raise ValueError(f"batch and new_tokens must be >= 1, got {batch} and {new_tokens}")
     rng = random.Random(seed)
-    lengths = rng.sample(range(min_prompt, max_prompt + 1), batch) if batch <= max_prompt - min_prompt + 1 else [
-        rng.randint(min_prompt, max_prompt) for _ in range(batch)
-    ]
+    lengths = (
+        rng.sample(range(min_prompt, max_prompt + 1), batch)
+        if batch <= max_prompt - min_prompt + 1
+        else [rng.randint(min_prompt, max_prompt) for _ in range(batch)]
+    )
     prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in lengths]
     drop = max(1, new_tokens // 4)
     budgets = [max(1, new_tokens - (i % 3) * drop) for i in range(batch)]
@@ -83,7 +85,6 @@ def generate_paged(step: StepFn, cache: PagedKVCache, workload: Workload) -> Gen
     Raises:
         RuntimeError: a block was not returned to the pool after every sequence finished.
     """
-    num_layers = len(cache.key_pools)
     count = len(workload.prompts)
     tokens: list[list[int]] = [[] for _ in range(count)]
     logits: list[list[torch.Tensor]] = [[] for _ in range(count)]
@@ -102,13 +103,7 @@ def generate_paged(step: StepFn, cache: PagedKVCache, workload: Workload) -> Gen
             dtype=torch.int64,
         )
         outputs = step(step_feeds(cache, layout, input_ids, position_ids))
-        cache.write(
-            live,
-            new_counts,
-            layout,
-            [outputs[f"new_key_{layer}"] for layer in range(num_layers)],
-            [outputs[f"new_value_{layer}"] for layer in range(num_layers)],
-        )
+        cache.write_step_outputs(live, new_counts, layout, outputs)
         step_logits = outputs["logits"]
         chosen = step_logits.argmax(dim=-1).tolist()
         for row, i in enumerate(live):

@@ -24,7 +24,7 @@ import torch
 
 from pakv_onnx.export import export
 from pakv_onnx.models.attention import ragged_attention
-from pakv_onnx.models.hf.cache import PagedKVCache, StepCache, StepLayout
+from pakv_onnx.models.hf.cache import NEW_KEY_OUTPUT, NEW_VALUE_OUTPUT, PagedKVCache, StepCache, StepLayout
 
 ATTN_IMPLEMENTATION = "pakv_paged"
 QUERY_SEQ_LENS_KWARG = "pakv_query_seq_lens"
@@ -73,8 +73,8 @@ def step_input_names(num_layers: int) -> list[str]:
 def step_output_names(num_layers: int) -> list[str]:
     return [
         "logits",
-        *(f"new_key_{layer}" for layer in range(num_layers)),
-        *(f"new_value_{layer}" for layer in range(num_layers)),
+        *(NEW_KEY_OUTPUT.format(layer) for layer in range(num_layers)),
+        *(NEW_VALUE_OUTPUT.format(layer) for layer in range(num_layers)),
     ]
 
 
