@@ -244,6 +244,43 @@ class GatherPlan:
     table_col_starts: torch.Tensor
     block_tables: torch.Tensor
 
+    # A plan made by the small-input path of plan_gather holds its index fields as Python lists
+    # (in the instance's ``_lists``, not a dataclass field) and builds each int64 tensor on first
+    # access: most calls never read them (the native backend takes the lists, golden loops over
+    # them), and a torch.tensor per field would cost more than the whole validation.
+    def __getattr__(self, name: str) -> Any:
+        lists = self.__dict__.get("_lists")
+        if lists is None or name not in _LAZY_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        if name == "block_tables":
+            value = lists["raw_block_tables"].to(device="cpu", dtype=torch.int64)
+        else:
+            value = torch.tensor(lists[name], dtype=torch.int64)
+        object.__setattr__(self, name, value)  # built once; a race builds the same tensor twice
+        return value
+
+    def index_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``(seq_lengths, out_starts, table_col_starts)`` as Python int lists (no tensor is built)."""
+        lists = self.__dict__.get("_lists")
+        if lists is not None:
+            return lists["seq_lengths"], lists["out_starts"], lists["table_col_starts"]
+        return self.seq_lengths.tolist(), self.out_starts.tolist(), self.table_col_starts.tolist()
+
+    def block_table_rows(self) -> list[list[int]]:
+        """The block table as Python int rows ``[Q][cols]`` (only used entries are validated)."""
+        lists = self.__dict__.get("_lists")
+        if lists is not None:
+            return lists["block_tables"]
+        return self.block_tables.tolist()
+
+    def raw_block_tables(self) -> torch.Tensor | None:
+        """The caller's int32/int64 ``block_tables`` tensor when the plan kept it (small path), else ``None``.
+
+        Lets a backend that reads int32 tables (the C core) skip the int64 copy.
+        """
+        lists = self.__dict__.get("_lists")
+        return None if lists is None else lists["raw_block_tables"]
+
     @property
     def key_out_shape(self) -> tuple[int, ...]:
         return (self.num_tokens, *self.key_token_shape)
@@ -305,6 +342,8 @@ class GatherPlan:
         return token_block, slot
 
 
+_LAZY_FIELDS = frozenset({"seq_lengths", "out_starts", "table_col_starts", "block_tables"})
+
 # Per-run / per-token index tensors above this many entries are refused rather than built:
 # 2**36 int64 entries are 512 GiB, far past any output a backend could hold, and the number
 # keeps every derived product (x4 columns, x8 bytes) inside int64.
@@ -320,7 +359,7 @@ def _require_listable(where: str, count: int, what: str) -> None:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 # --------------------------------------------------------------------------- #
@@ -352,7 +391,7 @@ def blocks_are_row_major(cache: torch.Tensor) -> bool:
 
 def _require_pool_view(name: str, cache: torch.Tensor) -> None:
     """A cache may be strided on dim 0 only (a view of a larger pool); refuse any other layout."""
-    if cache.numel() == 0 or blocks_are_row_major(cache):
+    if cache.is_contiguous() or cache.numel() == 0 or blocks_are_row_major(cache):
         return
     raise ValueError(
         f"{name} must be row-major contiguous within each block (only dim 0, the block axis, may be "
@@ -378,10 +417,13 @@ def _parse_cache_mode(cache_mode: object) -> CacheMode:
         cache_mode = cache_mode.decode(errors="replace")
     if not isinstance(cache_mode, str):
         raise TypeError(f"{ATTR_CACHE_MODE} must be a string, got {type(cache_mode).__name__}")
-    try:
-        return CacheMode(cache_mode)
-    except ValueError:
-        raise ValueError(f"{ATTR_CACHE_MODE} must be 'Norm' or 'PA_NZ', got {cache_mode!r}") from None
+    mode = _MODE_BY_NAME.get(cache_mode)
+    if mode is None:
+        raise ValueError(f"{ATTR_CACHE_MODE} must be 'Norm' or 'PA_NZ', got {cache_mode!r}")
+    return mode
+
+
+_MODE_BY_NAME: dict[str, CacheMode] = {m.value: m for m in CacheMode}
 
 
 def _parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
@@ -413,12 +455,6 @@ def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode) -> tuple[in
                 f"{cache.dtype}, got {cache.shape[3]} (shape {tuple(cache.shape)})"
             )
     return cache.shape[0], cache.shape[block_size_axis(mode)], token_shape(cache.shape, mode)
-
-
-def _index_vector(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    _require_index_dtype(name, tensor)
-    _require_rank(name, tensor, 1, "a vector")
-    return tensor.to(device="cpu", dtype=torch.int64)
 
 
 def _first_bad(mask: torch.Tensor) -> int:
@@ -454,10 +490,14 @@ def _lengths_and_starts(seq_lens: torch.Tensor, is_cumsum: bool) -> tuple[torch.
     return seq_lens, ends - seq_lens, total
 
 
-def _table_col_starts(seq_offset: torch.Tensor | None, num_seqs: int, block_size: int) -> torch.Tensor:
+def _table_col_starts(
+    seq_offset: torch.Tensor | None, host_offset: torch.Tensor | None, num_seqs: int, block_size: int
+) -> torch.Tensor:
     if seq_offset is None:
         return torch.zeros(num_seqs, dtype=torch.int64)
-    offsets = _index_vector("seq_offset", seq_offset)
+    _require_index_dtype("seq_offset", seq_offset)
+    _require_rank("seq_offset", seq_offset, 1, "a vector")
+    offsets = host_offset.to(dtype=torch.int64)
     if offsets.numel() != num_seqs:
         raise ValueError(f"seq_offset must have Q = {num_seqs} entries, got shape {tuple(seq_offset.shape)}")
     if num_seqs and bool((offsets < 0).any()):
@@ -494,6 +534,108 @@ def _check_used_blocks(
         )
 
 
+# --------------------------------------------------------------------------- #
+# The same index rules over Python lists (small inputs). Every message here is the vectorised
+# path's, word for word, raised for the same first offender; tests/test_front_paths.py runs every
+# rejection through both paths and compares the messages.
+# --------------------------------------------------------------------------- #
+# Index tensors with at most this many entries in all (block_tables + seq_lens + seq_offset) are
+# checked over .tolist() (a decode step's tables: a few microseconds); larger ones by the
+# vectorised torch code above, whose cost does not grow with a Python loop.
+SMALL_INDEX_ENTRIES = 4096
+
+
+def _on_host(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_offset: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The index tensors on the CPU: unchanged when they are there already; otherwise every
+    index tensor of one device is brought over in a single device-to-host copy (one sync per
+    device per call, not one per tensor or per check). Host copies of device tensors are int64.
+    """
+    tensors = [block_tables, seq_lens, seq_offset]
+    by_device: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        if tensor is not None and tensor.device.type != "cpu" and tensor.dtype in _INDEX_BY_TORCH:
+            by_device.setdefault(tensor.device, []).append(i)
+    for members in by_device.values():
+        flat = torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in members]).cpu()
+        offset = 0
+        for i in members:
+            count = tensors[i].numel()
+            tensors[i] = flat[offset : offset + count].view(tensors[i].shape)
+            offset += count
+    return tensors[0], tensors[1], tensors[2]
+
+
+def _lengths_and_starts_small(values: list[int], is_cumsum: bool) -> tuple[list[int], list[int], int]:
+    """:func:`_lengths_and_starts` over a list: (lengths, out_starts, T)."""
+    if is_cumsum:
+        if not values:
+            raise ValueError("seq_lens (cumsum) must have Q+1 >= 1 entries, got an empty tensor")
+        if values[0] != 0:
+            raise ValueError(f"seq_lens (cumsum) must start at 0, got seq_lens[0] = {values[0]}")
+        starts = values[:-1]
+        ends = values[1:]
+        for i, (start, end) in enumerate(zip(starts, ends)):
+            if end < start:
+                raise ValueError(
+                    f"seq_lens (cumsum) must be non-decreasing, got seq_lens[{i + 1}] = "
+                    f"{end} < seq_lens[{i}] = {start}"
+                )
+        return [end - start for start, end in zip(starts, ends)], starts, values[-1]
+    for i, length in enumerate(values):
+        if length < 0:
+            raise ValueError(f"seq_lens (lengths) must be non-negative, got seq_lens[{i}] = {length}")
+    starts = []
+    total = 0
+    for i, length in enumerate(values):
+        starts.append(total)
+        total += length
+        if total > INT64_MAX:  # where the int64 partial sum of the vectorised path turns negative
+            raise ValueError(f"seq_lens (lengths): the total token count overflows int64 at seq_lens[{i}]")
+    return values, starts, total
+
+
+def _table_col_starts_small(
+    seq_offset: torch.Tensor | None, host_offset: torch.Tensor | None, num_seqs: int, block_size: int
+) -> list[int]:
+    """:func:`_table_col_starts` over a list (the FLOOR RULE of the module doc)."""
+    if seq_offset is None:
+        return [0] * num_seqs
+    _require_index_dtype("seq_offset", seq_offset)
+    _require_rank("seq_offset", seq_offset, 1, "a vector")
+    if seq_offset.numel() != num_seqs:
+        raise ValueError(f"seq_offset must have Q = {num_seqs} entries, got shape {tuple(seq_offset.shape)}")
+    offsets = host_offset.tolist()
+    for i, offset in enumerate(offsets):
+        if offset < 0:
+            raise ValueError(f"seq_offset must be non-negative, got seq_offset[{i}] = {offset}")
+    return [offset // block_size for offset in offsets]
+
+
+def _check_used_blocks_small(
+    rows: list[list[int]], cols: int, lengths: list[int], col_starts: list[int], block_size: int, num_blocks: int
+) -> None:
+    """:func:`_check_used_blocks` over lists: every row long enough first, then the used ids."""
+    needed = [length // block_size + (length % block_size != 0) for length in lengths]
+    for q, (need, col) in enumerate(zip(needed, col_starts)):
+        if need > cols - col:
+            raise ValueError(
+                f"block_tables row {q} is too short: sequence {q} has {lengths[q]} tokens "
+                f"= {need} blocks of {block_size} starting at column "
+                f"{col} (seq_offset), but block_tables has {cols} columns"
+            )
+    for q, (need, col) in enumerate(zip(needed, col_starts)):
+        row = rows[q]
+        for c in range(col, col + need):
+            block = row[c]
+            if block < 0 or block >= num_blocks:
+                raise ValueError(
+                    f"block_tables[{q}, {c}] = {block} is outside [0, {num_blocks}) "
+                    f"(num_blocks of key_cache); it is used by sequence {q}"
+                )
+
+
 def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], cache_name: str, cache: torch.Tensor) -> None:
     if out is None:
         return
@@ -513,9 +655,13 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     Works on raw addresses (``data_ptr`` includes the storage offset), so two tensors of any
     dtypes over one untyped storage, or over two views of one allocation, compare correctly.
     """
-    if tensor.numel() == 0:
+    count = tensor.numel()
+    if count == 0:
         return None
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    if tensor.is_contiguous():
+        span = count - 1
+    else:
+        span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     first = tensor.data_ptr()
     return first, first + (span + 1) * tensor.element_size()
 
@@ -530,15 +676,26 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_no_aliasing(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
     """Outputs may overlap neither each other nor any input (checked before anything is written)."""
     given = [(name, out) for name, out in outputs.items() if out is not None]
-    for i, (name, out) in enumerate(given):
-        for other_name, other in given[i + 1 :]:
-            if _overlaps(out, other):
+    if not given:
+        return
+    # Each tensor's byte range once (device, range), not once per pair.
+    inputs_at = [(name, t.device, byte_range(t)) for name, t in inputs.items() if t is not None]
+    given_at = [(name, out.device, byte_range(out)) for name, out in given]
+    for i, (name, device, span) in enumerate(given_at):
+        for other_name, other_device, other_span in given_at[i + 1 :]:
+            if _spans_overlap(device, span, other_device, other_span):
                 raise ValueError(f"{name} and {other_name} overlap in memory; pass two separate tensors")
-        for input_name, tensor in inputs.items():
-            if tensor is not None and _overlaps(out, tensor):
+        for input_name, input_device, input_span in inputs_at:
+            if _spans_overlap(device, span, input_device, input_span):
                 raise ValueError(
                     f"{name} overlaps {input_name} in memory: an output must not share bytes with any input"
                 )
+
+
+def _spans_overlap(
+    device_a: torch.device, a: tuple[int, int] | None, device_b: torch.device, b: tuple[int, int] | None
+) -> bool:
+    return device_a == device_b and a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
 def plan_gather(
@@ -597,19 +754,36 @@ def plan_gather(
 
     _require_index_dtype("block_tables", block_tables)
     _require_rank("block_tables", block_tables, 2, "[Q, max_blocks_per_seq]")
-    tables = block_tables.to(device="cpu", dtype=torch.int64)
-    num_seqs = tables.shape[0]
-    seq_lens64 = _index_vector("seq_lens", seq_lens)
+    num_seqs = block_tables.shape[0]
+    _require_index_dtype("seq_lens", seq_lens)
+    _require_rank("seq_lens", seq_lens, 1, "a vector")
     expected = num_seqs + 1 if is_cumsum else num_seqs
-    if seq_lens64.numel() != expected:
+    if seq_lens.numel() != expected:
         form = "Q+1 (cumsum)" if is_cumsum else "Q (lengths)"
         raise ValueError(
             f"seq_lens must have {form} = {expected} entries for block_tables with Q = {num_seqs} "
             f"rows, got shape {tuple(seq_lens.shape)}"
         )
-    lengths, out_starts, total = _lengths_and_starts(seq_lens64, is_cumsum)
-    col_starts = _table_col_starts(seq_offset, num_seqs, bs)
-    _check_used_blocks(tables, lengths, col_starts, bs, nb)
+    host_tables, host_lens, host_offset = _on_host(block_tables, seq_lens, seq_offset)
+    entries = block_tables.numel() + seq_lens.numel() + (0 if seq_offset is None else seq_offset.numel())
+    if entries <= SMALL_INDEX_ENTRIES:
+        # Small inputs (decode steps): the same rules in plain Python over .tolist(), same messages.
+        lengths_l, starts_l, total = _lengths_and_starts_small(host_lens.tolist(), is_cumsum)
+        cols_l = _table_col_starts_small(seq_offset, host_offset, num_seqs, bs)
+        rows = host_tables.tolist()
+        _check_used_blocks_small(rows, block_tables.shape[1], lengths_l, cols_l, bs, nb)
+        index_fields = None
+    else:
+        tables = host_tables.to(dtype=torch.int64)
+        lengths, out_starts, total = _lengths_and_starts(host_lens.to(dtype=torch.int64), is_cumsum)
+        col_starts = _table_col_starts(seq_offset, host_offset, num_seqs, bs)
+        _check_used_blocks(tables, lengths, col_starts, bs, nb)
+        index_fields = {
+            "seq_lengths": lengths,
+            "out_starts": out_starts,
+            "table_col_starts": col_starts,
+            "block_tables": tables,
+        }
 
     for name, token_shape, cache in (("key", key_token, key_cache), ("value", value_token, value_cache)):
         row_bytes = cache.element_size()
@@ -618,22 +792,32 @@ def plan_gather(
         if total * row_bytes > INT64_MAX:
             raise ValueError(f"{name} output of {total} tokens x {row_bytes} bytes overflows int64 byte offsets")
 
-    plan = GatherPlan(
-        cache_mode=mode,
-        is_seq_lens_cumsum=is_cumsum,
-        num_blocks=nb,
-        block_size=bs,
-        num_seqs=num_seqs,
-        num_tokens=total,
-        key_token_shape=tuple(int(d) for d in key_token),
-        value_token_shape=tuple(int(d) for d in value_token),
-        key_dtype=key_cache.dtype,
-        value_dtype=value_cache.dtype,
-        seq_lengths=lengths,
-        out_starts=out_starts,
-        table_col_starts=col_starts,
-        block_tables=tables,
-    )
+    fields = {
+        "cache_mode": mode,
+        "is_seq_lens_cumsum": is_cumsum,
+        "num_blocks": nb,
+        "block_size": bs,
+        "num_seqs": num_seqs,
+        "num_tokens": total,
+        "key_token_shape": tuple(map(int, key_token)),
+        "value_token_shape": tuple(map(int, value_token)),
+        "key_dtype": key_cache.dtype,
+        "value_dtype": value_cache.dtype,
+    }
+    if index_fields is not None:
+        plan = GatherPlan(**fields, **index_fields)
+    else:
+        # The index tensors are built on first access (GatherPlan.__getattr__); bypassing the
+        # dataclass __init__ leaves those four fields unset until then.
+        plan = object.__new__(GatherPlan)
+        plan.__dict__.update(fields)
+        plan.__dict__["_lists"] = {
+            "seq_lengths": lengths_l,
+            "out_starts": starts_l,
+            "table_col_starts": cols_l,
+            "block_tables": rows,
+            "raw_block_tables": host_tables,
+        }
     _check_output("key_out", key_out, plan.key_out_shape, "key_cache", key_cache)
     _check_output("value_out", value_out, plan.value_out_shape, "value_cache", value_cache)
     _check_no_aliasing(
