@@ -441,8 +441,7 @@ def _require_cache_dtype(name: str, cache: torch.Tensor) -> None:
 
 
 def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode) -> tuple[int, int, tuple[int, ...]]:
-    """(num_blocks, block_size, token_shape) of one cache, checking its dtype and layout."""
-    _require_cache_dtype(name, cache)
+    """(num_blocks, block_size, token_shape) of one cache (dtype already checked), checking its layout."""
     itemsize = cache.element_size()
     if mode is CacheMode.NORM:
         _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
@@ -555,7 +554,7 @@ def _on_host(
     tensors = [block_tables, seq_lens, seq_offset]
     by_device: dict[torch.device, list[int]] = {}
     for i, tensor in enumerate(tensors):
-        if tensor is not None and tensor.device.type != "cpu" and tensor.dtype in _INDEX_BY_TORCH:
+        if tensor is not None and not tensor.is_cpu and tensor.dtype in _INDEX_BY_TORCH:
             by_device.setdefault(tensor.device, []).append(i)
     for members in by_device.values():
         flat = torch.cat([tensors[i].reshape(-1).to(torch.int64) for i in members]).cpu()
@@ -640,7 +639,7 @@ def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], c
     if out is None:
         return
     out = _require_tensor(name, out)
-    if tuple(out.shape) != shape:
+    if out.shape != shape:  # torch.Size is a tuple
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(out.shape)}")
     if out.dtype != cache.dtype:
         raise TypeError(f"{name} must have {cache_name}'s dtype {cache.dtype}, got {out.dtype}")
@@ -655,13 +654,15 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     Works on raw addresses (``data_ptr`` includes the storage offset), so two tensors of any
     dtypes over one untyped storage, or over two views of one allocation, compare correctly.
     """
-    count = tensor.numel()
-    if count == 0:
+    if tensor.is_contiguous():  # the common case, without a Python loop over dims
+        nbytes = tensor.nbytes
+        if nbytes == 0:
+            return None
+        first = tensor.data_ptr()
+        return first, first + nbytes
+    if tensor.numel() == 0:
         return None
-    if tensor.is_contiguous():
-        span = count - 1
-    else:
-        span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
     first = tensor.data_ptr()
     return first, first + (span + 1) * tensor.element_size()
 
@@ -679,23 +680,30 @@ def _check_no_aliasing(outputs: dict[str, torch.Tensor | None], inputs: dict[str
     if not given:
         return
     # Each tensor's byte range once (device, range), not once per pair.
-    inputs_at = [(name, t.device, byte_range(t)) for name, t in inputs.items() if t is not None]
-    given_at = [(name, out.device, byte_range(out)) for name, out in given]
-    for i, (name, device, span) in enumerate(given_at):
-        for other_name, other_device, other_span in given_at[i + 1 :]:
-            if _spans_overlap(device, span, other_device, other_span):
+    inputs_at = [(name, t, byte_range(t)) for name, t in inputs.items() if t is not None]
+    given_at = [(name, out, byte_range(out)) for name, out in given]
+    for i, (name, out, span) in enumerate(given_at):
+        for other_name, other, other_span in given_at[i + 1 :]:
+            if _spans_overlap(out, span, other, other_span):
                 raise ValueError(f"{name} and {other_name} overlap in memory; pass two separate tensors")
-        for input_name, input_device, input_span in inputs_at:
-            if _spans_overlap(device, span, input_device, input_span):
+        for input_name, tensor, input_span in inputs_at:
+            if _spans_overlap(out, span, tensor, input_span):
                 raise ValueError(
                     f"{name} overlaps {input_name} in memory: an output must not share bytes with any input"
                 )
 
 
 def _spans_overlap(
-    device_a: torch.device, a: tuple[int, int] | None, device_b: torch.device, b: tuple[int, int] | None
+    a: torch.Tensor, a_span: tuple[int, int] | None, b: torch.Tensor, b_span: tuple[int, int] | None
 ) -> bool:
-    return device_a == device_b and a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+    # Addresses first (cheap); the device only matters when they overlap.
+    return (
+        a_span is not None
+        and b_span is not None
+        and a_span[0] < b_span[1]
+        and b_span[0] < a_span[1]
+        and a.device == b.device
+    )
 
 
 def plan_gather(
@@ -786,9 +794,7 @@ def plan_gather(
         }
 
     for name, token_shape, cache in (("key", key_token, key_cache), ("value", value_token, value_cache)):
-        row_bytes = cache.element_size()
-        for dim in token_shape:
-            row_bytes *= dim
+        row_bytes = cache.element_size() * math.prod(token_shape)
         if total * row_bytes > INT64_MAX:
             raise ValueError(f"{name} output of {total} tokens x {row_bytes} bytes overflows int64 byte offsets")
 

@@ -20,6 +20,11 @@ from pakv_onnx.spec import GatherPlan
 GatherFn = Callable[[GatherPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
+    """The default ``unsupported_reason``: the backend takes every valid call."""
+    return None
+
+
 class BackendUnavailableError(RuntimeError):
     """A backend cannot run here (missing package or device) or cannot run this plan."""
 
@@ -42,15 +47,25 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
+        support_by_layout: for contiguous caches, its ``unsupported_reason`` depends only on the
+            caches' device, dtypes and the cache mode (never on sizes or index values), so ``auto``
+            may cache its verdict per such key (a backend with the default ``unsupported_reason`` is
+            treated so too).
     """
 
     name: str
     description: str
     gather: GatherFn
     unavailable_reason: Callable[[], str | None] = lambda: None
-    unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = lambda plan, cache: None
+    unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = _handles_every_call
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
+    support_by_layout: bool = False
+
+    @property
+    def verdict_is_cacheable(self) -> bool:
+        """Whether :meth:`refusal` depends only on the key of :func:`resolve_backend`'s cache."""
+        return self.support_by_layout or self.unsupported_reason is _handles_every_call
 
     def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
@@ -118,16 +133,16 @@ def resolve_backend(
     """
     caches = (cache, cache if value_cache is None else value_cache)
     if name == AUTO:
-        reasons = []
-        for candidate in AUTO_PREFERENCE:
-            if candidate not in BACKEND_MODULES:
-                continue
-            backend = get_backend(candidate)
-            reason = backend.refusal(plan, caches)
-            if reason is None:
-                return backend
-            reasons.append(f"{candidate}: {reason}")
-        raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
+        # Pool views are resolved every time (whether a backend can read one depends on its strides).
+        dense = caches[0].is_contiguous() and caches[1].is_contiguous()
+        key = (caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
+        hit = _auto_cache.get(key) if dense else None
+        if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+            return hit[2]
+        backend, cacheable = _resolve_auto(plan, caches)
+        if cacheable and dense:
+            _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
+        return backend
     backend = get_backend(name)
     reason = backend.refusal(plan, caches)
     if reason is not None:
@@ -135,3 +150,34 @@ def resolve_backend(
         hint = f"; backends that can: {', '.join(able)}" if able else ""
         raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
     return backend
+
+
+# "auto"'s pick per (device, key dtype, value dtype, cache mode) for contiguous caches, kept with
+# the AUTO_PREFERENCE and BACKEND_MODULES it was made under (a change to either is a miss). Only
+# picks that depend on nothing else are kept: every backend tried before the winner was refused
+# for being unavailable in this process or by a layout-only verdict, and the winner's own
+# verdict is layout-only (see Backend.verdict_is_cacheable).
+_auto_cache: dict[tuple, tuple[tuple[str, ...], dict[str, str], Backend]] = {}
+
+
+def clear_resolution_cache() -> None:
+    """Forget every cached ``auto`` pick (after a backend's availability changed in this process)."""
+    _auto_cache.clear()
+
+
+def _resolve_auto(plan: GatherPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[Backend, bool]:
+    """The first backend of AUTO_PREFERENCE that can run the call, and whether the pick may be cached."""
+    cacheable = True
+    reasons = []
+    for candidate in AUTO_PREFERENCE:
+        if candidate not in BACKEND_MODULES:
+            continue
+        backend = get_backend(candidate)
+        unavailable = backend.unavailable_reason()
+        reason = unavailable or backend.refusal(plan, caches)
+        if unavailable is None and not backend.verdict_is_cacheable:
+            cacheable = False  # refused or picked for this plan's sizes/values: decide again next call
+        if reason is None:
+            return backend, cacheable
+        reasons.append(f"{candidate}: {reason}")
+    raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
