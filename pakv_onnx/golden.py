@@ -44,13 +44,12 @@ def gather_golden(
         value_out: ``[T, *plan.value_token_shape]`` of ``plan.value_dtype``, written in place.
     """
     bs = plan.block_size
-    for q in range(plan.num_seqs):
-        length = int(plan.seq_lengths[q])
-        out_start = int(plan.out_starts[q])
-        first_col = int(plan.table_col_starts[q])
+    mode = plan.cache_mode
+    lengths, out_starts, col_starts = plan.index_lists()
+    for row, length, out_start, first_col in zip(plan.block_table_rows(), lengths, out_starts, col_starts):
         for token in range(0, length, bs):
-            block = int(plan.block_tables[q, first_col + token // bs])
+            block = row[first_col + token // bs]
             rows = min(bs, length - token)
-            dst = slice(out_start + token, out_start + token + rows)
-            key_out[dst] = _block_rows(key_cache, plan.cache_mode, block, rows)
-            value_out[dst] = _block_rows(value_cache, plan.cache_mode, block, rows)
+            start = out_start + token
+            key_out[start : start + rows].copy_(_block_rows(key_cache, mode, block, rows))
+            value_out[start : start + rows].copy_(_block_rows(value_cache, mode, block, rows))

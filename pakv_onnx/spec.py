@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -334,6 +336,9 @@ class GatherPlan:
             ValueError: T above :data:`MAX_LISTED_INDICES` (see :meth:`runs`).
         """
         _require_listable("token_slots()", self.num_tokens, "tokens")
+        lists = self.__dict__.get("_lists")
+        if lists is not None and self.num_tokens <= SMALL_TOKEN_SLOTS:
+            return _token_slots_small(self, lists)
         runs = self.runs()
         physical, rows, out_row = runs[:, 0], runs[:, 1], runs[:, 2]
         token_block = torch.repeat_interleave(physical, rows)
@@ -343,6 +348,27 @@ class GatherPlan:
 
 
 _LAZY_FIELDS = frozenset({"seq_lengths", "out_starts", "table_col_starts", "block_tables"})
+
+# A small plan (index lists kept) lists up to this many token slots in plain Python (two
+# torch.tensor calls) instead of the dozen torch ops of the vectorised runs()/token_slots().
+SMALL_TOKEN_SLOTS = 4096
+
+
+def _token_slots_small(plan: GatherPlan, lists: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`GatherPlan.token_slots` from the plan's index lists (same values, in output order)."""
+    bs = plan.block_size
+    blocks: list[int] = [0] * plan.num_tokens
+    slots: list[int] = [0] * plan.num_tokens
+    for row, length, start, col in zip(
+        lists["block_tables"], lists["seq_lengths"], lists["out_starts"], lists["table_col_starts"]
+    ):
+        for token in range(0, length, bs):
+            rows = min(bs, length - token)
+            at = start + token
+            blocks[at : at + rows] = [row[col + token // bs]] * rows
+            slots[at : at + rows] = range(rows)
+    return torch.tensor(blocks, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+
 
 # Per-run / per-token index tensors above this many entries are refused rather than built:
 # 2**36 int64 entries are 512 GiB, far past any output a backend could hold, and the number
@@ -442,18 +468,20 @@ def _require_cache_dtype(name: str, cache: torch.Tensor) -> None:
 
 def _cache_geometry(name: str, cache: torch.Tensor, mode: CacheMode) -> tuple[int, int, tuple[int, ...]]:
     """(num_blocks, block_size, token_shape) of one cache (dtype already checked), checking its layout."""
-    itemsize = cache.element_size()
+    shape = cache.shape
     if mode is CacheMode.NORM:
-        _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
-    else:
+        if len(shape) != 4:
+            _require_rank(name, cache, 4, "Norm: [num_blocks, block_size, heads, head_dim]")
+        return shape[0], shape[1], (shape[2], shape[3])
+    if len(shape) != 4:
         _require_rank(name, cache, 4, "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]")
-        expected = nz_last_dim(itemsize)
-        if cache.shape[3] != expected:
-            raise ValueError(
-                f"{name}: PA_NZ last dim must be 32 bytes / element size = {expected} for "
-                f"{cache.dtype}, got {cache.shape[3]} (shape {tuple(cache.shape)})"
-            )
-    return cache.shape[0], cache.shape[block_size_axis(mode)], token_shape(cache.shape, mode)
+    expected = nz_last_dim(cache.element_size())
+    if shape[3] != expected:
+        raise ValueError(
+            f"{name}: PA_NZ last dim must be 32 bytes / element size = {expected} for "
+            f"{cache.dtype}, got {shape[3]} (shape {tuple(shape)})"
+        )
+    return shape[0], shape[2], (shape[1] * shape[3],)
 
 
 def _first_bad(mask: torch.Tensor) -> int:
@@ -575,24 +603,23 @@ def _lengths_and_starts_small(values: list[int], is_cumsum: bool) -> tuple[list[
             raise ValueError(f"seq_lens (cumsum) must start at 0, got seq_lens[0] = {values[0]}")
         starts = values[:-1]
         ends = values[1:]
-        for i, (start, end) in enumerate(zip(starts, ends)):
-            if end < start:
-                raise ValueError(
-                    f"seq_lens (cumsum) must be non-decreasing, got seq_lens[{i + 1}] = "
-                    f"{end} < seq_lens[{i}] = {start}"
-                )
-        return [end - start for start, end in zip(starts, ends)], starts, values[-1]
-    for i, length in enumerate(values):
-        if length < 0:
-            raise ValueError(f"seq_lens (lengths) must be non-negative, got seq_lens[{i}] = {length}")
-    starts = []
-    total = 0
-    for i, length in enumerate(values):
-        starts.append(total)
-        total += length
-        if total > INT64_MAX:  # where the int64 partial sum of the vectorised path turns negative
-            raise ValueError(f"seq_lens (lengths): the total token count overflows int64 at seq_lens[{i}]")
-    return values, starts, total
+        if values != sorted(values):  # a C-speed test; the loop below only finds the culprit
+            for i, (start, end) in enumerate(zip(starts, ends)):
+                if end < start:
+                    raise ValueError(
+                        f"seq_lens (cumsum) must be non-decreasing, got seq_lens[{i + 1}] = "
+                        f"{end} < seq_lens[{i}] = {start}"
+                    )
+        return list(map(operator.sub, ends, starts)), starts, values[-1]
+    if values and min(values) < 0:
+        i = next(i for i, length in enumerate(values) if length < 0)
+        raise ValueError(f"seq_lens (lengths) must be non-negative, got seq_lens[{i}] = {values[i]}")
+    ends = list(itertools.accumulate(values))
+    total = ends[-1] if ends else 0
+    if total > INT64_MAX:  # the first partial sum past INT64_MAX is where int64 turns negative
+        i = next(i for i, end in enumerate(ends) if end > INT64_MAX)
+        raise ValueError(f"seq_lens (lengths): the total token count overflows int64 at seq_lens[{i}]")
+    return values, list(map(operator.sub, ends, values)), total
 
 
 def _table_col_starts_small(
@@ -603,12 +630,12 @@ def _table_col_starts_small(
         return [0] * num_seqs
     _require_index_dtype("seq_offset", seq_offset)
     _require_rank("seq_offset", seq_offset, 1, "a vector")
-    if seq_offset.numel() != num_seqs:
+    if seq_offset.shape[0] != num_seqs:
         raise ValueError(f"seq_offset must have Q = {num_seqs} entries, got shape {tuple(seq_offset.shape)}")
     offsets = host_offset.tolist()
-    for i, offset in enumerate(offsets):
-        if offset < 0:
-            raise ValueError(f"seq_offset must be non-negative, got seq_offset[{i}] = {offset}")
+    if offsets and min(offsets) < 0:
+        i = next(i for i, offset in enumerate(offsets) if offset < 0)
+        raise ValueError(f"seq_offset must be non-negative, got seq_offset[{i}] = {offsets[i]}")
     return [offset // block_size for offset in offsets]
 
 
@@ -616,7 +643,7 @@ def _check_used_blocks_small(
     rows: list[list[int]], cols: int, lengths: list[int], col_starts: list[int], block_size: int, num_blocks: int
 ) -> None:
     """:func:`_check_used_blocks` over lists: every row long enough first, then the used ids."""
-    needed = [length // block_size + (length % block_size != 0) for length in lengths]
+    needed = [-(-length // block_size) for length in lengths]  # ceil; Python ints cannot overflow
     for q, (need, col) in enumerate(zip(needed, col_starts)):
         if need > cols - col:
             raise ValueError(
@@ -624,15 +651,17 @@ def _check_used_blocks_small(
                 f"= {need} blocks of {block_size} starting at column "
                 f"{col} (seq_offset), but block_tables has {cols} columns"
             )
-    for q, (need, col) in enumerate(zip(needed, col_starts)):
-        row = rows[q]
-        for c in range(col, col + need):
-            block = row[c]
-            if block < 0 or block >= num_blocks:
-                raise ValueError(
-                    f"block_tables[{q}, {c}] = {block} is outside [0, {num_blocks}) "
-                    f"(num_blocks of key_cache); it is used by sequence {q}"
-                )
+    for q, (row, need, col) in enumerate(zip(rows, needed, col_starts)):
+        if not need:
+            continue
+        used = row[col : col + need]
+        if min(used) < 0 or max(used) >= num_blocks:  # C-speed; the loop below names the first
+            for c, block in enumerate(used, col):
+                if block < 0 or block >= num_blocks:
+                    raise ValueError(
+                        f"block_tables[{q}, {c}] = {block} is outside [0, {num_blocks}) "
+                        f"(num_blocks of key_cache); it is used by sequence {q}"
+                    )
 
 
 def _check_output(name: str, out: torch.Tensor | None, shape: tuple[int, ...], cache_name: str, cache: torch.Tensor) -> None:
@@ -772,7 +801,10 @@ def plan_gather(
             f"seq_lens must have {form} = {expected} entries for block_tables with Q = {num_seqs} "
             f"rows, got shape {tuple(seq_lens.shape)}"
         )
-    host_tables, host_lens, host_offset = _on_host(block_tables, seq_lens, seq_offset)
+    if block_tables.is_cpu and seq_lens.is_cpu and (seq_offset is None or seq_offset.is_cpu):
+        host_tables, host_lens, host_offset = block_tables, seq_lens, seq_offset
+    else:
+        host_tables, host_lens, host_offset = _on_host(block_tables, seq_lens, seq_offset)
     entries = block_tables.numel() + seq_lens.numel() + (0 if seq_offset is None else seq_offset.numel())
     if entries <= SMALL_INDEX_ENTRIES:
         # Small inputs (decode steps): the same rules in plain Python over .tolist(), same messages.
@@ -824,6 +856,8 @@ def plan_gather(
             "block_tables": rows,
             "raw_block_tables": host_tables,
         }
+    if key_out is None and value_out is None:
+        return plan
     _check_output("key_out", key_out, plan.key_out_shape, "key_cache", key_cache)
     _check_output("value_out", value_out, plan.value_out_shape, "value_cache", value_cache)
     _check_no_aliasing(

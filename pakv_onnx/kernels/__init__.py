@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable
 
 import torch
@@ -113,7 +114,10 @@ def get_backend(name: str) -> Backend:
     except KeyError:
         choices = ", ".join((AUTO, *BACKEND_MODULES))
         raise ValueError(f"backend {name!r} is unknown (choices: {choices})") from None
-    return importlib.import_module(module_name).BACKEND
+    module = sys.modules.get(module_name)  # already imported: skip import_module's lock and lookup
+    if module is None:
+        module = importlib.import_module(module_name)
+    return module.BACKEND
 
 
 def resolve_backend(
