@@ -39,8 +39,10 @@ columns may hold anything (padding, stale ids).
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import enum
+import functools
 import itertools
 import math
 import operator
@@ -257,7 +259,7 @@ class GatherPlan:
         if name == "block_tables":
             value = lists["raw_block_tables"].to(device="cpu", dtype=torch.int64)
         else:
-            value = torch.tensor(lists[name], dtype=torch.int64)
+            value = int64_tensor(lists[name])
         object.__setattr__(self, name, value)  # built once; a race builds the same tensor twice
         return value
 
@@ -291,12 +293,12 @@ class GatherPlan:
     def value_out_shape(self) -> tuple[int, ...]:
         return (self.num_tokens, *self.value_token_shape)
 
-    @property
+    @functools.cached_property  # plan_gather fills it in (a plain attribute read afterwards)
     def key_row_bytes(self) -> int:
         """Bytes of one key output row (0 for an empty token shape)."""
         return math.prod(self.key_token_shape) * _itemsize(self.key_dtype)
 
-    @property
+    @functools.cached_property
     def value_row_bytes(self) -> int:
         """Bytes of one value output row (0 for an empty token shape)."""
         return math.prod(self.value_token_shape) * _itemsize(self.value_dtype)
@@ -367,7 +369,14 @@ def _token_slots_small(plan: GatherPlan, lists: dict[str, Any]) -> tuple[torch.T
             at = start + token
             blocks[at : at + rows] = [row[col + token // bs]] * rows
             slots[at : at + rows] = range(rows)
-    return torch.tensor(blocks, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64)
+    return int64_tensor(blocks), int64_tensor(slots)
+
+
+def int64_tensor(values: list[int]) -> torch.Tensor:
+    """An int64 CPU tensor of ``values`` (through an ``array``: a third of ``torch.tensor``'s cost)."""
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 # Per-run / per-token index tensors above this many entries are refused rather than built:
@@ -703,16 +712,17 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]
 
 
-def _check_no_aliasing(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+def _check_no_aliasing(
+    outputs: Sequence[tuple[str, torch.Tensor | None]], inputs: Sequence[tuple[str, torch.Tensor | None]]
+) -> None:
     """Outputs may overlap neither each other nor any input (checked before anything is written)."""
-    given = [(name, out) for name, out in outputs.items() if out is not None]
+    given = [(name, out, byte_range(out)) for name, out in outputs if out is not None]
     if not given:
         return
-    # Each tensor's byte range once (device, range), not once per pair.
-    inputs_at = [(name, t, byte_range(t)) for name, t in inputs.items() if t is not None]
-    given_at = [(name, out, byte_range(out)) for name, out in given]
-    for i, (name, out, span) in enumerate(given_at):
-        for other_name, other, other_span in given_at[i + 1 :]:
+    # Each tensor's byte range once, not once per pair.
+    inputs_at = [(name, t, byte_range(t)) for name, t in inputs if t is not None]
+    for i, (name, out, span) in enumerate(given):
+        for other_name, other, other_span in given[i + 1 :]:
             if _spans_overlap(out, span, other, other_span):
                 raise ValueError(f"{name} and {other_name} overlap in memory; pass two separate tensors")
         for input_name, tensor, input_span in inputs_at:
@@ -767,35 +777,48 @@ def plan_gather(
         ValueError: any other contract violation; the message names the input, the
             index and the bad value.
     """
-    mode = _parse_cache_mode(cache_mode)
-    is_cumsum = _parse_cumsum_flag(is_seq_lens_cumsum)
-    key_cache = _require_tensor("key_cache", key_cache)
-    value_cache = _require_tensor("value_cache", value_cache)
-    block_tables = _require_tensor("block_tables", block_tables)
-    seq_lens = _require_tensor("seq_lens", seq_lens)
-    if seq_offset is not None:
-        seq_offset = _require_tensor("seq_offset", seq_offset)
+    # Written for a decode step's microseconds: each tensor attribute is read once into a local,
+    # and the checks run in the contract's order (the messages are the helpers' own).
+    mode = cache_mode if type(cache_mode) is CacheMode else _parse_cache_mode(cache_mode)
+    is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else _parse_cumsum_flag(is_seq_lens_cumsum)
+    for name, value in (
+        ("key_cache", key_cache),
+        ("value_cache", value_cache),
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+    ):
+        if not isinstance(value, torch.Tensor):
+            _require_tensor(name, value)
+    if seq_offset is not None and not isinstance(seq_offset, torch.Tensor):
+        _require_tensor("seq_offset", seq_offset)
 
-    _require_cache_dtype("key_cache", key_cache)
-    _require_cache_dtype("value_cache", value_cache)
-    if value_cache.device != key_cache.device:
-        raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}")
+    key_dtype, value_dtype = key_cache.dtype, value_cache.dtype
+    if key_dtype not in _CACHE_BY_TORCH:
+        _require_cache_dtype("key_cache", key_cache)
+    if value_dtype not in _CACHE_BY_TORCH:
+        _require_cache_dtype("value_cache", value_cache)
+    device = key_cache.device
+    if value_cache.device != device:
+        raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {device}")
     nb, bs, key_token = _cache_geometry("key_cache", key_cache, mode)
     vnb, vbs, value_token = _cache_geometry("value_cache", value_cache, mode)
-    if (vnb, vbs) != (nb, bs):
+    if vnb != nb or vbs != bs:
         raise ValueError(f"value_cache num_blocks/block_size ({vnb}, {vbs}) must equal key_cache's ({nb}, {bs})")
     if bs < 1:
         raise ValueError(f"key_cache block_size must be >= 1, got {bs}")
-    _require_pool_view("key_cache", key_cache)
-    _require_pool_view("value_cache", value_cache)
+    if not key_cache.is_contiguous():
+        _require_pool_view("key_cache", key_cache)
+    if not value_cache.is_contiguous():
+        _require_pool_view("value_cache", value_cache)
 
     _require_index_dtype("block_tables", block_tables)
     _require_rank("block_tables", block_tables, 2, "[Q, max_blocks_per_seq]")
-    num_seqs = block_tables.shape[0]
+    num_seqs, cols = block_tables.shape
     _require_index_dtype("seq_lens", seq_lens)
     _require_rank("seq_lens", seq_lens, 1, "a vector")
     expected = num_seqs + 1 if is_cumsum else num_seqs
-    if seq_lens.numel() != expected:
+    num_lens = seq_lens.shape[0]
+    if num_lens != expected:
         form = "Q+1 (cumsum)" if is_cumsum else "Q (lengths)"
         raise ValueError(
             f"seq_lens must have {form} = {expected} entries for block_tables with Q = {num_seqs} "
@@ -805,13 +828,13 @@ def plan_gather(
         host_tables, host_lens, host_offset = block_tables, seq_lens, seq_offset
     else:
         host_tables, host_lens, host_offset = _on_host(block_tables, seq_lens, seq_offset)
-    entries = block_tables.numel() + seq_lens.numel() + (0 if seq_offset is None else seq_offset.numel())
+    entries = num_seqs * cols + num_lens + (0 if seq_offset is None else seq_offset.numel())
     if entries <= SMALL_INDEX_ENTRIES:
         # Small inputs (decode steps): the same rules in plain Python over .tolist(), same messages.
         lengths_l, starts_l, total = _lengths_and_starts_small(host_lens.tolist(), is_cumsum)
         cols_l = _table_col_starts_small(seq_offset, host_offset, num_seqs, bs)
         rows = host_tables.tolist()
-        _check_used_blocks_small(rows, block_tables.shape[1], lengths_l, cols_l, bs, nb)
+        _check_used_blocks_small(rows, cols, lengths_l, cols_l, bs, nb)
         index_fields = None
     else:
         tables = host_tables.to(dtype=torch.int64)
@@ -825,11 +848,14 @@ def plan_gather(
             "block_tables": tables,
         }
 
-    for name, token_shape, cache in (("key", key_token, key_cache), ("value", value_token, value_cache)):
-        row_bytes = cache.element_size() * math.prod(token_shape)
+    key_row = key_cache.element_size() * math.prod(key_token)
+    value_row = value_cache.element_size() * math.prod(value_token)
+    for name, row_bytes in (("key", key_row), ("value", value_row)):
         if total * row_bytes > INT64_MAX:
             raise ValueError(f"{name} output of {total} tokens x {row_bytes} bytes overflows int64 byte offsets")
 
+    key_token = tuple(map(int, key_token))
+    value_token = tuple(map(int, value_token))
     fields = {
         "cache_mode": mode,
         "is_seq_lens_cumsum": is_cumsum,
@@ -837,18 +863,19 @@ def plan_gather(
         "block_size": bs,
         "num_seqs": num_seqs,
         "num_tokens": total,
-        "key_token_shape": tuple(map(int, key_token)),
-        "value_token_shape": tuple(map(int, value_token)),
-        "key_dtype": key_cache.dtype,
-        "value_dtype": value_cache.dtype,
+        "key_token_shape": key_token,
+        "value_token_shape": value_token,
+        "key_dtype": key_dtype,
+        "value_dtype": value_dtype,
     }
     if index_fields is not None:
         plan = GatherPlan(**fields, **index_fields)
+        plan.__dict__.update(key_row_bytes=key_row, value_row_bytes=value_row)
     else:
         # The index tensors are built on first access (GatherPlan.__getattr__); bypassing the
         # dataclass __init__ leaves those four fields unset until then.
         plan = object.__new__(GatherPlan)
-        plan.__dict__.update(fields)
+        plan.__dict__.update(fields, key_row_bytes=key_row, value_row_bytes=value_row)
         plan.__dict__["_lists"] = {
             "seq_lengths": lengths_l,
             "out_starts": starts_l,
@@ -858,6 +885,19 @@ def plan_gather(
         }
     if key_out is None and value_out is None:
         return plan
+    _check_output("key_out", key_out, (total, *key_token), "key_cache", key_cache)
+    _check_output("value_out", value_out, (total, *value_token), "value_cache", value_cache)
+    _check_no_aliasing(
+        (("key_out", key_out), ("value_out", value_out)),
+        (
+            ("key_cache", key_cache),
+            ("value_cache", value_cache),
+            ("block_tables", block_tables),
+            ("seq_lens", seq_lens),
+            ("seq_offset", seq_offset),
+        ),
+    )
+    return plan
     _check_output("key_out", key_out, plan.key_out_shape, "key_cache", key_cache)
     _check_output("value_out", value_out, plan.value_out_shape, "value_cache", value_cache)
     _check_no_aliasing(

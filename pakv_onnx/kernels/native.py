@@ -37,12 +37,12 @@ def _unsupported(plan: GatherPlan, cache: torch.Tensor) -> str | None:
 
 def _block_stride_bytes(name: str, cache: torch.Tensor) -> int:
     """Bytes from block i to block i+1 of ``cache`` (a rank-4 CPU tensor whose blocks are dense)."""
-    if not cache.is_cpu or cache.dim() != 4 or not (cache.is_contiguous() or blocks_are_row_major(cache)):
+    shape = cache.shape
+    if not cache.is_cpu or len(shape) != 4 or not (cache.is_contiguous() or blocks_are_row_major(cache)):
         raise ValueError(
             f"native backend: {name} must be a CPU tensor whose blocks are row-major contiguous "
             f"(shape {tuple(cache.shape)}, strides {cache.stride()})"
         )
-    shape = cache.shape
     if shape[0] <= 1:  # a single block's stride is never used: take the dense one
         return shape[1] * shape[2] * shape[3] * cache.element_size()
     return cache.stride(0) * cache.element_size()
@@ -63,8 +63,8 @@ def _index_arrays(plan: GatherPlan) -> tuple[object, int, int, int, int, int, in
         packed = array.array("q", lengths)
         packed.extend(starts)
         packed.extend(cols)
-        base = packed.buffer_info()[0] if q else 0
-        tables64 = 1 if raw.dtype == torch.int64 else 0
+        base = packed.buffer_info()[0]
+        tables64 = 1 if raw.dtype is torch.int64 else 0
         return (packed, raw), raw.data_ptr(), tables64, raw.shape[1], base, base + 8 * q, base + 16 * q
     tables = plan.block_tables.contiguous()
     lengths_t = plan.seq_lengths.contiguous()
@@ -96,9 +96,10 @@ def gather_native(
             contiguous, any block stride (pool views are read in place, never copied).
         key_out, value_out: contiguous CPU outputs of the plan's shapes and the caches' dtypes.
     """
-    for name, tensor in (("key_out", key_out), ("value_out", value_out)):
-        if not tensor.is_contiguous() or not tensor.is_cpu:
-            raise ValueError(f"native backend: {name} must be a contiguous CPU tensor")
+    if not (key_out.is_contiguous() and key_out.is_cpu):
+        raise ValueError("native backend: key_out must be a contiguous CPU tensor")
+    if not (value_out.is_contiguous() and value_out.is_cpu):
+        raise ValueError("native backend: value_out must be a contiguous CPU tensor")
     owner, tables, tables64, table_cols, lengths, starts, col_starts = _index_arrays(plan)
     c_plan = native_lib.fill_plan(
         native_lib.LAYOUT_NZ if plan.cache_mode is CacheMode.PA_NZ else native_lib.LAYOUT_NORM,

@@ -29,12 +29,10 @@ _SHUTDOWN_NOTICE_MS = 2_000
 def _input(name: str, tensor: native_lib.Tensor):
     if not tensor.present:
         return None
-    try:
-        dtype = ONNX_TO_TORCH[tensor.elem_type]
-    except KeyError:
-        raise TypeError(f"{name} has ONNX element type {tensor.elem_type}, which is outside the contract") from None
-    shape = tuple(tensor.dims[i] for i in range(tensor.ndim))
-    return view(tensor.data or 0, shape, dtype)
+    dtype = ONNX_TO_TORCH.get(tensor.elem_type)
+    if dtype is None:
+        raise TypeError(f"{name} has ONNX element type {tensor.elem_type}, which is outside the contract")
+    return view(tensor.data or 0, tuple(tensor.dims[: tensor.ndim]), dtype)
 
 
 def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
@@ -47,7 +45,8 @@ def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
 
 def _serve(req_ptr) -> None:
     req = req_ptr.contents
-    inputs = tuple(_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES))
+    raw = req.inputs
+    inputs = tuple(_input(name, raw[i]) for i, name in enumerate(INPUT_NAMES))
 
     def allocate_from_ort(plan):
         # Each output takes its own cache's dtype (key and value caches may differ).
