@@ -52,21 +52,25 @@ def gather_pa_kv_cache(
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
 
-    def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        device = key_cache.device
-        key = key_out if key_out is not None else _empty("key", plan.key_out_shape, plan.key_dtype, device)
-        value = value_out if value_out is not None else _empty("value", plan.value_out_shape, plan.value_dtype, device)
-        return key, value
-
-    return gather_with(
-        (key_cache, value_cache, block_tables, seq_lens, seq_offset),
+    # gather_with's steps, inline: this is the eager hot path (a decode step costs microseconds).
+    plan = plan_gather(
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_offset,
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
         key_out=key_out,
         value_out=value_out,
-        backend=backend,
-        allocate=allocate,
     )
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    if key_out is None:
+        key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
+    if value_out is None:
+        value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
+    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
+    return key_out, value_out
 
 
 def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

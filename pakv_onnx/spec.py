@@ -745,6 +745,175 @@ def _spans_overlap(
     )
 
 
+def _accept_fast(
+    key_cache: Any,
+    value_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    seq_offset: Any,
+    mode: CacheMode,
+    is_cumsum: bool,
+    key_out: Any,
+    value_out: Any,
+) -> GatherPlan | None:
+    """The plan of a plain small CPU call that passes every check, else ``None``.
+
+    "Fast accept, slow reject": this only recognises calls that are certainly valid, with each
+    tensor attribute read once and no helper calls (a decode step pays microseconds). It never
+    raises a contract error of its own (the one exception, aliasing, is spec's own check, reached
+    only when every earlier check has passed, as in :func:`plan_gather`). Anything else (a
+    failed condition, a pool view, a device tensor, a tensor subclass, large index tensors)
+    returns ``None`` and :func:`plan_gather` runs the full checks, which raise the contract's
+    message or accept the call. Its conditions are each at least as strict as the full
+    checks', so it accepts a subset of what they accept, with an equal plan (a test compares them).
+    """
+    tensor = torch.Tensor
+    if (
+        type(key_cache) is not tensor
+        or type(value_cache) is not tensor
+        or type(block_tables) is not tensor
+        or type(seq_lens) is not tensor
+        or (seq_offset is not None and type(seq_offset) is not tensor)
+    ):
+        return None
+    key_dtype, value_dtype = key_cache.dtype, value_cache.dtype
+    key_shape, value_shape = key_cache.shape, value_cache.shape
+    if (
+        key_dtype not in _CACHE_BY_TORCH
+        or value_dtype not in _CACHE_BY_TORCH
+        or len(key_shape) != 4
+        or len(value_shape) != 4
+        or not key_cache.is_cpu
+        or not value_cache.is_cpu
+        or not key_cache.is_contiguous()
+        or not value_cache.is_contiguous()
+    ):
+        return None
+    key_item, value_item = key_dtype.itemsize, value_dtype.itemsize
+    if mode is CacheMode.NORM:
+        nb, bs, heads, dim = key_shape
+        vnb, vbs, vheads, vdim = value_shape
+        key_token, value_token = (heads, dim), (vheads, vdim)
+        key_row, value_row = heads * dim * key_item, vheads * vdim * value_item
+    else:
+        nb, fractals, bs, last = key_shape
+        vnb, vfractals, vbs, vlast = value_shape
+        if last * key_item != NZ_FRACTAL_BYTES or vlast * value_item != NZ_FRACTAL_BYTES:
+            return None
+        key_token, value_token = (fractals * last,), (vfractals * vlast,)
+        key_row, value_row = NZ_FRACTAL_BYTES * fractals, NZ_FRACTAL_BYTES * vfractals
+    if vnb != nb or vbs != bs or bs < 1:
+        return None
+    if (
+        block_tables.dtype not in _INDEX_BY_TORCH
+        or seq_lens.dtype not in _INDEX_BY_TORCH
+        or block_tables.dim() != 2
+        or seq_lens.dim() != 1
+        or not block_tables.is_cpu
+        or not seq_lens.is_cpu
+    ):
+        return None
+    num_seqs, cols = block_tables.shape
+    num_lens = seq_lens.shape[0]
+    entries = num_seqs * cols + num_lens
+    if seq_offset is not None:
+        if seq_offset.dtype not in _INDEX_BY_TORCH or seq_offset.dim() != 1 or not seq_offset.is_cpu:
+            return None
+        if seq_offset.shape[0] != num_seqs:
+            return None
+        entries += num_seqs
+    if num_lens != num_seqs + is_cumsum or entries > SMALL_INDEX_ENTRIES:
+        return None
+
+    values = seq_lens.tolist()
+    if is_cumsum:
+        if values[0] != 0 or values != sorted(values):
+            return None
+        starts = values[:-1]
+        lengths = list(map(operator.sub, values[1:], starts))
+        total = values[-1]
+    else:
+        if values and min(values) < 0:
+            return None
+        ends = list(itertools.accumulate(values))
+        total = ends[-1] if ends else 0
+        if total > INT64_MAX:
+            return None
+        lengths, starts = values, list(map(operator.sub, ends, values))
+    if seq_offset is None:
+        col_starts = [0] * num_seqs
+    else:
+        offsets = seq_offset.tolist()
+        if offsets and min(offsets) < 0:
+            return None
+        col_starts = [offset // bs for offset in offsets]
+    rows = block_tables.tolist()
+    for row, length, col in zip(rows, lengths, col_starts):
+        need = -(-length // bs)
+        if need > cols - col:
+            return None
+        if need:
+            used = row[col : col + need]
+            if min(used) < 0 or max(used) >= nb:
+                return None
+    if total * key_row > INT64_MAX or total * value_row > INT64_MAX:
+        return None
+
+    if key_out is not None or value_out is not None:
+        for out, token, dtype in ((key_out, key_token, key_dtype), (value_out, value_token, value_dtype)):
+            if out is None:
+                continue
+            if (
+                type(out) is not tensor
+                or out.dtype != dtype
+                or not out.is_cpu
+                or not out.is_contiguous()
+                or out.shape != (total, *token)
+            ):
+                return None
+        # No overlap between the outputs, or with any input (all dense here: [address, + nbytes));
+        # on any overlap the full checks raise spec's message.
+        spans = []
+        for t in (key_cache, value_cache, block_tables, seq_lens, seq_offset):
+            if t is not None:
+                if not t.is_contiguous():
+                    return None
+                first = t.data_ptr()
+                spans.append((first, first + t.nbytes))
+        for out in (key_out, value_out):
+            if out is not None:
+                first, end = out.data_ptr(), out.data_ptr() + out.nbytes
+                if first != end:
+                    for other_first, other_end in spans:
+                        if first < other_end and other_first < end:
+                            return None
+                spans.append((first, end))
+
+    plan = object.__new__(GatherPlan)  # index tensors built on first access (GatherPlan.__getattr__)
+    plan.__dict__.update(
+        cache_mode=mode,
+        is_seq_lens_cumsum=is_cumsum,
+        num_blocks=nb,
+        block_size=bs,
+        num_seqs=num_seqs,
+        num_tokens=total,
+        key_token_shape=key_token,
+        value_token_shape=value_token,
+        key_dtype=key_dtype,
+        value_dtype=value_dtype,
+        key_row_bytes=key_row,
+        value_row_bytes=value_row,
+        _lists={
+            "seq_lengths": lengths,
+            "out_starts": starts,
+            "table_col_starts": col_starts,
+            "block_tables": rows,
+            "raw_block_tables": block_tables,
+        },
+    )
+    return plan
+
+
 def plan_gather(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -777,10 +946,14 @@ def plan_gather(
         ValueError: any other contract violation; the message names the input, the
             index and the bad value.
     """
-    # Written for a decode step's microseconds: each tensor attribute is read once into a local,
-    # and the checks run in the contract's order (the messages are the helpers' own).
     mode = cache_mode if type(cache_mode) is CacheMode else _parse_cache_mode(cache_mode)
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else _parse_cumsum_flag(is_seq_lens_cumsum)
+    plan = _accept_fast(
+        key_cache, value_cache, block_tables, seq_lens, seq_offset, mode, is_cumsum, key_out, value_out
+    )
+    if plan is not None:
+        return plan
+    # The checks in the contract's order, each raising its own message (the one source of them).
     for name, value in (
         ("key_cache", key_cache),
         ("value_cache", value_cache),

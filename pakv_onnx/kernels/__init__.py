@@ -147,8 +147,17 @@ def resolve_backend(
         if cacheable and dense:
             _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
         return backend
+    # A named backend's verdict on contiguous caches is cached like auto's pick (same key, plus
+    # the name); only "can run" verdicts are kept, a refusal is worked out (and worded) each time.
+    dense = caches[0].is_contiguous() and caches[1].is_contiguous()
+    key = (name, caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
+    hit = _auto_cache.get(key) if dense else None
+    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+        return hit[2]
     backend = get_backend(name)
     reason = backend.refusal(plan, caches)
+    if reason is None and dense and backend.verdict_is_cacheable and backend.unavailable_reason() is None:
+        _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
     if reason is not None:
         able = [other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None]
         hint = f"; backends that can: {', '.join(able)}" if able else ""

@@ -96,22 +96,28 @@ def gather_native(
             contiguous, any block stride (pool views are read in place, never copied).
         key_out, value_out: contiguous CPU outputs of the plan's shapes and the caches' dtypes.
     """
+    if not (key_cache.is_cpu and value_cache.is_cpu):
+        raise ValueError("native backend: key_cache and value_cache must be CPU tensors")
     if not (key_out.is_contiguous() and key_out.is_cpu):
         raise ValueError("native backend: key_out must be a contiguous CPU tensor")
     if not (value_out.is_contiguous() and value_out.is_cpu):
         raise ValueError("native backend: value_out must be a contiguous CPU tensor")
     owner, tables, tables64, table_cols, lengths, starts, col_starts = _index_arrays(plan)
+    key_row, value_row, bs = plan.key_row_bytes, plan.value_row_bytes, plan.block_size
+    # A dense cache's block stride is one block: block_size rows (either layout), no tensor read.
+    key_stride = bs * key_row if key_cache.is_contiguous() else _block_stride_bytes("key_cache", key_cache)
+    value_stride = bs * value_row if value_cache.is_contiguous() else _block_stride_bytes("value_cache", value_cache)
     c_plan = native_lib.fill_plan(
         native_lib.LAYOUT_NZ if plan.cache_mode is CacheMode.PA_NZ else native_lib.LAYOUT_NORM,
         tables64,
         plan.num_blocks,
-        plan.block_size,
+        bs,
         key_cache.data_ptr(),
         value_cache.data_ptr(),
-        _block_stride_bytes("key_cache", key_cache),
-        _block_stride_bytes("value_cache", value_cache),
-        plan.key_row_bytes,
-        plan.value_row_bytes,
+        key_stride,
+        value_stride,
+        key_row,
+        value_row,
         key_out.data_ptr(),
         value_out.data_ptr(),
         plan.num_seqs,
