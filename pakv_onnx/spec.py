@@ -914,6 +914,40 @@ def _accept_fast(
     return plan
 
 
+def dense_cpu_without_overlap(inputs: Sequence[Any], outputs: Sequence[Any]) -> bool:
+    """True when every given tensor is a plain dense CPU ``torch.Tensor`` and no output overlaps
+    another output or any input (``None`` entries are skipped).
+
+    The Python half of a fast path that hands raw tensors to a C kernel which checks the rest
+    (dtypes, shapes, values): pool views, device tensors, subclasses and overlapping outputs are
+    left to :func:`plan_gather` (which refuses or accepts them with the contract's messages).
+    """
+    tensor = torch.Tensor
+    spans = []
+    for t in inputs:
+        if t is not None:
+            if type(t) is not tensor or not t.is_cpu or not t.is_contiguous():
+                return False
+            first = t.data_ptr()
+            spans.append((first, first + t.nbytes))
+    for t in outputs:
+        if t is not None:
+            if type(t) is not tensor or not t.is_cpu or not t.is_contiguous():
+                return False
+            first = t.data_ptr()
+            end = first + t.nbytes
+            if first != end:
+                for other_first, other_end in spans:
+                    if first < other_end and other_first < end:
+                        return False
+            spans.append((first, end))
+    return True
+
+
+# torch dtype -> ONNX element type of every contract dtype (cache and index).
+ONNX_TYPE_OF: dict[torch.dtype, int] = {d.torch_dtype: d.onnx_type for d in (*CACHE_DTYPES, *INDEX_DTYPES)}
+
+
 def plan_gather(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

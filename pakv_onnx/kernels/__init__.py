@@ -48,6 +48,11 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
+        gather_raw: optional fast path for a call with caller outputs, before any plan:
+            ``gather_raw(key_cache, value_cache, block_tables, seq_lens, seq_offset, mode,
+            is_cumsum, key_out, value_out) -> bool``. It must run every check of the contract
+            (or decline) before writing; ``False`` means declined, nothing written, and the caller
+            takes the full path (spec's checks, which word any error).
         support_by_layout: for contiguous caches, its ``unsupported_reason`` depends only on the
             caches' device, dtypes and the cache mode (never on sizes or index values), so ``auto``
             may cache its verdict per such key (a backend with the default ``unsupported_reason`` is
@@ -62,6 +67,7 @@ class Backend:
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
     support_by_layout: bool = False
+    gather_raw: Callable[..., bool] | None = None
 
     @property
     def verdict_is_cacheable(self) -> bool:
@@ -171,6 +177,18 @@ def resolve_backend(
 # for being unavailable in this process or by a layout-only verdict, and the winner's own
 # verdict is layout-only (see Backend.verdict_is_cacheable).
 _auto_cache: dict[tuple, tuple[tuple[str, ...], dict[str, str], Backend]] = {}
+
+
+def cached_backend(
+    name: str, device: torch.device, key_dtype: torch.dtype, value_dtype: torch.dtype, mode: object
+) -> Backend | None:
+    """The backend :func:`resolve_backend` picked before for ``name`` and contiguous caches of this
+    device, dtypes and cache mode, or ``None`` (not resolved yet, or not cacheable)."""
+    key = (device, key_dtype, value_dtype, mode) if name == AUTO else (name, device, key_dtype, value_dtype, mode)
+    hit = _auto_cache.get(key)
+    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+        return hit[2]
+    return None
 
 
 def clear_resolution_cache() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import CacheMode, GatherPlan, blocks_are_row_major
+from pakv_onnx.spec import ONNX_TYPE_OF, CacheMode, GatherPlan, blocks_are_row_major, dense_cpu_without_overlap
 
 
 def _unavailable() -> str | None:
@@ -132,6 +132,46 @@ def gather_native(
     del owner  # alive until the C call has returned
 
 
+def gather_raw(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_offset: torch.Tensor | None,
+    mode: CacheMode,
+    is_cumsum: bool,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+) -> bool:
+    """Validate and gather a dense CPU call with caller outputs in one C call; ``False``: declined.
+
+    The C side runs the same checks the ORT kernel runs on its raw inputs (dtypes, shapes, every
+    index value, memory safety) plus the outputs' dtypes and shapes; spec's
+    :func:`~pakv_onnx.spec.dense_cpu_without_overlap` does the rest here (dense CPU tensors, no
+    output overlapping anything). On any failed check nothing is written and this returns
+    ``False``: the caller then takes :func:`~pakv_onnx.spec.plan_gather`, which words the error
+    (or accepts the call). So no message is ever written here.
+    """
+    tensors = (key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out)
+    if not dense_cpu_without_overlap(tensors[:5], tensors[5:]):
+        return False
+    ranks = []
+    fields: list[int] = []
+    for t in tensors:
+        if t is None:
+            ranks.append(0)
+            fields += (0, 0, 0, 0, 0)
+            continue
+        onnx_type = ONNX_TYPE_OF.get(t.dtype)
+        shape = t.shape
+        if onnx_type is None or len(shape) > native_lib.MAX_RANK:
+            return False
+        ranks.append(len(shape))
+        fields += (t.data_ptr(), 1, onnx_type, len(shape), 0)
+        fields += shape
+    return native_lib.gather_raw(tuple(ranks), fields, mode is CacheMode.PA_NZ, is_cumsum) == native_lib.RAW_DONE
+
+
 BACKEND = Backend(
     name="native",
     description="C copy core: one memcpy per (sequence, block) run; strided pool views read in place (CPU)",
@@ -141,4 +181,5 @@ BACKEND = Backend(
     reads_pool_views=True,
     mixed_dtypes=True,
     support_by_layout=True,  # contiguous CPU caches are always taken
+    gather_raw=gather_raw,
 )

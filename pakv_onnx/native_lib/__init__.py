@@ -133,6 +133,7 @@ _SIGNATURES = {
         ctypes.c_void_p,
     ),
     "pakv_request_set_error": ([ctypes.POINTER(Request), ctypes.c_char_p], None),
+    "pakv_gather_raw": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
 }
 
 
@@ -183,6 +184,8 @@ class _Scratch(threading.local):
         self.plan = Plan()
         self.plan_bytes = memoryview(self.plan).cast("B")
         self.error = ctypes.create_string_buffer(ERROR_LEN)
+        self.tensors = (Tensor * (NUM_INPUTS + 2))()
+        self.tensor_bytes = memoryview(self.tensors).cast("B")
 
 
 _scratch = _Scratch()
@@ -211,6 +214,47 @@ def _raw_gather():
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
     fn.restype = ctypes.c_int
     return fn
+
+
+# pakv_tensor is {void* data; int32 present, elem_type, ndim, reserved; int64 dims[MAX_RANK]}.
+_TENSOR_HEAD = "Piiii"
+_TENSOR_PACKINGS: dict[tuple[int, ...], struct.Struct] = {}
+
+
+def _tensor_packing(ranks: tuple[int, ...]) -> struct.Struct:
+    """One Struct writing len(ranks) pakv_tensor records (dims past each rank left as padding)."""
+    packing = _TENSOR_PACKINGS.get(ranks)
+    if packing is None:
+        fmt = "@" + "".join(f"{_TENSOR_HEAD}{rank}q{(MAX_RANK - rank) * 8}x" for rank in ranks)
+        packing = struct.Struct(fmt)
+        if packing.size != ctypes.sizeof(Tensor) * len(ranks):  # pragma: no cover - other padding rules
+            raise LibraryABIError("pakv_tensor packing does not match its ctypes mirror")
+        _TENSOR_PACKINGS[ranks] = packing
+    return packing
+
+
+RAW_DONE, RAW_DECLINED = 0, 1
+
+
+def gather_raw(ranks: tuple[int, ...], fields: list[int], nz: bool, cumsum: bool) -> int:
+    """``pakv_gather_raw`` over 7 tensor records (5 inputs, 2 outputs) of the given ranks.
+
+    ``fields`` holds, per record, ``data, present, elem_type (ONNX), ndim, 0, *dims``. Returns
+    :data:`RAW_DONE` or :data:`RAW_DECLINED` (nothing written; the caller takes the full path);
+    ``ValueError`` with the core's message if the copy itself failed.
+    """
+    scratch = _scratch
+    _tensor_packing(ranks).pack_into(scratch.tensor_bytes, 0, *fields)
+    error = scratch.error
+    rc = _raw_gather_inputs()(ctypes.addressof(scratch.tensors), nz, cumsum, ctypes.addressof(error), ERROR_LEN)
+    if rc < 0:
+        raise ValueError(error.value.decode(errors="replace"))
+    return rc
+
+
+@functools.cache
+def _raw_gather_inputs():
+    return load().pakv_gather_raw
 
 
 def gather(plan: Plan) -> None:
