@@ -26,13 +26,32 @@ _SHUTDOWN_WAIT_MS = 600_000
 _SHUTDOWN_NOTICE_MS = 2_000
 
 
+# (address, shape, dtype) -> the torch view of that memory. A serving loop hands the same ORT
+# buffers every call (a prebound IOBinding, or ORT's arena reusing a block), and a view is only
+# a description of memory (it owns nothing, like a fresh one): reusing it saves building a ctypes
+# buffer and a tensor per input and output. Bounded: emptied when it holds _VIEW_CACHE_SIZE views.
+_VIEW_CACHE_SIZE = 256
+_views: dict[tuple[int, tuple[int, ...], object], object] = {}
+
+
+def _view(address: int, shape: tuple[int, ...], dtype):
+    key = (address, shape, dtype)
+    tensor = _views.get(key)
+    if tensor is None:
+        tensor = view(address, shape, dtype)
+        if len(_views) >= _VIEW_CACHE_SIZE:
+            _views.clear()
+        _views[key] = tensor
+    return tensor
+
+
 def _input(name: str, tensor: native_lib.Tensor):
     if not tensor.present:
         return None
     dtype = ONNX_TO_TORCH.get(tensor.elem_type)
     if dtype is None:
         raise TypeError(f"{name} has ONNX element type {tensor.elem_type}, which is outside the contract")
-    return view(tensor.data or 0, tuple(tensor.dims[: tensor.ndim]), dtype)
+    return _view(tensor.data or 0, tuple(tensor.dims[: tensor.ndim]), dtype)
 
 
 def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
@@ -40,7 +59,7 @@ def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
     address = native_lib.load().pakv_request_output(req_ptr, index, dims, len(shape))
     if not address:
         raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
-    return view(address, shape, dtype)
+    return _view(address, shape, dtype)
 
 
 def _serve(req_ptr) -> None:
