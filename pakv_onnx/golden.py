@@ -22,8 +22,8 @@ def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> 
     PA_NZ [nb, HD/E, bs, E]   -> [rows, HD]   (the fractal rows of a token, concatenated)
     """
     if mode is CacheMode.NORM:
-        return cache[block, :rows]
-    fractals = cache[block, :, :rows, :]  # [HD/E, rows, E]
+        return cache.select(0, block).narrow(0, 0, rows)  # cache[block, :rows]
+    fractals = cache.select(0, block).narrow(1, 0, rows)  # cache[block, :, :rows, :]: [HD/E, rows, E]
     return fractals.transpose(0, 1).reshape(rows, -1)
 
 
@@ -51,5 +51,5 @@ def gather_golden(
             block = row[first_col + token // bs]
             rows = min(bs, length - token)
             start = out_start + token
-            key_out[start : start + rows].copy_(_block_rows(key_cache, mode, block, rows))
-            value_out[start : start + rows].copy_(_block_rows(value_cache, mode, block, rows))
+            key_out.narrow(0, start, rows).copy_(_block_rows(key_cache, mode, block, rows))  # key_out[start:+rows]
+            value_out.narrow(0, start, rows).copy_(_block_rows(value_cache, mode, block, rows))
