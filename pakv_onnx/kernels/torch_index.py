@@ -30,9 +30,18 @@ def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch
 
 
 def _gather_one(
-    plan: GatherPlan, cache: torch.Tensor, out: torch.Tensor, block: torch.Tensor, slot: torch.Tensor
+    plan: GatherPlan,
+    cache: torch.Tensor,
+    out: torch.Tensor,
+    block: torch.Tensor,
+    slot: torch.Tensor,
+    indices: dict[tuple[int, torch.device], torch.Tensor],
 ) -> None:
-    """``out[t] = cache[block[t], slot[t]]`` (per layout) for every token t, in place."""
+    """``out[t] = cache[block[t], slot[t]]`` (per layout) for every token t, in place.
+
+    ``indices`` shares the Norm row index between the two caches when their blocks hold the same
+    number of rows (the usual case: one index for key and value).
+    """
     src = bits_view(cache)
     dst = bits_view(out)
     bs = plan.block_size
@@ -44,8 +53,11 @@ def _gather_one(
             dst.view(plan.num_tokens, -1).copy_(src[block.to(src.device), slot.to(src.device)].reshape(plan.num_tokens, -1))
             return
         rows, per_block = view
-        index = block * per_block + slot
-        torch.index_select(rows, 0, index.to(rows.device), out=dst.view(plan.num_tokens, row_len))
+        index = indices.get((per_block, rows.device))
+        if index is None:
+            index = (block * per_block + slot).to(rows.device)
+            indices[(per_block, rows.device)] = index
+        torch.index_select(rows, 0, index, out=dst.view(plan.num_tokens, row_len))
         return
     # PA_NZ [nb, F, bs, E]: fractal f of token (block, slot) is row block*rows_per_block + f*bs + slot.
     fractals, last = cache.shape[1], cache.shape[3]
@@ -81,8 +93,9 @@ def gather_torch(
     if plan.num_tokens == 0 or not work:
         return
     block, slot = plan.token_slots()
+    indices: dict[tuple[int, torch.device], torch.Tensor] = {}
     for cache, out in work:
-        _gather_one(plan, cache, out, block, slot)
+        _gather_one(plan, cache, out, block, slot, indices)
 
 
 BACKEND = Backend(
