@@ -331,6 +331,31 @@ class GatherPlan:
         out_row = self.out_starts[seq] + block_index * bs
         return torch.stack((physical, rows, out_row, seq), dim=1)
 
+    def token_rows(self, rows_per_block: int) -> torch.Tensor:
+        """int64 ``[T]``: ``block * rows_per_block + slot`` of each output row (see :meth:`token_slots`).
+
+        The row index of each token in a cache viewed as rows with ``rows_per_block`` rows per
+        block. A small plan builds it in one pass over its lists; others from :meth:`token_slots`.
+
+        Raises:
+            ValueError: T above :data:`MAX_LISTED_INDICES` (see :meth:`runs`).
+        """
+        _require_listable("token_rows()", self.num_tokens, "tokens")
+        lists = self.__dict__.get("_lists")
+        if lists is not None and self.num_tokens <= SMALL_TOKEN_SLOTS:
+            bs = self.block_size
+            rows: list[int] = [0] * self.num_tokens
+            for row, length, start, col in zip(
+                lists["block_tables"], lists["seq_lengths"], lists["out_starts"], lists["table_col_starts"]
+            ):
+                for token in range(0, length, bs):
+                    count = min(bs, length - token)
+                    first = row[col + token // bs] * rows_per_block
+                    rows[start + token : start + token + count] = range(first, first + count)
+            return int64_tensor(rows)
+        block, slot = self.token_slots()
+        return block * rows_per_block + slot
+
     def token_slots(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per output row, int64 ``[T]``: the physical block and slot it is read from.
 

@@ -188,6 +188,8 @@ def test_fast_and_list_plans_equal_the_full_plan(seed: int) -> None:
     assert fast.token_slots()[0].tolist() == full.token_slots()[0].tolist()
     assert fast.token_slots()[1].tolist() == full.token_slots()[1].tolist()
     assert fast.runs().tolist() == full.runs().tolist()
+    for rows_per_block in (full.block_size, full.block_size * 3 + 1):
+        assert fast.token_rows(rows_per_block).tolist() == full.token_rows(rows_per_block).tolist()
 
 
 @pytest.mark.parametrize("seed", range(30))
