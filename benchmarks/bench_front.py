@@ -105,7 +105,8 @@ def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int 
     q = 4
     perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
     seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * (perm.shape[1] * block_size)
-    return GatherCase("large", "large T", key_cache, value_cache, perm.contiguous(), seq_lens, None, CacheMode.NORM, True)
+    tables = perm.contiguous()
+    return GatherCase("large", "large T", key_cache, value_cache, tables, seq_lens, None, CacheMode.NORM, True)
 
 
 def small_case(max_blocks: int) -> GatherCase:

@@ -7,7 +7,14 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import _MODE_BY_NAME, DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, GatherPlan, plan_gather
+from pakv_onnx.spec import (
+    _MODE_BY_NAME,
+    DEFAULT_CACHE_MODE,
+    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    CacheMode,
+    GatherPlan,
+    plan_gather,
+)
 
 
 def gather_pa_kv_cache(

@@ -55,7 +55,10 @@ def outcome(call: Callable[[], object]) -> Outcome:
 
 def baseline_outputs() -> dict[str, torch.Tensor]:
     """Caller outputs of the valid baseline of tests/test_spec_validation.norm_inputs (T = 8)."""
-    return {"key_out": torch.zeros(8, 2, 8, dtype=torch.bfloat16), "value_out": torch.zeros(8, 1, 4, dtype=torch.bfloat16)}
+    return {
+        "key_out": torch.zeros(8, 2, 8, dtype=torch.bfloat16),
+        "value_out": torch.zeros(8, 1, 4, dtype=torch.bfloat16),
+    }
 
 
 def warm_native_resolution() -> None:
@@ -93,9 +96,8 @@ def op_outcome(inputs: dict, attrs: dict) -> Outcome | str:
         return "the torch op's schema refuses such attribute types itself"
     mode = attrs["cache_mode"].value if isinstance(attrs["cache_mode"], CacheMode) else attrs["cache_mode"]
     args = [inputs[n] for n in INPUT_NAMES]
-    return outcome(
-        lambda: torch.ops.pakv.gather_pa_kv_cache(*args, cache_mode=mode, is_seq_lens_cumsum=attrs["is_seq_lens_cumsum"])
-    )
+    flag = attrs["is_seq_lens_cumsum"]
+    return outcome(lambda: torch.ops.pakv.gather_pa_kv_cache(*args, cache_mode=mode, is_seq_lens_cumsum=flag))
 
 
 def ort_message(inputs: dict, attrs: dict, backend: str) -> str | None:
@@ -109,9 +111,8 @@ def ort_message(inputs: dict, attrs: dict, backend: str) -> str | None:
     if mode not in ("Norm", "PA_NZ") or attrs["is_seq_lens_cumsum"] not in (0, 1):
         return None  # the kernel refuses such attributes when the session is made
     try:
-        model = one_node_model(
-            [None if t is None else t.dtype for t in tensors], cache_mode=mode, is_seq_lens_cumsum=attrs["is_seq_lens_cumsum"]
-        )
+        dtypes = [None if t is None else t.dtype for t in tensors]
+        model = one_node_model(dtypes, cache_mode=mode, is_seq_lens_cumsum=attrs["is_seq_lens_cumsum"])
     except TypeError:
         return None  # a dtype without an ONNX type
     try:
@@ -199,7 +200,8 @@ def test_every_path_gathers_the_golden_bytes(seed: int, backend: str) -> None:
     want = case.golden()
     key_out, value_out = torch.empty_like(want[0]), torch.empty_like(want[1])
     warm_native_resolution()
-    got = pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), key_out=key_out, value_out=value_out, backend=backend)
+    outs = {"key_out": key_out, "value_out": value_out}
+    got = pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), **outs, backend=backend)
     assert got[0] is key_out and bitwise_equal(key_out, want[0]) and bitwise_equal(value_out, want[1])
     fresh = pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=backend)
     assert bitwise_equal(fresh[0], want[0]) and bitwise_equal(fresh[1], want[1])
@@ -209,14 +211,15 @@ def test_the_raw_native_path_is_taken_for_dense_calls_with_outputs(monkeypatch) 
     case = random_case(3, max_blocks=8)
     want = case.golden()
     key_out, value_out = torch.empty_like(want[0]), torch.empty_like(want[1])
+    outs = {"key_out": key_out, "value_out": value_out}
     warm_native_resolution()
-    pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), key_out=key_out, value_out=value_out, backend="native")
+    pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), **outs, backend="native")
     calls = []
     real = native_lib.gather_raw
     monkeypatch.setattr(native_lib, "gather_raw", lambda *a: calls.append(a) or real(*a))
     monkeypatch.setattr(pakv_onnx.ops, "plan_gather", mock.Mock(side_effect=AssertionError("plan_gather ran")))
     key_out.zero_()
-    pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), key_out=key_out, value_out=value_out, backend="native")
+    pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), **outs, backend="native")
     assert len(calls) == 1 and bitwise_equal(key_out, want[0]) and bitwise_equal(value_out, want[1])
 
 
