@@ -22,8 +22,8 @@ def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> 
     PA_NZ [nb, HD/E, bs, E]   -> [rows, HD]   (the fractal rows of a token, concatenated)
     """
     if mode is CacheMode.NORM:
-        return cache[block, :rows]
-    fractals = cache[block, :, :rows, :]  # [HD/E, rows, E]
+        return cache.select(0, block).narrow(0, 0, rows)  # cache[block, :rows]
+    fractals = cache.select(0, block).narrow(1, 0, rows)  # cache[block, :, :rows, :]: [HD/E, rows, E]
     return fractals.transpose(0, 1).reshape(rows, -1)
 
 
@@ -44,13 +44,12 @@ def gather_golden(
         value_out: ``[T, *plan.value_token_shape]`` of ``plan.value_dtype``, written in place.
     """
     bs = plan.block_size
-    for q in range(plan.num_seqs):
-        length = int(plan.seq_lengths[q])
-        out_start = int(plan.out_starts[q])
-        first_col = int(plan.table_col_starts[q])
+    mode = plan.cache_mode
+    lengths, out_starts, col_starts = plan.index_lists()
+    for row, length, out_start, first_col in zip(plan.block_table_rows(), lengths, out_starts, col_starts):
         for token in range(0, length, bs):
-            block = int(plan.block_tables[q, first_col + token // bs])
+            block = row[first_col + token // bs]
             rows = min(bs, length - token)
-            dst = slice(out_start + token, out_start + token + rows)
-            key_out[dst] = _block_rows(key_cache, plan.cache_mode, block, rows)
-            value_out[dst] = _block_rows(value_cache, plan.cache_mode, block, rows)
+            start = out_start + token
+            key_out.narrow(0, start, rows).copy_(_block_rows(key_cache, mode, block, rows))  # key_out[start:+rows]
+            value_out.narrow(0, start, rows).copy_(_block_rows(value_cache, mode, block, rows))

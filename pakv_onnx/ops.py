@@ -7,7 +7,14 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, GatherPlan, plan_gather
+from pakv_onnx.spec import (
+    _MODE_BY_NAME,
+    DEFAULT_CACHE_MODE,
+    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    CacheMode,
+    GatherPlan,
+    plan_gather,
+)
 
 
 def gather_pa_kv_cache(
@@ -52,21 +59,35 @@ def gather_pa_kv_cache(
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
 
-    def allocate(plan: GatherPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        device = key_cache.device
-        key = key_out if key_out is not None else _empty("key", plan.key_out_shape, plan.key_dtype, device)
-        value = value_out if value_out is not None else _empty("value", plan.value_out_shape, plan.value_dtype, device)
-        return key, value
-
-    return gather_with(
-        (key_cache, value_cache, block_tables, seq_lens, seq_offset),
+    if key_out is not None and value_out is not None and isinstance(key_cache, torch.Tensor):
+        # A backend resolved before for such caches may take the raw call (validate + gather in
+        # one step); it declines anything it does not fully check, and then the full path runs.
+        mode = cache_mode if type(cache_mode) is CacheMode else _MODE_BY_NAME.get(cache_mode)
+        if isinstance(value_cache, torch.Tensor) and mode is not None and type(is_seq_lens_cumsum) is bool:
+            known = kernels.cached_backend(backend, key_cache.device, key_cache.dtype, value_cache.dtype, mode)
+            if known is not None and known.gather_raw is not None and known.gather_raw(
+                key_cache, value_cache, block_tables, seq_lens, seq_offset, mode, is_seq_lens_cumsum, key_out, value_out
+            ):
+                return key_out, value_out
+    # gather_with's steps, inline: this is the eager hot path (a decode step costs microseconds).
+    plan = plan_gather(
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_offset,
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
         key_out=key_out,
         value_out=value_out,
-        backend=backend,
-        allocate=allocate,
     )
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    if key_out is None:
+        key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
+    if value_out is None:
+        value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
+    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
+    return key_out, value_out
 
 
 def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

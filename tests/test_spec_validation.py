@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import pakv_onnx
 from pakv_onnx.cases import random_case
+from test_front_paths import assert_same_rejection_everywhere
 from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
 
 
@@ -44,6 +45,9 @@ def expect(error: type[Exception], pattern: str, **overrides) -> None:
     # The public front raises the same thing before touching any backend.
     with pytest.raises(error, match=pattern):
         pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="torch")
+    # And so does every other path (spec's full, list and fast checks, the front on every backend
+    # with and without caller outputs, torch.ops, the ORT callback), word for word (issue 14).
+    assert_same_rejection_everywhere(inputs, attrs, error, pattern)
 
 
 def test_valid_baseline_passes() -> None:
@@ -319,6 +323,9 @@ def test_aliased_outputs_are_refused_before_anything_is_written(name: str, backe
         pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend=backend)
     for n, t in before.items():
         assert bitwise_equal(inputs[n], t), f"{n} was written before the error"
+    assert_same_rejection_everywhere(inputs, attrs, ValueError, pattern)
+    for n, t in before.items():
+        assert bitwise_equal(inputs[n], t), f"{n} was written before the error (some path)"
 
 
 def test_adjacent_outputs_in_one_buffer_are_fine() -> None:

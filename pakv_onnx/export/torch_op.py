@@ -53,6 +53,10 @@ def torch_schema() -> str:
 @torch.library.custom_op(QUALIFIED_NAME, mutates_args=(), schema=torch_schema())
 def gather_pa_kv_cache(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """GatherPaKvCache as a torch op; arguments (spec.PARAMETER_NAMES) and results as :func:`pakv_onnx.gather_pa_kv_cache`."""
+    if not kwargs and len(args) <= len(INPUT_NAMES):
+        # The dispatcher passes the tensors positionally and leaves out attributes at their
+        # defaults: the front's own defaults are the same (spec.ATTRIBUTE_DEFAULTS), skip binding.
+        return ops.gather_pa_kv_cache(*args)
     bound = bind_arguments(args, kwargs)
     return ops.gather_pa_kv_cache(
         *(bound[name] for name in INPUT_NAMES), **{name: bound[name] for name in ATTRIBUTE_DEFAULTS}

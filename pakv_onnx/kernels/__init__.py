@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import sys
 from collections.abc import Callable
 
 import torch
@@ -18,6 +19,11 @@ import torch
 from pakv_onnx.spec import GatherPlan
 
 GatherFn = Callable[[GatherPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
+    """The default ``unsupported_reason``: the backend takes every valid call."""
+    return None
 
 
 class BackendUnavailableError(RuntimeError):
@@ -42,15 +48,31 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
+        gather_raw: optional fast path for a call with caller outputs, before any plan:
+            ``gather_raw(key_cache, value_cache, block_tables, seq_lens, seq_offset, mode,
+            is_cumsum, key_out, value_out) -> bool``. It must run every check of the contract
+            (or decline) before writing; ``False`` means declined, nothing written, and the caller
+            takes the full path (spec's checks, which word any error).
+        support_by_layout: for contiguous caches, its ``unsupported_reason`` depends only on the
+            caches' device, dtypes and the cache mode (never on sizes or index values), so ``auto``
+            may cache its verdict per such key (a backend with the default ``unsupported_reason`` is
+            treated so too).
     """
 
     name: str
     description: str
     gather: GatherFn
     unavailable_reason: Callable[[], str | None] = lambda: None
-    unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = lambda plan, cache: None
+    unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = _handles_every_call
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
+    support_by_layout: bool = False
+    gather_raw: Callable[..., bool] | None = None
+
+    @property
+    def verdict_is_cacheable(self) -> bool:
+        """Whether :meth:`refusal` depends only on the key of :func:`resolve_backend`'s cache."""
+        return self.support_by_layout or self.unsupported_reason is _handles_every_call
 
     def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
@@ -99,7 +121,10 @@ def get_backend(name: str) -> Backend:
     except KeyError:
         choices = ", ".join((AUTO, *BACKEND_MODULES))
         raise ValueError(f"backend {name!r} is unknown (choices: {choices})") from None
-    return importlib.import_module(module_name).BACKEND
+    module = sys.modules.get(module_name)  # already imported: skip import_module's lock and lookup
+    if module is None:
+        module = importlib.import_module(module_name)
+    return module.BACKEND
 
 
 def resolve_backend(
@@ -119,20 +144,72 @@ def resolve_backend(
     """
     caches = (cache, cache if value_cache is None else value_cache)
     if name == AUTO:
-        reasons = []
-        for candidate in AUTO_PREFERENCE:
-            if candidate not in BACKEND_MODULES:
-                continue
-            backend = get_backend(candidate)
-            reason = backend.refusal(plan, caches)
-            if reason is None:
-                return backend
-            reasons.append(f"{candidate}: {reason}")
-        raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))
+        # Pool views are resolved every time (whether a backend can read one depends on its strides).
+        dense = caches[0].is_contiguous() and caches[1].is_contiguous()
+        key = (caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
+        hit = _auto_cache.get(key) if dense else None
+        if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+            return hit[2]
+        backend, cacheable = _resolve_auto(plan, caches)
+        if cacheable and dense:
+            _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
+        return backend
+    # A named backend's verdict on contiguous caches is cached like auto's pick (same key, plus
+    # the name); only "can run" verdicts are kept, a refusal is worked out (and worded) each time.
+    dense = caches[0].is_contiguous() and caches[1].is_contiguous()
+    key = (name, caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
+    hit = _auto_cache.get(key) if dense else None
+    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+        return hit[2]
     backend = get_backend(name)
     reason = backend.refusal(plan, caches)
+    if reason is None and dense and backend.verdict_is_cacheable and backend.unavailable_reason() is None:
+        _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
     if reason is not None:
         able = [other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None]
         hint = f"; backends that can: {', '.join(able)}" if able else ""
         raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
     return backend
+
+
+# "auto"'s pick per (device, key dtype, value dtype, cache mode) for contiguous caches, kept with
+# the AUTO_PREFERENCE and BACKEND_MODULES it was made under (a change to either is a miss). Only
+# picks that depend on nothing else are kept: every backend tried before the winner was refused
+# for being unavailable in this process or by a layout-only verdict, and the winner's own
+# verdict is layout-only (see Backend.verdict_is_cacheable).
+_auto_cache: dict[tuple, tuple[tuple[str, ...], dict[str, str], Backend]] = {}
+
+
+def cached_backend(
+    name: str, device: torch.device, key_dtype: torch.dtype, value_dtype: torch.dtype, mode: object
+) -> Backend | None:
+    """The backend :func:`resolve_backend` picked before for ``name`` and contiguous caches of this
+    device, dtypes and cache mode, or ``None`` (not resolved yet, or not cacheable)."""
+    key = (device, key_dtype, value_dtype, mode) if name == AUTO else (name, device, key_dtype, value_dtype, mode)
+    hit = _auto_cache.get(key)
+    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
+        return hit[2]
+    return None
+
+
+def clear_resolution_cache() -> None:
+    """Forget every cached ``auto`` pick (after a backend's availability changed in this process)."""
+    _auto_cache.clear()
+
+
+def _resolve_auto(plan: GatherPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[Backend, bool]:
+    """The first backend of AUTO_PREFERENCE that can run the call, and whether the pick may be cached."""
+    cacheable = True
+    reasons = []
+    for candidate in AUTO_PREFERENCE:
+        if candidate not in BACKEND_MODULES:
+            continue
+        backend = get_backend(candidate)
+        unavailable = backend.unavailable_reason()
+        reason = unavailable or backend.refusal(plan, caches)
+        if unavailable is None and not backend.verdict_is_cacheable:
+            cacheable = False  # refused or picked for this plan's sizes/values: decide again next call
+        if reason is None:
+            return backend, cacheable
+        reasons.append(f"{candidate}: {reason}")
+    raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))

@@ -9,6 +9,9 @@ same path. A cache whose rows hold no bytes is skipped: no per-token index is bu
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
 from pakv_onnx.kernels import Backend
@@ -30,9 +33,18 @@ def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch
 
 
 def _gather_one(
-    plan: GatherPlan, cache: torch.Tensor, out: torch.Tensor, block: torch.Tensor, slot: torch.Tensor
+    plan: GatherPlan,
+    cache: torch.Tensor,
+    out: torch.Tensor,
+    slots: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    indices: dict[tuple[int, torch.device], torch.Tensor],
 ) -> None:
-    """``out[t] = cache[block[t], slot[t]]`` (per layout) for every token t, in place."""
+    """``out[t] = cache[block[t], slot[t]]`` (per layout) for every token t, in place.
+
+    ``slots()`` gives the plan's (block, slot) per token (built once, only if a path needs it);
+    ``indices`` shares the Norm row index between the two caches when their blocks hold the same
+    number of rows (the usual case: one index for key and value).
+    """
     src = bits_view(cache)
     dst = bits_view(out)
     bs = plan.block_size
@@ -41,15 +53,20 @@ def _gather_one(
         row_len = cache.shape[2] * cache.shape[3]
         view = _row_view(src, row_len, bs)
         if view is None:
+            block, slot = slots()
             dst.view(plan.num_tokens, -1).copy_(src[block.to(src.device), slot.to(src.device)].reshape(plan.num_tokens, -1))
             return
         rows, per_block = view
-        index = block * per_block + slot
-        torch.index_select(rows, 0, index.to(rows.device), out=dst.view(plan.num_tokens, row_len))
+        index = indices.get((per_block, rows.device))
+        if index is None:
+            index = plan.token_rows(per_block).to(rows.device)
+            indices[(per_block, rows.device)] = index
+        torch.index_select(rows, 0, index, out=dst.view(plan.num_tokens, row_len))
         return
     # PA_NZ [nb, F, bs, E]: fractal f of token (block, slot) is row block*rows_per_block + f*bs + slot.
     fractals, last = cache.shape[1], cache.shape[3]
     f = torch.arange(fractals)
+    block, slot = slots()
     view = _row_view(src, last, fractals * bs)
     if view is None:
         picked = src[block[:, None].to(src.device), f[None, :].to(src.device), slot[:, None].to(src.device)]
@@ -80,9 +97,10 @@ def gather_torch(
     ]
     if plan.num_tokens == 0 or not work:
         return
-    block, slot = plan.token_slots()
+    slots = functools.lru_cache(maxsize=1)(plan.token_slots)
+    indices: dict[tuple[int, torch.device], torch.Tensor] = {}
     for cache, out in work:
-        _gather_one(plan, cache, out, block, slot)
+        _gather_one(plan, cache, out, slots, indices)
 
 
 BACKEND = Backend(

@@ -420,6 +420,49 @@ static int run_native(const pakv_kernel* k, OrtKernelContext* ctx, const pakv_te
   return rc;
 }
 
+/* The native Python backend's fast path (pakv_onnx.kernels.native.gather_raw): the raw inputs as
+ * the ORT kernel reads them plus two caller outputs, t[0..4] = key_cache, value_cache,
+ * block_tables, seq_lens, seq_offset (present = 0 when absent), t[5..6] = key_out, value_out, all
+ * dense (the caller checked that, and that nothing overlaps). Runs the kernel's own checks
+ * (prepare: the same rules the ORT kernel applies) and the outputs' types and shapes.
+ * Returns 0 when gathered; 1 when declined before anything was written (some check failed: the
+ * caller then runs the contract's checks in Python, which word the error); -1 when the copy
+ * itself failed (err_out says why). Safe for any input: ranks are bounded, every read is sized
+ * by the dims given. */
+PAKV_EXPORT int pakv_gather_raw(const pakv_tensor* t, int nz, int cumsum, char* err_out, size_t err_len) {
+  pakv_prepared p;
+  pakv_err err;
+  err.msg[0] = 0;
+  if (!t) return 1;
+  for (int i = 0; i < PAKV_NUM_INPUTS + PAKV_NUM_OUTPUTS; i++) {
+    if (t[i].ndim < 0 || t[i].ndim > PAKV_MAX_RANK) return 1;
+    if (i != 4 && !t[i].present) return 1;
+    for (int d = 0; d < t[i].ndim; d++)
+      if (t[i].dims[d] < 0) return 1;
+  }
+  if (prepare(t, nz != 0, cumsum != 0, &p, &err)) {
+    free(p.scratch);
+    return 1;
+  }
+  const pakv_tensor *ko = &t[5], *vo = &t[6];
+  int ok = ko->elem_type == t[0].elem_type && vo->elem_type == t[1].elem_type && ko->ndim == p.out_ndim &&
+           vo->ndim == p.out_ndim;
+  for (int d = 0; ok && d < p.out_ndim; d++) ok = ko->dims[d] == p.k_out_dims[d] && vo->dims[d] == p.v_out_dims[d];
+  if (!ok) {
+    free(p.scratch);
+    return 1;
+  }
+  p.plan.key_out = ko->data;
+  p.plan.value_out = vo->data;
+  int rc = pakv_run_plan(&p.plan, &err);
+  free(p.scratch);
+  if (rc) {
+    if (err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+    return -1;
+  }
+  return 0;
+}
+
 static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   const pakv_kernel* k = (const pakv_kernel*)kernel;
   const OrtApi* api = k->api;

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
+import struct
 import threading
 
 from pakv_onnx.ops import gather_with
@@ -26,34 +28,85 @@ _SHUTDOWN_WAIT_MS = 600_000
 _SHUTDOWN_NOTICE_MS = 2_000
 
 
-def _input(name: str, tensor: native_lib.Tensor):
-    if not tensor.present:
+# (address, shape, dtype) -> the torch view of that memory. A serving loop hands the same ORT
+# buffers every call (a prebound IOBinding, or ORT's arena reusing a block), and a view is only
+# a description of memory (it owns nothing, like a fresh one): reusing it saves building a ctypes
+# buffer and a tensor per input and output. Bounded: emptied when it holds _VIEW_CACHE_SIZE views.
+_VIEW_CACHE_SIZE = 256
+_views: dict[tuple[int, tuple[int, ...], object], object] = {}
+
+
+def _view(address: int, shape: tuple[int, ...], dtype):
+    key = (address, shape, dtype)
+    tensor = _views.get(key)
+    if tensor is None:
+        tensor = view(address, shape, dtype)
+        if len(_views) >= _VIEW_CACHE_SIZE:
+            _views.clear()
+        _views[key] = tensor
+    return tensor
+
+
+# pakv_tensor {void* data; int32 present, elem_type, ndim, reserved; int64 dims[MAX_RANK]}: the five
+# input records are read with one struct unpack (a ctypes field read per value costs more).
+_TENSOR_RECORD = struct.Struct(f"@Piiii{native_lib.MAX_RANK}q")
+_INPUTS_OFFSET = native_lib.Request.inputs.offset
+_INPUTS_BYTES = ctypes.sizeof(native_lib.Tensor) * native_lib.NUM_INPUTS
+_INPUTS_BLOCK = ctypes.c_char * _INPUTS_BYTES
+
+
+def _input(name: str, record: tuple[int, ...]):
+    data, present, elem_type, ndim = record[:4]
+    if not present:
         return None
-    try:
-        dtype = ONNX_TO_TORCH[tensor.elem_type]
-    except KeyError:
-        raise TypeError(f"{name} has ONNX element type {tensor.elem_type}, which is outside the contract") from None
-    shape = tuple(tensor.dims[i] for i in range(tensor.ndim))
-    return view(tensor.data or 0, shape, dtype)
+    dtype = ONNX_TO_TORCH.get(elem_type)
+    if dtype is None:
+        raise TypeError(f"{name} has ONNX element type {elem_type}, which is outside the contract")
+    return _view(data or 0, record[5 : 5 + max(ndim, 0)], dtype)
 
 
-def _output(req_ptr, index: int, shape: tuple[int, ...], dtype):
-    dims = (ctypes.c_int64 * max(len(shape), 1))(*shape)
-    address = native_lib.load().pakv_request_output(req_ptr, index, dims, len(shape))
+@functools.cache
+def _request_output():
+    """``pakv_request_output`` taking plain addresses (a separate function object of the library)."""
+    fn = native_lib.load()["pakv_request_output"]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+class _Dims(threading.local):
+    def __init__(self) -> None:
+        self.dims = (ctypes.c_int64 * native_lib.MAX_RANK)()
+        self.address = ctypes.addressof(self.dims)
+
+
+_dims = _Dims()
+
+
+def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype):
+    scratch = _dims
+    dims = scratch.dims
+    for i, size in enumerate(shape):  # rank <= 3 (the op's outputs)
+        dims[i] = size
+    address = _request_output()(req_address, index, scratch.address, len(shape))
     if not address:
         raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
-    return view(address, shape, dtype)
+    return _view(address, shape, dtype)
 
 
 def _serve(req_ptr) -> None:
     req = req_ptr.contents
-    inputs = tuple(_input(name, req.inputs[i]) for i, name in enumerate(INPUT_NAMES))
+    req_address = ctypes.addressof(req)
+    block = _INPUTS_BLOCK.from_address(req_address + _INPUTS_OFFSET)
+    inputs = tuple(
+        _input(name, record) for name, record in zip(INPUT_NAMES, _TENSOR_RECORD.iter_unpack(block))
+    )
 
     def allocate_from_ort(plan):
         # Each output takes its own cache's dtype (key and value caches may differ).
         return (
-            _output(req_ptr, 0, plan.key_out_shape, inputs[0].dtype),
-            _output(req_ptr, 1, plan.value_out_shape, inputs[1].dtype),
+            _output(req_ptr, req_address, 0, plan.key_out_shape, inputs[0].dtype),
+            _output(req_ptr, req_address, 1, plan.value_out_shape, inputs[1].dtype),
         )
 
     gather_with(

@@ -1,0 +1,155 @@
+"""Benchmark of the Python front against the ORT plugin call (issue 14): medians and ratios, one run.
+
+Every variant gathers the same case into outputs it reuses, timed in turn round by round (so
+machine noise hits them alike); the floor is the ORT plugin's C kernel driven through an
+IOBinding built once (`runtime_plugin.bind`, as benchmarks/bench_ort.py does):
+
+  plugin       session.run_with_iobinding, native C kernel                     (the floor, 1x)
+  front-native pakv_onnx.gather_pa_kv_cache(..., key_out=, value_out=, backend="native")
+  torch.ops    torch.ops.pakv.gather_pa_kv_cache(...) (default backend, allocates its outputs)
+  cb-golden    the plugin's Python callback into the golden backend (prebound IOBinding)
+  cb-torch     the plugin's Python callback into the torch backend (prebound IOBinding)
+  noop-op      a no-op torch.library.custom_op returning two empty tensors (the dispatcher's cost)
+
+Shapes: the seed case ``level8`` (T = 55, bf16; caches capped to ``--max-blocks`` blocks so they
+take megabytes, the gather reads the same blocks), and a large-T case (``--large-blocks`` blocks of
+128 tokens, 8 x 128 bf16) for "large T unchanged". Prints Markdown tables.
+
+    python benchmarks/bench_front.py [--repeats 400] [--max-blocks 64] [--large-blocks 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import time
+
+import torch
+
+import pakv_onnx
+from pakv_onnx import runtime_plugin
+from pakv_onnx.cases import GatherCase, seed_case
+from pakv_onnx.export import torch_op  # noqa: F401  (registers torch.ops.pakv.gather_pa_kv_cache)
+from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
+from pakv_onnx.spec import CacheMode, bitwise_equal
+
+GOALS = {"front-native": 2.0, "torch.ops": 5.0}
+
+
+def interleaved_medians_us(fns: dict, repeats: int, warmup: int = 20) -> dict:
+    """Median us of each function, timed in turn round by round so machine drift hits all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+@torch.library.custom_op("pakv_bench::noop", mutates_args=())
+def _noop(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return key_cache.new_empty(0), value_cache.new_empty(0)
+
+
+def _prebound(case: GatherCase, backend: str, outs: dict):
+    session = runtime_plugin.make_session(model_for_case(case), backend=backend)
+    feeds = feeds_for_case(case)
+    result = runtime_plugin.run(session, feeds, out=outs)
+    golden = case.golden()
+    assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1]), backend
+    binding = runtime_plugin.bind(session, feeds, out=outs)
+    return lambda: session.run_with_iobinding(binding)
+
+
+def variants(case: GatherCase, callbacks: bool) -> dict:
+    """name -> zero-argument call, each checked bit-exact against the golden once."""
+    golden = case.golden()
+    outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
+    inputs, attrs = case.inputs(), case.attributes()
+    key_out, value_out = torch.empty_like(golden[0]), torch.empty_like(golden[1])
+    op = torch.ops.pakv.gather_pa_kv_cache
+    cache_mode = attrs["cache_mode"]
+    mode = cache_mode.value if isinstance(cache_mode, CacheMode) else cache_mode
+    flag = bool(attrs["is_seq_lens_cumsum"])
+
+    def front_native():
+        return pakv_onnx.gather_pa_kv_cache(
+            *inputs, **attrs, key_out=key_out, value_out=value_out, backend="native"
+        )
+
+    def torch_ops():
+        return op(*inputs, cache_mode=mode, is_seq_lens_cumsum=flag)
+
+    for fn in (front_native, torch_ops):
+        key, value = fn()
+        assert bitwise_equal(key, golden[0]) and bitwise_equal(value, golden[1]), fn.__name__
+    fns = {"plugin": _prebound(case, "native", outs), "front-native": front_native, "torch.ops": torch_ops}
+    if callbacks:
+        fns["cb-golden"] = _prebound(case, "golden", outs)
+        fns["cb-torch"] = _prebound(case, "torch", outs)
+        fns["noop-op"] = lambda: _noop(inputs[0], inputs[1])
+    return fns
+
+
+def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int = 128) -> GatherCase:
+    """T = num_blocks * block_size tokens, one shuffled block table over 4 sequences."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (num_blocks, block_size, heads, dim)
+    key_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    value_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
+    q = 4
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
+    seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * (perm.shape[1] * block_size)
+    tables = perm.contiguous()
+    return GatherCase("large", "large T", key_cache, value_cache, tables, seq_lens, None, CacheMode.NORM, True)
+
+
+def small_case(max_blocks: int) -> GatherCase:
+    spec = seed_case("level8")
+    if max_blocks:
+        spec = dataclasses.replace(
+            spec,
+            key_cache_shape=(min(spec.key_cache_shape[0], max_blocks), *spec.key_cache_shape[1:]),
+            value_cache_shape=(min(spec.value_cache_shape[0], max_blocks), *spec.value_cache_shape[1:]),
+        )
+    return spec.build()
+
+
+def print_table(title: str, medians: dict) -> None:
+    floor = medians["plugin"]
+    print(f"\n{title}\n")
+    print("| call | us | vs plugin | goal |")
+    print("|---|---|---|---|")
+    for name, us in medians.items():
+        goal = f"<= {GOALS[name]:.0f}x" if name in GOALS else "-"
+        print(f"| {name} | {us:.1f} | {us / floor:.2f}x | {goal} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=400)
+    parser.add_argument("--max-blocks", type=int, default=64, help="cap level8's num_blocks (0: 812 MB as seeded)")
+    parser.add_argument("--large-blocks", type=int, default=512, help="blocks of 128 tokens for large T (0: skip)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    small = small_case(args.max_blocks)
+    print_table(
+        f"level8 (T = 55, bf16, {small.key_cache.shape[0]} blocks), medians of {args.repeats} interleaved rounds",
+        interleaved_medians_us(variants(small, callbacks=True), args.repeats),
+    )
+    if args.large_blocks:
+        big = large_case(args.large_blocks)
+        repeats = max(5, args.repeats // 20)
+        print_table(
+            f"large T = {args.large_blocks * 128} (8 x 128 bf16), medians of {repeats} rounds",
+            interleaved_medians_us(variants(big, callbacks=False), repeats, warmup=2),
+        )
+
+
+if __name__ == "__main__":
+    main()
