@@ -22,33 +22,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 
 import torch
+from _timing import interleaved_medians_us
 
 import pakv_onnx
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase, seed_case
-from pakv_onnx.export import torch_op  # noqa: F401  (registers torch.ops.pakv.gather_pa_kv_cache)
-from pakv_onnx.runtime_plugin.models import feeds_for_case, model_for_case
-from pakv_onnx.spec import CacheMode, bitwise_equal
+from pakv_onnx.export import make_gather_model_for, torch_op  # noqa: F401  (torch_op registers torch.ops.pakv.*)
+from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal
 
 GOALS = {"front-native": 2.0, "torch.ops": 5.0}
-
-
-def interleaved_medians_us(fns: dict, repeats: int, warmup: int = 20) -> dict:
-    """Median us of each function, timed in turn round by round so machine drift hits all alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 @torch.library.custom_op("pakv_bench::noop", mutates_args=())
@@ -57,8 +41,9 @@ def _noop(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Ten
 
 
 def _prebound(case: GatherCase, backend: str, outs: dict):
-    session = runtime_plugin.make_session(model_for_case(case), backend=backend)
-    feeds = feeds_for_case(case)
+    model = make_gather_model_for(*case.inputs(), **case.attributes(), shapes=None, fallback=False)
+    session = runtime_plugin.make_session(model, backend=backend)
+    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
     result = runtime_plugin.run(session, feeds, out=outs)
     golden = case.golden()
     assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1]), backend
@@ -140,7 +125,7 @@ def main() -> None:
     small = small_case(args.max_blocks)
     print_table(
         f"level8 (T = 55, bf16, {small.key_cache.shape[0]} blocks), medians of {args.repeats} interleaved rounds",
-        interleaved_medians_us(variants(small, callbacks=True), args.repeats),
+        interleaved_medians_us(variants(small, callbacks=True), args.repeats, warmup=20),
     )
     if args.large_blocks:
         big = large_case(args.large_blocks)

@@ -20,12 +20,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from onnx_graphs import plugin_model_for
 
 import pakv_onnx
 from pakv_onnx import kernels, native_lib, runtime_plugin, spec
 from pakv_onnx.cases import random_case
 from pakv_onnx.export import torch_op  # noqa: F401  (registers torch.ops.pakv.gather_pa_kv_cache)
-from pakv_onnx.runtime_plugin.models import one_node_model
 from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal, plan_gather
 
 Outcome = tuple[type, str] | None  # (error type, message), or None when the call was accepted
@@ -111,9 +111,8 @@ def ort_message(inputs: dict, attrs: dict, backend: str) -> str | None:
     if mode not in ("Norm", "PA_NZ") or attrs["is_seq_lens_cumsum"] not in (0, 1):
         return None  # the kernel refuses such attributes when the session is made
     try:
-        dtypes = [None if t is None else t.dtype for t in tensors]
-        model = one_node_model(dtypes, cache_mode=mode, is_seq_lens_cumsum=attrs["is_seq_lens_cumsum"])
-    except TypeError:
+        model = plugin_model_for(*tensors, cache_mode=mode, is_seq_lens_cumsum=attrs["is_seq_lens_cumsum"])
+    except (TypeError, ValueError):
         return None  # a dtype without an ONNX type
     try:
         session = runtime_plugin.make_session(model, backend=backend)
