@@ -21,14 +21,14 @@ take megabytes, the gather reads the same blocks), and a large-T case (``--large
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
+from _cases import capped_seed_case, large_case
 from _timing import interleaved_medians_us
 
 import pakv_onnx
 from pakv_onnx import runtime_plugin
-from pakv_onnx.cases import GatherCase, seed_case
+from pakv_onnx.cases import GatherCase
 from pakv_onnx.export import make_gather_model_for, torch_op  # noqa: F401  (torch_op registers torch.ops.pakv.*)
 from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal
 
@@ -63,9 +63,7 @@ def variants(case: GatherCase, callbacks: bool) -> dict:
     flag = bool(attrs["is_seq_lens_cumsum"])
 
     def front_native():
-        return pakv_onnx.gather_pa_kv_cache(
-            *inputs, **attrs, key_out=key_out, value_out=value_out, backend="native"
-        )
+        return pakv_onnx.gather_pa_kv_cache(*inputs, **attrs, key_out=key_out, value_out=value_out, backend="native")
 
     def torch_ops():
         return op(*inputs, cache_mode=mode, is_seq_lens_cumsum=flag)
@@ -79,30 +77,6 @@ def variants(case: GatherCase, callbacks: bool) -> dict:
         fns["cb-torch"] = _prebound(case, "torch", outs)
         fns["noop-op"] = lambda: _noop(inputs[0], inputs[1])
     return fns
-
-
-def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int = 128) -> GatherCase:
-    """T = num_blocks * block_size tokens, one shuffled block table over 4 sequences."""
-    gen = torch.Generator().manual_seed(0)
-    shape = (num_blocks, block_size, heads, dim)
-    key_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    value_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    q = 4
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
-    seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * (perm.shape[1] * block_size)
-    tables = perm.contiguous()
-    return GatherCase("large", "large T", key_cache, value_cache, tables, seq_lens, None, CacheMode.NORM, True)
-
-
-def small_case(max_blocks: int) -> GatherCase:
-    spec = seed_case("level8")
-    if max_blocks:
-        spec = dataclasses.replace(
-            spec,
-            key_cache_shape=(min(spec.key_cache_shape[0], max_blocks), *spec.key_cache_shape[1:]),
-            value_cache_shape=(min(spec.value_cache_shape[0], max_blocks), *spec.value_cache_shape[1:]),
-        )
-    return spec.build()
 
 
 def print_table(title: str, medians: dict) -> None:
@@ -122,7 +96,7 @@ def main() -> None:
     parser.add_argument("--large-blocks", type=int, default=512, help="blocks of 128 tokens for large T (0: skip)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    small = small_case(args.max_blocks)
+    small = capped_seed_case("level8", args.max_blocks)
     print_table(
         f"level8 (T = 55, bf16, {small.key_cache.shape[0]} blocks), medians of {args.repeats} interleaved rounds",
         interleaved_medians_us(variants(small, callbacks=True), args.repeats, warmup=20),

@@ -23,18 +23,18 @@ work while the caches take megabytes instead of 812 MB (for busy shared machines
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import numpy as np
 import onnxruntime as ort
 import torch
+from _cases import capped_seed_case, large_case
 from _timing import interleaved_medians_us, median_us
 from onnx import TensorProto, helper
 
 from pakv_onnx import runtime_plugin
-from pakv_onnx.cases import GatherCase, seed_case
+from pakv_onnx.cases import GatherCase
 from pakv_onnx.export import make_gather_model_for
-from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal, plan_gather
+from pakv_onnx.spec import INPUT_NAMES, bitwise_equal, plan_gather
 
 
 def prebound(session, feeds, outs):
@@ -145,21 +145,6 @@ def bench_case(label: str, case: GatherCase, repeats: int, with_pyop: bool) -> d
     return row
 
 
-def large_case(num_blocks: int, block_size: int = 128, heads: int = 8, dim: int = 128) -> GatherCase:
-    """T = num_blocks * block_size tokens, one shuffled block table over 4 sequences."""
-    gen = torch.Generator().manual_seed(0)
-    shape = (num_blocks, block_size, heads, dim)
-    key_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    value_cache = torch.randint(-(2**15), 2**15 - 1, shape, dtype=torch.int16, generator=gen).view(torch.bfloat16)
-    q = 4
-    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32).reshape(q, -1)
-    per_seq = perm.shape[1] * block_size
-    seq_lens = torch.arange(0, q + 1, dtype=torch.int32) * per_seq
-    return GatherCase(
-        "large", "large T", key_cache, value_cache, perm.contiguous(), seq_lens, None, CacheMode.NORM, True
-    )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="level0,level8,heads64_k128_v128")
@@ -170,14 +155,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for case_id in [c for c in args.cases.split(",") if c]:
-        spec = seed_case(case_id)
-        if args.max_blocks:
-            spec = dataclasses.replace(
-                spec,
-                key_cache_shape=(min(spec.key_cache_shape[0], args.max_blocks), *spec.key_cache_shape[1:]),
-                value_cache_shape=(min(spec.value_cache_shape[0], args.max_blocks), *spec.value_cache_shape[1:]),
-            )
-        case = spec.build()
+        case = capped_seed_case(case_id, args.max_blocks)
         rows.append(bench_case(case_id, case, args.repeats, not args.no_pyop))
         del case
     if args.large_blocks:
