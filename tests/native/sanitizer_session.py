@@ -238,6 +238,53 @@ def core():
         assert lib.pakv_gather(ctypes.byref(plan(**bad)), error, 1024) != 0, bad
 
 
+def raw():
+    """pakv_gather_raw (the native backend's one-call path): valid calls exact, malformed ones declined."""
+    spec = importlib.util.spec_from_file_location("native_lib", LOADER)
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    lib = loader.declare(ctypes.CDLL(LIB))
+    kc = rng.integers(0, 255, (6, 4, 2, 8)).astype(np.uint8)  # [nb, bs, H, D] uint8 (ONNX 2)
+    vc = rng.integers(0, 255, (6, 4, 1, 8)).astype(np.uint8)
+    bt, sl, so = np.array([[5, 0, 3], [1, 2, 4]], np.int32), np.array([0, 10, 13], np.int32), np.array([0, 5], np.int32)
+
+    def records(arrays, types):
+        tensors = (loader.Tensor * 7)()
+        for i, (array, elem) in enumerate(zip(arrays, types)):
+            if array is None:
+                continue
+            shape = array.shape
+            tensors[i].data, tensors[i].present, tensors[i].elem_type = array.ctypes.data, 1, elem
+            tensors[i].ndim = len(shape)
+            for d, n in enumerate(shape):
+                tensors[i].dims[d] = n
+        return tensors
+
+    def call(arrays, types, nz=0, cumsum=1):
+        error = ctypes.create_string_buffer(512)
+        return lib.pakv_gather_raw(ctypes.byref(records(arrays, types)), nz, cumsum, error, 512)
+
+    types = [2, 2, 6, 6, 6, 2, 2]
+    ko, vo = np.zeros((13, 2, 8), np.uint8), np.zeros((13, 1, 8), np.uint8)
+    assert call([kc, vc, bt, sl, so, ko, vo], types) == 0
+    want_k, want_v = reference(kc, vc, bt, sl, so, False, 1)
+    assert np.array_equal(ko, want_k) and np.array_equal(vo, want_v)
+    short_k, wide_v = np.zeros((12, 2, 8), np.uint8), np.zeros((13, 2, 8), np.uint8)
+    for label, arrays in (
+        ("used block id out of range", [kc, vc, np.array([[6, 0, 3], [1, 2, 4]], np.int32), sl, so, ko, vo]),
+        ("negative seq_offset", [kc, vc, bt, sl, np.array([0, -4], np.int32), ko, vo]),
+        ("decreasing seq_lens", [kc, vc, bt, np.array([0, 10, 9], np.int32), so, ko, vo]),
+        ("table too short", [kc, vc, bt[:, :2].copy(), sl, so, ko, vo]),
+        ("key output one row short", [kc, vc, bt, sl, so, short_k, vo]),
+        ("value output of the wrong width", [kc, vc, bt, sl, so, ko, wide_v]),
+    ):
+        for out in (ko, vo, short_k, wide_v):
+            out[:] = 0
+        assert call(arrays, types) == 1, label
+        assert not any(o.any() for o in (ko, vo, short_k, wide_v)), label  # nothing written
+    assert call([kc, vc, bt, sl, so, ko, vo], [2, 3, 6, 6, 6, 2, 2]) == 1  # value_cache dtype differs from its output
+
+
 counts = {"ok": 0, "refused": 0}
 for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 400):
     counts[random_call(i)] += 1
@@ -247,4 +294,5 @@ raced = race()
 assert raced["refused"] > 0, raced
 attributes_and_registration()
 core()
+raw()
 print("clean", counts, raced, flush=True)
