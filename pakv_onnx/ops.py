@@ -69,25 +69,14 @@ def gather_pa_kv_cache(
                 key_cache, value_cache, block_tables, seq_lens, seq_offset, mode, is_seq_lens_cumsum, key_out, value_out
             ):
                 return key_out, value_out
-    # gather_with's steps, inline: this is the eager hot path (a decode step costs microseconds).
-    plan = plan_gather(
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        seq_offset,
+    return gather_with(
+        (key_cache, value_cache, block_tables, seq_lens, seq_offset),
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
+        backend=backend,
         key_out=key_out,
         value_out=value_out,
     )
-    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
-    if key_out is None:
-        key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
-    if value_out is None:
-        value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
-    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
-    return key_out, value_out
 
 
 def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -106,20 +95,26 @@ def gather_with(
     cache_mode: str | CacheMode,
     is_seq_lens_cumsum: bool,
     backend: str,
-    allocate: Callable[[GatherPlan], tuple[torch.Tensor, torch.Tensor]],
+    allocate: Callable[[GatherPlan], tuple[torch.Tensor, torch.Tensor]] | None = None,
     key_out: torch.Tensor | None = None,
     value_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validate, pick the backend, get outputs from ``allocate(plan)`` and gather into them.
+    """Validate, pick the backend, get the outputs and gather into them.
 
-    The one path every Python caller takes (the public front, the ORT plugin's callback, which
-    allocates its outputs from ORT once the plan knows their shapes).
+    The one path every Python caller takes: the public front (outputs given, or allocated here in
+    each cache's dtype) and the ORT plugin's callback (``allocate(plan)`` takes its outputs from
+    ORT once the plan knows their shapes).
     """
     key_cache, value_cache = inputs[0], inputs[1]
     plan = plan_gather(
         *inputs, cache_mode=cache_mode, is_seq_lens_cumsum=is_seq_lens_cumsum, key_out=key_out, value_out=value_out
     )
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
-    key, value = allocate(plan)
-    chosen.gather(plan, key_cache, value_cache, key, value)
-    return key, value
+    if allocate is not None:
+        key_out, value_out = allocate(plan)
+    if key_out is None:
+        key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
+    if value_out is None:
+        value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
+    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
+    return key_out, value_out
