@@ -12,11 +12,14 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import os
 import struct
+import sys
 import threading
+import time
 
-from pakv_onnx.ops import gather_with
 from pakv_onnx import native_lib
+from pakv_onnx.ops import gather_with
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
 from pakv_onnx.spec import INPUT_NAMES
 
@@ -26,6 +29,8 @@ _callback = None  # the CFUNCTYPE object must live as long as the library may ca
 # note goes to stderr after _SHUTDOWN_NOTICE_MS, and after _SHUTDOWN_WAIT_MS exit goes on anyway.
 _SHUTDOWN_WAIT_MS = 600_000
 _SHUTDOWN_NOTICE_MS = 2_000
+# After the calls in flight are done, how long exit waits for their threads to leave session.run.
+_SHUTDOWN_LEAVE_S = 5.0
 
 
 # (address, shape, dtype) -> the torch view of that memory. A serving loop hands the same ORT
@@ -131,9 +136,30 @@ def _entry(req_ptr) -> int:
         return 1
 
 
+def _threads_inside_onnxruntime() -> int:
+    """Other threads whose innermost Python frame is onnxruntime's (they are in a session.run)."""
+    me = threading.get_ident()
+    return sum(
+        1
+        for ident, frame in sys._current_frames().items()  # noqa: SLF001 - the documented way to see other threads
+        if ident != me and f"onnxruntime{os.sep}capi" in frame.f_code.co_filename
+    )
+
+
 def _shutdown() -> None:
-    """At interpreter exit: stop new callbacks and wait (GIL released) for those in flight."""
+    """At interpreter exit: stop new callbacks, wait (GIL released) for those in flight, then let
+    their threads leave onnxruntime.
+
+    A call that has just returned to ORT is still unwinding out of session.run and must take the
+    GIL once more. If finalization has started by then, CPython ends a daemon thread with
+    pthread_exit, whose forced unwind through ORT's C++ frames aborts the process ("terminate
+    called without an active exception"). So the exit also waits, sleeping with the GIL free,
+    until no other thread is inside onnxruntime's Python API (bounded by _SHUTDOWN_LEAVE_S).
+    """
     native_lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS, _SHUTDOWN_NOTICE_MS)
+    deadline = time.monotonic() + _SHUTDOWN_LEAVE_S
+    while _threads_inside_onnxruntime() and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def install() -> None:
