@@ -55,7 +55,6 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     INPUT_NAMES,
-    INT64_MAX,
     OP_TYPE,
     OPSET_VERSION,
     OUTPUT_NAMES,
