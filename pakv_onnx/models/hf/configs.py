@@ -24,41 +24,31 @@ class CacheGeometry:
     value_shape: tuple[int, int]
 
 
+# The trunk both families share: a tiny vocabulary and width, two layers, four query heads.
+_TRUNK = {
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": False,
+}
+
+
 def _llama_config():
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
-    )
+    return LlamaConfig(**_TRUNK, num_key_value_heads=2, head_dim=32)
 
 
 def _deepseek_config():
     from transformers import DeepseekV3Config
 
+    # The seed's MLA widths: latent 512 + rope 64; every layer dense (no MoE routing).
+    attention = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32}
     return DeepseekV3Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        first_k_dense_replace=2,  # every layer dense: no MoE routing
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=None,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,
+        **_TRUNK, **attention, v_head_dim=32, num_key_value_heads=4, moe_intermediate_size=64, first_k_dense_replace=2
     )
 
 
