@@ -24,6 +24,7 @@ _EXPORTS = {
     "gather_pa_kv_cache": "pakv_onnx.ops",
     "CacheMode": "pakv_onnx.spec",
     "GatherPlan": "pakv_onnx.spec",
+    "GatherTensors": "pakv_onnx.spec",
     "plan_gather": "pakv_onnx.spec",
 }
 
@@ -32,7 +33,7 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from pakv_onnx.kernels import BackendUnavailableError, backend_names
     from pakv_onnx.ops import gather_pa_kv_cache
-    from pakv_onnx.spec import CacheMode, GatherPlan, plan_gather
+    from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, plan_gather
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.spec import CacheMode, GatherPlan
+from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors
 
 
 def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
@@ -27,22 +27,15 @@ def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> 
     return fractals.transpose(0, 1).reshape(rows, -1)
 
 
-def gather_golden(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-) -> None:
-    """Gather every sequence's tokens from the paged caches into ``key_out`` / ``value_out``.
+def gather_golden(plan: GatherPlan, tensors: GatherTensors) -> None:
+    """Gather every sequence's tokens from the paged caches into the outputs, in place.
 
     Args:
         plan: a validated plan for these tensors.
-        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``; dtypes
-            ``plan.key_dtype`` / ``plan.value_dtype``; any block stride).
-        key_out: ``[T, *plan.key_token_shape]`` of ``plan.key_dtype``, written in place.
-        value_out: ``[T, *plan.value_token_shape]`` of ``plan.value_dtype``, written in place.
+        tensors: the caches (any block stride) and the outputs ``key_out`` ``[T, *key_token_shape]``
+            and ``value_out`` ``[T, *value_token_shape]`` (see :class:`~pakv_onnx.spec.GatherTensors`).
     """
+    key_cache, value_cache, key_out, value_out = tensors
     bs = plan.block_size
     mode = plan.cache_mode
     lengths, out_starts, col_starts = plan.index_lists()

@@ -13,6 +13,7 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     CacheMode,
     GatherPlan,
+    GatherTensors,
     plan_gather,
 )
 
@@ -116,5 +117,5 @@ def gather_with(
         key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
     if value_out is None:
         value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
-    chosen.gather(plan, key_cache, value_cache, key_out, value_out)
+    chosen.gather(plan, GatherTensors(key_cache, value_cache, key_out, value_out))
     return key_out, value_out

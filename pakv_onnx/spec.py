@@ -47,7 +47,7 @@ import itertools
 import math
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -372,6 +372,25 @@ class GatherPlan:
         run_first_token = torch.repeat_interleave(out_row, rows)
         slot = torch.arange(self.num_tokens) - run_first_token
         return token_block, slot
+
+
+class GatherTensors(NamedTuple):
+    """The four tensors one gather touches: the caches it reads and the outputs it writes.
+
+    Every backend's ``gather(plan, tensors)`` takes them bundled, so key and value can never
+    be swapped by position between the front, the registry and a kernel.
+
+    Attributes:
+        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``; dtypes
+            ``plan.key_dtype`` / ``plan.value_dtype``; pool views where the backend reads them).
+        key_out: ``[T, *plan.key_token_shape]`` of ``plan.key_dtype``, written in place.
+        value_out: ``[T, *plan.value_token_shape]`` of ``plan.value_dtype``, written in place.
+    """
+
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    key_out: torch.Tensor
+    value_out: torch.Tensor
 
 
 _LAZY_FIELDS = frozenset({"seq_lengths", "out_starts", "table_col_starts", "block_tables"})

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
 from pakv_onnx.kernels.torch_index import gather_torch
+from pakv_onnx.spec import GatherPlan, GatherTensors
 
 
-def gather_off_by_one(plan, key_cache, value_cache, key_out, value_out) -> None:
-    gather_torch(plan, key_cache, value_cache, key_out, value_out)
-    key_out[:-1] = key_out[1:].clone()
-    value_out[:-1] = value_out[1:].clone()
+def gather_off_by_one(plan: GatherPlan, tensors: GatherTensors) -> None:
+    gather_torch(plan, tensors)
+    for out in (tensors.key_out, tensors.value_out):
+        out[:-1] = out[1:].clone()
 
 
 BACKEND = Backend(name="broken", description="test-only: output rows shifted by one", gather=gather_off_by_one)

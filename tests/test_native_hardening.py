@@ -277,9 +277,9 @@ from pakv_onnx.kernels import Backend
 from pakv_onnx.cases import random_case
 from onnx_graphs import feeds_for_case, model_for_case
 
-def slow(plan, key_cache, value_cache, key_out, value_out):
+def slow(plan, tensors):
     time.sleep({sleep})  # still inside Python when the main thread exits
-    kernels.get_backend("golden").gather(plan, key_cache, value_cache, key_out, value_out)
+    kernels.get_backend("golden").gather(plan, tensors)
     print("slow call finished", flush=True)
 
 module = types.ModuleType("slow_backend")

@@ -182,11 +182,11 @@ def _install_test_backend(monkeypatch, name, gather):
 def test_python_exception_in_a_backend_becomes_an_ort_error_with_its_message(monkeypatch) -> None:
     calls = {"n": 0}
 
-    def flaky(plan, key_cache, value_cache, key_out, value_out):
+    def flaky(plan, tensors):
         calls["n"] += 1
         if calls["n"] % 2 == 1:
             raise RuntimeError(f"flaky backend failed on call {calls['n']}")
-        kernels.get_backend("golden").gather(plan, key_cache, value_cache, key_out, value_out)
+        kernels.get_backend("golden").gather(plan, tensors)
 
     _install_test_backend(monkeypatch, "flaky", flaky)
     case = base_case()

@@ -23,7 +23,7 @@ from per_token_reference import gather_per_token
 
 from pakv_onnx import golden, native_lib, runtime_plugin
 from pakv_onnx.kernels import native
-from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim, plan_gather
+from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, GatherTensors, bitwise_equal, nz_last_dim, plan_gather
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -146,7 +146,7 @@ def test_native_backend_gathers_pool_views_in_place(monkeypatch, mode: CacheMode
     seq_lens = torch.tensor([0, 7, 7, 15], dtype=torch.int64)
     plan = plan_gather(key_dense, value_dense, tables, seq_lens, None, cache_mode=mode)  # spec: dense only here
     expected = [torch.empty(plan.key_out_shape, dtype=dtype), torch.empty(plan.value_out_shape, dtype=dtype)]
-    golden.gather_golden(plan, key_dense, value_dense, *expected)
+    golden.gather_golden(plan, GatherTensors(key_dense, value_dense, *expected))
     seen = []
     real_gather = native_lib.gather
 
@@ -156,7 +156,7 @@ def test_native_backend_gathers_pool_views_in_place(monkeypatch, mode: CacheMode
 
     monkeypatch.setattr(native_lib, "gather", spy)
     out = [torch.empty_like(expected[0]), torch.empty_like(expected[1])]
-    native.gather_native(plan, key_view, value_view, *out)
+    native.gather_native(plan, GatherTensors(key_view, value_view, *out))
     block_bytes = key_view[0].numel() * dtype.itemsize
     assert seen == [(pool.data_ptr(), pool.data_ptr() + block_bytes, 2 * block_bytes, 2 * block_bytes)]
     assert bitwise_equal(out[0], expected[0]) and bitwise_equal(out[1], expected[1])
@@ -168,8 +168,9 @@ def test_native_backend_refuses_a_cache_whose_blocks_are_not_dense_by_name() -> 
     transposed = cache.transpose(2, 3)  # blocks not row-major
     plan = plan_gather(cache, cache, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 3]))
     assert "row-major contiguous" in native.BACKEND.unsupported_reason(plan, transposed)
+    outputs = [torch.empty(3, 2, 8, dtype=torch.float16)] * 2
     with pytest.raises(ValueError, match="key_cache must be a CPU tensor whose blocks are row-major contiguous"):
-        native.gather_native(plan, transposed, cache, *[torch.empty(3, 2, 8, dtype=torch.float16)] * 2)
+        native.gather_native(plan, GatherTensors(transposed, cache, *outputs))
 
 
 def test_core_reads_pool_views_with_any_offset_floor_rule() -> None:

@@ -16,9 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from pakv_onnx.spec import GatherPlan
+from pakv_onnx.spec import GatherPlan, GatherTensors
 
-GatherFn = Callable[[GatherPlan, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
+GatherFn = Callable[[GatherPlan, GatherTensors], None]
 
 
 def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
@@ -37,7 +38,7 @@ class Backend:
     Attributes:
         name: registry key (``backend=`` argument).
         description: one line for ``--help`` and error messages.
-        gather: ``gather(plan, key_cache, value_cache, key_out, value_out)``, writes outputs in place.
+        gather: ``gather(plan, tensors)`` (a :class:`~pakv_onnx.spec.GatherTensors`), writes the outputs in place.
         unavailable_reason: returns ``None`` when the backend can run in this process,
             otherwise why not (e.g. "pypto is not installed").
         unsupported_reason: returns ``None`` when the backend handles this plan and these

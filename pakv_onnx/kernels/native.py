@@ -16,7 +16,7 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import ONNX_TYPE_OF, CacheMode, GatherPlan, blocks_are_row_major, dense_cpu_without_overlap
+from pakv_onnx.spec import ONNX_TYPE_OF, CacheMode, GatherPlan, GatherTensors, blocks_are_row_major, dense_cpu_without_overlap
 
 
 def _unavailable() -> str | None:
@@ -81,21 +81,16 @@ def _index_arrays(plan: GatherPlan) -> tuple[object, int, int, int, int, int, in
     )
 
 
-def gather_native(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-) -> None:
-    """Gather into ``key_out`` / ``value_out`` with the C core.
+def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
+    """Gather with the C core.
 
     Args:
         plan: the validated plan (int64 index tensors on the CPU, or the small path's lists).
-        key_cache, value_cache: rank-4 CPU caches, each of its own dtype, blocks row-major
-            contiguous, any block stride (pool views are read in place, never copied).
-        key_out, value_out: contiguous CPU outputs of the plan's shapes and the caches' dtypes.
+        tensors: rank-4 CPU caches, each of its own dtype, blocks row-major contiguous, any block
+            stride (pool views are read in place, never copied); contiguous CPU outputs of the
+            plan's shapes and the caches' dtypes.
     """
+    key_cache, value_cache, key_out, value_out = tensors
     if not (key_cache.is_cpu and value_cache.is_cpu):
         raise ValueError("native backend: key_cache and value_cache must be CPU tensors")
     if not (key_out.is_contiguous() and key_out.is_cpu):

@@ -7,6 +7,7 @@ not part of ``auto``. Implementation: :mod:`pakv_onnx.pypto.cpu`.
 from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
+from pakv_onnx.spec import GatherPlan, GatherTensors
 
 
 def _unavailable_reason() -> str | None:
@@ -23,10 +24,10 @@ def _unavailable_reason() -> str | None:
     return None
 
 
-def _gather(plan, key_cache, value_cache, key_out, value_out) -> None:
+def _gather(plan: GatherPlan, tensors: GatherTensors) -> None:
     from pakv_onnx.pypto import cpu
 
-    cpu.gather_pypto_cpu(plan, key_cache, value_cache, key_out, value_out)
+    cpu.gather_pypto_cpu(plan, tensors)
 
 
 def _unsupported_reason(plan, cache) -> str | None:

@@ -12,7 +12,7 @@ import torch
 
 from pakv_onnx.kernels import Backend
 from pakv_onnx.pypto import host
-from pakv_onnx.spec import GatherPlan
+from pakv_onnx.spec import GatherPlan, GatherTensors
 
 
 def _find_spec(name: str):
@@ -48,23 +48,16 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def gather_pypto(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-) -> None:
+def gather_pypto(plan: GatherPlan, tensors: GatherTensors) -> None:
     """Gather on the Ascend NPU (inputs already on the NPU stay there; CPU inputs are moved)."""
-    device = torch.device("npu", torch.npu.current_device())
-    if key_cache.device.type == "npu":
-        host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=False)
+    if tensors.key_cache.device.type == "npu":
+        host.run_kernel(plan, tensors, sim=False)
         return
-    key_dev, value_dev = key_out.to(device), value_out.to(device)
-    host.run_kernel(plan, key_cache.to(device), value_cache.to(device), key_dev, value_dev, sim=False)
-    key_out.copy_(key_dev.cpu())
-    value_out.copy_(value_dev.cpu())
-
+    device = torch.device("npu", torch.npu.current_device())
+    on_device = GatherTensors(*(t.to(device) for t in tensors))
+    host.run_kernel(plan, on_device, sim=False)
+    tensors.key_out.copy_(on_device.key_out.cpu())
+    tensors.value_out.copy_(on_device.value_out.cpu())
 
 BACKEND = Backend(
     name="pypto",

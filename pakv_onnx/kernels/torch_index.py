@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import CacheMode, GatherPlan, bits_view
+from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, bits_view
 
 
 def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch.Tensor, int] | None:
@@ -77,14 +77,9 @@ def _gather_one(
     torch.index_select(rows, 0, index.to(rows.device), out=dst.view(plan.num_tokens * fractals, last))
 
 
-def gather_torch(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-) -> None:
-    """Vectorised gather into ``key_out`` / ``value_out`` (shapes as in the plan; outputs contiguous)."""
+def gather_torch(plan: GatherPlan, tensors: GatherTensors) -> None:
+    """Vectorised gather into ``tensors.key_out`` / ``tensors.value_out`` (plan's shapes; outputs contiguous)."""
+    key_cache, value_cache, key_out, value_out = tensors
     # Caches whose rows hold no bytes have nothing to copy: T may then be as large as int64
     # allows, and a per-token index of it could not exist.
     work = [

@@ -27,7 +27,7 @@ import torch
 
 from pakv_onnx.paths import cache_dir
 from pakv_onnx.pypto import host, runs
-from pakv_onnx.spec import GatherPlan
+from pakv_onnx.spec import GatherPlan, GatherTensors
 
 READY_TIMEOUT_S = 600  # the first worker on a machine may build the helper library
 
@@ -137,14 +137,9 @@ def _replan_inputs(plan: GatherPlan, key_cache: torch.Tensor, value_cache: torch
     }
 
 
-def gather_pypto_cpu(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-) -> None:
-    """Gather through PyPTO's SIM compile + pass-verify interpreter; writes ``key_out``/``value_out``."""
+def gather_pypto_cpu(plan: GatherPlan, tensors: GatherTensors) -> None:
+    """Gather through PyPTO's SIM compile + pass-verify interpreter; writes the two outputs."""
+    key_cache, value_cache, key_out, value_out = tensors
     global _worker
     reason = unsupported_reason(plan, key_cache, value_cache)
     if reason:  # the registry refuses such calls first; this guards direct callers

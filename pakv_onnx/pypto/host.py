@@ -21,7 +21,7 @@ import torch
 from pakv_onnx.paths import cache_dir, pypto_output_env
 from pakv_onnx.pypto import tiles as tiles_mod
 from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
-from pakv_onnx.spec import CacheMode, GatherPlan, nz_last_dim
+from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, nz_last_dim
 
 INT32_MAX = 2**31 - 1
 
@@ -146,15 +146,9 @@ def build_entries(plan: GatherPlan, chunk: int) -> torch.Tensor:
     return entries.to(torch.int32).contiguous()
 
 
-def kernel_inputs(
-    plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
-    tiles: Tiles,
-) -> tuple[torch.Tensor, ...]:
+def kernel_inputs(plan: GatherPlan, tensors: GatherTensors, tiles: Tiles) -> tuple[torch.Tensor, ...]:
     """The gather kernel's tensor arguments on the caches' device (outputs as views, no copy)."""
+    key_cache, value_cache, key_out, value_out = tensors
     entries = build_entries(plan, tiles.chunk).to(key_cache.device)
     if plan.cache_mode is CacheMode.NORM:
         key_width, value_width = row_width(plan, "key"), row_width(plan, "value")
@@ -187,8 +181,9 @@ def _nz_out_view(out: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return out.view(out.shape[0], -1, e_dim)
 
 
-def seed_kernel_inputs(plan: GatherPlan, key_cache, value_cache, key_out, value_out) -> tuple[torch.Tensor, ...]:
+def seed_kernel_inputs(plan: GatherPlan, tensors: GatherTensors) -> tuple[torch.Tensor, ...]:
     """Arguments of the seed's nested-loop kernel (Norm only), for pricing the seed's rule."""
+    key_cache, value_cache, key_out, value_out = tensors
     device = key_cache.device
     starts = torch.cat((plan.out_starts, torch.tensor([plan.num_tokens]))).to(torch.int32)
     return (
@@ -210,10 +205,7 @@ def set_output_env() -> None:
 
 def run_kernel(
     plan: GatherPlan,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    key_out: torch.Tensor,
-    value_out: torch.Tensor,
+    tensors: GatherTensors,
     *,
     sim: bool,
     verify: bool = False,
@@ -227,6 +219,7 @@ def run_kernel(
     set_output_env()
     from pakv_onnx.pypto import kernel
 
+    key_cache, value_cache = tensors.key_cache, tensors.value_cache
     reason = unsupported_reason(plan, key_cache, value_cache)
     if reason is not None:  # the registry refuses such calls first; this guards direct callers
         raise ValueError(f"the PyPTO kernel cannot run this call: {reason}")
@@ -234,10 +227,10 @@ def run_kernel(
     if plan.num_tokens == 0 or plan.num_seqs == 0:
         return tiles
     if tiles.kind == "seed":
-        args = seed_kernel_inputs(plan, key_cache, value_cache, key_out, value_out)
+        args = seed_kernel_inputs(plan, tensors)
         kind = "seed"
     else:
-        args = kernel_inputs(plan, key_cache, value_cache, key_out, value_out, tiles)
+        args = kernel_inputs(plan, tensors, tiles)
         kind = "norm" if plan.cache_mode is CacheMode.NORM else "nz"
     fn = kernel.jit_kernel(kind, sim=sim, verify=verify, kernel_fn=kernel_fn)
     fn(*args, kernel_scalars(plan, key_cache, value_cache, tiles))

@@ -88,7 +88,7 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Run one request in this process (the subprocess body; tests call it for injected kernels)."""
     from pakv_onnx.pypto import adapter, cases, host
     from pakv_onnx.pypto.tiles import Tiles
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.spec import GatherTensors, plan_gather
 
     mode = request["mode"]
     adapter.check_version()
@@ -112,10 +112,8 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     verify = mode == "verify"
     if verify:
         adapter.install()
-    used = host.run_kernel(
-        plan, case.key_cache, case.value_cache, key_out, value_out, sim=True, verify=verify, tiles=tiles,
-        kernel_fn=kernel_fn,
-    )
+    tensors = GatherTensors(case.key_cache, case.value_cache, key_out, value_out)
+    used = host.run_kernel(plan, tensors, sim=True, verify=verify, tiles=tiles, kernel_fn=kernel_fn)
     flush_c_stdio()
     if not verify:
         return {"ok": True, "detail": f"compiled, cost model ran ({shapes})", "tiles": used.to_json()}
@@ -178,7 +176,7 @@ def worker_main(request_path: str, kernel_fn=None) -> int:
 def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     """One pypto-cpu call: load the inputs, plan, run the kernel through the interpreter, save the outputs."""
     from pakv_onnx.pypto import adapter, host
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.spec import GatherTensors, plan_gather
 
     inputs = torch.load(request["inputs"], weights_only=True)
     plan = plan_gather(*inputs["tensors"], **inputs["attributes"])
@@ -188,7 +186,7 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     fill_sentinel(key_out)
     fill_sentinel(value_out)
     adapter.install()
-    tiles = host.run_kernel(plan, key_cache, value_cache, key_out, value_out, sim=True, verify=True)
+    tiles = host.run_kernel(plan, GatherTensors(key_cache, value_cache, key_out, value_out), sim=True, verify=True)
     flush_c_stdio()
     torch.save({"key": key_out, "value": value_out}, request["outputs"])
     _clear_pypto_output()
