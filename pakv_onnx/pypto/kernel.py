@@ -48,6 +48,18 @@ _HOST_TENSORS = {
 _PASS_OPTIONS = {"vec_nbuffer_setting": {-2: 1, -1: 8}}
 
 
+def _copy_rows(src, out, rows: int, tile, src_row, dst_row, valid):
+    """Copy ``valid`` rows of ``src`` ``[N, W]`` from row ``src_row`` to ``out`` at row ``dst_row``.
+
+    The view is ``rows`` rows long (static, what the cost model charges); ``tile`` = (tile rows,
+    tile cols) of the vector tiles that move it.
+    """
+    width = src.shape[1]
+    pypto.set_vec_tile_shapes(tile[0], tile[1])
+    part = pypto.view(src, [rows, width], [src_row, 0], valid_shape=[valid, width])
+    pypto.assemble(part, [dst_row, 0], out)
+
+
 def gather_norm_kernel(
     key_rows: pypto.Tensor([DYN, STATIC]),
     value_rows: pypto.Tensor([DYN, STATIC]),
@@ -61,19 +73,13 @@ def gather_norm_kernel(
     The caches come as ``[nb*bs, H*D]`` row views. ``tiles`` = (chunk, key tile rows, key tile
     cols, value tile rows, value tile cols).
     """
-    key_width = key_rows.shape[1]
-    value_width = value_rows.shape[1]
     chunk = tiles[0]
     for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
         src = entries[e, 0]
         dst = entries[e, 2]
         valid = entries[e, 3]
-        pypto.set_vec_tile_shapes(tiles[1], tiles[2])
-        key_part = pypto.view(key_rows, [chunk, key_width], [src, 0], valid_shape=[valid, key_width])
-        pypto.assemble(key_part, [dst, 0], key_out)
-        pypto.set_vec_tile_shapes(tiles[3], tiles[4])
-        value_part = pypto.view(value_rows, [chunk, value_width], [src, 0], valid_shape=[valid, value_width])
-        pypto.assemble(value_part, [dst, 0], value_out)
+        _copy_rows(key_rows, key_out, chunk, tiles[1:3], src, dst, valid)
+        _copy_rows(value_rows, value_out, chunk, tiles[3:5], src, dst, valid)
 
 
 def _nz_part(planes, fractals: int, e_dim: int, chunk: int, tile: tuple, block, slot, valid):
@@ -123,19 +129,13 @@ def copy_kernel(
     tiles: tuple,
 ):
     """The floor: ``[T, W]`` rows copied contiguously in ``chunk``-row tasks (no block table). ``tiles`` as Norm."""
-    key_width = key_src.shape[1]
-    value_width = value_src.shape[1]
     total = key_src.shape[0]
     chunk = tiles[0]
     for c in pypto.loop(pypto.ceildiv(total, chunk), name="chunk_loop", idx_name="c"):
         start = c * chunk
         valid = (total - start).min(chunk)
-        pypto.set_vec_tile_shapes(tiles[1], tiles[2])
-        key_part = pypto.view(key_src, [chunk, key_width], [start, 0], valid_shape=[valid, key_width])
-        pypto.assemble(key_part, [start, 0], key_out)
-        pypto.set_vec_tile_shapes(tiles[3], tiles[4])
-        value_part = pypto.view(value_src, [chunk, value_width], [start, 0], valid_shape=[valid, value_width])
-        pypto.assemble(value_part, [start, 0], value_out)
+        _copy_rows(key_src, key_out, chunk, tiles[1:3], start, start, valid)
+        _copy_rows(value_src, value_out, chunk, tiles[3:5], start, start, valid)
 
 
 def seed_kernel(
@@ -170,14 +170,8 @@ def seed_kernel(
                 done = blk * block_size
                 valid = (length - done).min(block_size)
                 dst_row = first_row + done
-                pypto.set_vec_tile_shapes(tiles[0], tiles[1])
-                key_block = pypto.view(key_rows, [block_size, key_width], [src_row, 0], valid_shape=[valid, key_width])
-                pypto.assemble(key_block, [dst_row, 0], key_out)
-                pypto.set_vec_tile_shapes(tiles[2], tiles[3])
-                value_block = pypto.view(
-                    value_rows, [block_size, value_width], [src_row, 0], valid_shape=[valid, value_width]
-                )
-                pypto.assemble(value_block, [dst_row, 0], value_out)
+                _copy_rows(key_rows, key_out, block_size, tiles[0:2], src_row, dst_row, valid)
+                _copy_rows(value_rows, value_out, block_size, tiles[2:4], src_row, dst_row, valid)
 
 
 KERNELS = {"norm": gather_norm_kernel, "nz": gather_nz_kernel, "copy": copy_kernel, "seed": seed_kernel}
