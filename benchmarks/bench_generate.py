@@ -25,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from pakv_onnx.models.hf import PagedKVCache, Workload, build_model, check, step_feeds
-from pakv_onnx.models.hf.generate import new_cache
+from pakv_onnx.models.hf import PagedKVCache, Workload, build_model, check, make_workload, new_cache, step_feeds
 
 
 def decode_transformers(model, prompts: torch.Tensor, steps: int) -> float:
@@ -84,7 +83,7 @@ def bench_arch(
     rows = []
     with tempfile.TemporaryDirectory(prefix="pakv-bench-generate-") as tmp:
         path = Path(tmp) / f"{arch}.onnx"
-        example = check.make_workload(batch=3, new_tokens=2, vocab_size=config.vocab_size, seed=0)
+        example = make_workload(batch=3, new_tokens=2, vocab_size=config.vocab_size, seed=0)
         check.export_for(arch, 0, example, block_size, path)
         sessions = {name: check.make_runner_session(name, path, threads) for name in ("plugin:native", check.STOCK_ORT)}
         for batch in batches:

@@ -18,6 +18,7 @@ import pytest
 
 from pakv_onnx import cli, kernels
 from pakv_onnx.models.hf import (
+    Generation,
     PagedDecoderStep,
     build_model,
     compare,
@@ -104,7 +105,7 @@ def test_broken_backend_fails(exported, monkeypatch: pytest.MonkeyPatch) -> None
 def test_compare_sees_one_wrong_token() -> None:
     workload = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=1)
     reference = generate_reference(build_model("llama", SEED), workload)
-    altered = check.Generation([list(t) for t in reference.tokens], [x.clone() for x in reference.logits])
+    altered = Generation([list(t) for t in reference.tokens], [x.clone() for x in reference.logits])
     altered.tokens[1][-1] = (altered.tokens[1][-1] + 1) % 256
     assert compare(altered, reference) == (False, 0.0)
 

@@ -17,17 +17,9 @@ from pathlib import Path
 import torch
 
 from pakv_onnx import kernels, runtime_plugin
+from pakv_onnx.models.hf import generate
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
-from pakv_onnx.models.hf.generate import (
-    Generation,
-    Workload,
-    compare,
-    generate_paged,
-    generate_reference,
-    make_workload,
-    new_cache,
-)
 from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, step_feeds
 from pakv_onnx.spec import GatherPlan, plan_gather
 
@@ -60,7 +52,7 @@ class RunnerResult:
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
     arch: str
-    workload: Workload
+    workload: generate.Workload
     block_size: int
     reference_ms_per_token: float
     results: list[RunnerResult]
@@ -71,7 +63,7 @@ class CheckReport:
         return bool(self.results) and all(r.passed for r in self.results)
 
 
-def gather_calls(workload: Workload, num_layers: int) -> int:
+def gather_calls(workload: generate.Workload, num_layers: int) -> int:
     """Gather calls a generation makes: one per layer per step (steps = the longest budget)."""
     return max(workload.budgets) * num_layers
 
@@ -86,7 +78,10 @@ def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
 
 
 def runner_names(
-    backends: Sequence[str], workload: Workload, num_layers: int, probe: tuple[GatherPlan, torch.Tensor] | None = None
+    backends: Sequence[str],
+    workload: generate.Workload,
+    num_layers: int,
+    probe: tuple[GatherPlan, torch.Tensor] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The runners to use (``plugin:<b>`` for each backend, ``stock-ort``, and ``plugin:pypto-cpu``
     when that backend is registered, can run ``probe`` (a plan and key pool like the model's) and
@@ -131,10 +126,10 @@ def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch
     return lambda feeds: runtime_plugin.run(session, feeds)
 
 
-def export_for(arch: str, seed: int, workload: Workload, block_size: int, path: Path) -> PagedDecoderStep:
+def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> PagedDecoderStep:
     """Build the paged model of ``arch`` and export its step (traced on the workload's prefill) to ``path``."""
     step = PagedDecoderStep(build_model(arch, seed))
-    cache = new_cache(step.model.config, workload, block_size, seed)
+    cache = generate.new_cache(step.model.config, workload, block_size, seed)
     ids = list(range(len(workload.prompts)))
     for i in ids:
         cache.add_sequence(i)
@@ -147,16 +142,22 @@ def export_for(arch: str, seed: int, workload: Workload, block_size: int, path: 
 
 
 def run_runner(
-    runner: str, path: Path, config, workload: Workload, block_size: int, seed: int, reference: Generation
+    runner: str,
+    path: Path,
+    config,
+    workload: generate.Workload,
+    block_size: int,
+    seed: int,
+    reference: generate.Generation,
 ) -> RunnerResult:
     """Generate ``workload`` on ``runner`` and compare with ``reference``; an exception is a FAIL row."""
     try:
         session = make_runner_session(runner, path)
-        cache: PagedKVCache = new_cache(config, workload, block_size, seed)
-        result = generate_paged(session_step(session), cache, workload)
+        cache: PagedKVCache = generate.new_cache(config, workload, block_size, seed)
+        result = generate.generate_paged(session_step(session), cache, workload)
     except Exception as err:  # a failing runner is a FAIL row, not a crash of the command
         return RunnerResult(runner, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}")
-    same, err = compare(result, reference)
+    same, err = generate.compare(result, reference)
     return RunnerResult(runner, same, err, result.seconds * 1e3 / workload.generated_tokens, result.steps)
 
 
@@ -174,9 +175,9 @@ def run_check(
     """Export ``arch``'s step into ``out_dir``, generate on every runner, compare with transformers."""
     reference_model = build_model(arch, seed)
     config = reference_model.config
-    workload = make_workload(batch=batch, new_tokens=new_tokens, vocab_size=config.vocab_size, seed=seed)
+    workload = generate.make_workload(batch=batch, new_tokens=new_tokens, vocab_size=config.vocab_size, seed=seed)
     progress(f"{arch}: transformers generate (dense cache) for {batch} prompts ...")
-    reference = generate_reference(reference_model, workload)
+    reference = generate.generate_reference(reference_model, workload)
     path = out_dir / f"{arch}_step_bs{block_size}.onnx"
     progress(f"{arch}: exporting one step to {path} ...")
     start = time.perf_counter()
