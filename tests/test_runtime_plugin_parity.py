@@ -23,7 +23,16 @@ from per_token_reference import gather_per_token
 
 from pakv_onnx import golden, native_lib, runtime_plugin
 from pakv_onnx.kernels import native
-from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, GatherTensors, bitwise_equal, nz_last_dim, plan_gather
+from pakv_onnx.spec import (
+    CACHE_DTYPES,
+    INPUT_NAMES,
+    OUTPUT_NAMES,
+    CacheMode,
+    GatherTensors,
+    bitwise_equal,
+    nz_last_dim,
+    plan_gather,
+)
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 

@@ -16,7 +16,14 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import ONNX_TYPE_OF, CacheMode, GatherPlan, GatherTensors, blocks_are_row_major, dense_cpu_without_overlap
+from pakv_onnx.spec import (
+    ONNX_TYPE_OF,
+    CacheMode,
+    GatherPlan,
+    GatherTensors,
+    blocks_are_row_major,
+    dense_cpu_without_overlap,
+)
 
 
 def _unavailable() -> str | None:
