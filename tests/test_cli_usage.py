@@ -246,3 +246,21 @@ def test_seed_caches_are_generated_in_chunks_bit_for_bit() -> None:
     expected = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     got = seeded_randn(shape, torch.Generator().manual_seed(3), torch.bfloat16, chunk=1 << 16)
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+
+
+def test_every_help_example_parses() -> None:
+    """The examples each ``--help`` shows are real: every one parses with its command's parser."""
+    import shlex
+
+    from pakv_onnx.commands import _args
+
+    parser = cli.build_parser()
+    assert set(_args.EXAMPLES) == {m.rsplit(".", 1)[1].replace("_", "-") for m in cli.COMMAND_MODULES}
+    for name, examples in _args.EXAMPLES.items():
+        assert examples, f"{name} --help shows no example"
+        for example in examples:
+            argv = [name, *shlex.split(example.partition("  # ")[0].replace("\n", " "))]
+            try:
+                assert parser.parse_args(argv).command == name
+            except SystemExit:
+                pytest.fail(f"the --help example `pakv-onnx {' '.join(argv)}` does not parse")

@@ -1,12 +1,61 @@
-"""Argument types shared by the subcommands: refuse nonsense while parsing (exit 2, argparse's way).
+"""What the subcommands share: one way to declare a command, and argument types that refuse nonsense.
 
-Each raises :class:`argparse.ArgumentTypeError`, which argparse prints as
-``pakv-onnx CMD: error: argument --X: <message>`` after the usage line.
+:func:`add_command` lays every ``--help`` out alike (description, optional reference text,
+examples, notes) and records the examples so a test parses each one. The argument types raise
+:class:`argparse.ArgumentTypeError`, which argparse prints as
+``pakv-onnx CMD: error: argument --X: <message>`` after the usage line (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
+
+PROG = "pakv-onnx"
+# Command name -> the argument lines of its --help examples (tests parse every one).
+EXAMPLES: dict[str, tuple[str, ...]] = {}
+
+
+def add_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    *,
+    help: str,  # noqa: A002 (argparse's own keyword)
+    description: str,
+    examples: Sequence[str],
+    reference: str = "",
+    notes: str = "",
+) -> argparse.ArgumentParser:
+    """Declare subcommand ``name`` and return its parser.
+
+    Args:
+        help: one line for ``pakv-onnx --help``.
+        description: the paragraph ``pakv-onnx NAME --help`` opens with (wrapped by argparse).
+        examples: the arguments after ``pakv-onnx NAME`` of each example (``""``: none), optionally
+            followed by ``  # comment``; a ``\n`` continues the example on the next line.
+        reference: preformatted text shown before the examples (e.g. a table of case ids).
+        notes: preformatted text shown after them.
+    """
+    EXAMPLES[name] = tuple(examples)
+    epilog = f"{reference}\n" if reference else ""
+    epilog += "examples:\n" + "\n".join(_example_lines(name, examples))
+    if notes:
+        epilog += f"\n\n{notes}"
+    return commands.add_parser(
+        name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
+def _example_lines(name: str, examples: Sequence[str]) -> list[str]:
+    """``  pakv-onnx NAME ARGS`` per example; comments aligned, continuations indented under ARGS."""
+    split = [(args.rstrip(), comment) for args, _, comment in (e.partition("  # ") for e in examples)]
+    commented = [len(f"{PROG} {name} {args}") for args, comment in split if comment and "\n" not in args]
+    column = max(commented, default=0) + 2
+    lines = []
+    for args, comment in split:
+        command = f"{PROG} {name} {args}".rstrip().replace("\n", " \\\n" + " " * (len(PROG) + len(name) + 4))
+        lines.append(f"  {command.ljust(column)}# {comment.strip()}" if comment else f"  {command}")
+    return lines
 
 
 def _int(text: str) -> int:

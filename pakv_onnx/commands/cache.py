@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pakv_onnx import paths
+from pakv_onnx.commands import _args
 
 
 def human_size(size_bytes: int) -> str:
@@ -34,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "cache",
         help="show the cache directory and its size per entry; --clear empties it",
         description=(
@@ -44,8 +46,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "directory given by $PAKV_ONNX_CACHE_DIR is only emptied if it carries pakv-onnx's "
             "CACHEDIR.TAG. Everything there is rebuilt on demand."
         ),
-        epilog="examples:\n  pakv-onnx cache\n  pakv-onnx cache --clear",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "",
+            "--clear",
+        ],
     )
     parser.add_argument("--clear", action="store_true", help="delete everything in the cache directory")
     parser.set_defaults(run=run)

@@ -7,7 +7,7 @@ import time
 
 from pakv_onnx import kernels
 from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
-from pakv_onnx.commands._args import non_negative_int, runnable_backend
+from pakv_onnx.commands import _args
 from pakv_onnx.commands._report import case_line, totals_line
 from pakv_onnx.ops import gather_pa_kv_cache
 from pakv_onnx.spec import bitwise_equal, plan_gather
@@ -94,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "cases",
         help="run the seed sweep and manual shapes against the golden",
         description=(
@@ -103,9 +104,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "a backend and compare the outputs bit-exact with the torch golden. Prints one "
             "PASS/FAIL line per case and ends with [PRECISION_PASS] or [PRECISION_FAIL]; exit code 0/1."
         ),
-        epilog="examples:\n  pakv-onnx cases --list\n  pakv-onnx cases level0 level9 --backend torch\n"
-        "  pakv-onnx cases --random 50 --seed 7",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "--list",
+            "level0 level9 --backend torch",
+            "--random 50 --seed 7",
+        ],
     )
     parser.add_argument(
         "ids", nargs="*", metavar="ID", type=known_case_id, help="case ids to run (default: all 12; see --list)"
@@ -114,13 +117,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--backend",
         default=kernels.AUTO,
-        type=runnable_backend,
+        type=_args.runnable_backend,
         help=f"backend to check: auto or one of {', '.join(kernels.backend_names())}; it must be able to run "
         "here (default: auto, the first of " + ", ".join(kernels.AUTO_PREFERENCE) + " that can run each case)",
     )
     parser.add_argument(
         "--random",
-        type=non_negative_int,
+        type=_args.non_negative_int,
         default=0,
         metavar="N",
         help="also run N random small cases (all dtypes and layouts)",

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from pakv_onnx.commands._args import positive_int, runnable_backend_list
+from pakv_onnx.commands import _args
 
 STAGING_PREFIX = ".pakv-onnx-partial-"
 
@@ -130,7 +130,8 @@ def _physical_memory_bytes() -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "demo",
         help="export the sample attention graphs and run them every way (the main job)",
         description=(
@@ -142,19 +143,23 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "gathered key/value bit-exact, attention output within a fp32 tolerance. Prints one "
             "table per graph and PASS/FAIL; exit code 0/1 (2: bad arguments)."
         ),
-        epilog="examples:\n  pakv-onnx demo\n  pakv-onnx demo --model mla --tokens 4096 --out ./onnx\n"
-        "  pakv-onnx demo --backend native,golden,torch\n\n"
-        "--out DIR keeps, per graph: DIR/<graph>.onnx, DIR/<graph>.inputs/<input>.pb (the feeds) and\n"
-        "DIR/<graph>.expected/<output>.pb (torch reference outputs), ONNX TensorProto files\n"
-        "(onnx.load_tensor) keeping each tensor's element type (bf16 caches stay bf16).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "",
+            "--model mla --tokens 4096 --out ./onnx",
+            "--backend native,golden,torch",
+        ],
+        notes=(
+            "--out DIR keeps, per graph: DIR/<graph>.onnx, DIR/<graph>.inputs/<input>.pb (the feeds) and\n"
+            "DIR/<graph>.expected/<output>.pb (torch reference outputs), ONNX TensorProto files\n"
+            "(onnx.load_tensor) keeping each tensor's element type (bf16 caches stay bf16)."
+        ),
     )
     parser.add_argument(
         "--model", choices=("mla", "gqa", "all"), default="all", help="which sample graphs (default: all)"
     )
     parser.add_argument(
         "--backend",
-        type=runnable_backend_list,
+        type=_args.runnable_backend_list,
         default="native,golden",
         help="comma-separated plugin backends to run each graph on, besides stock ORT; each must be able to "
         "run here (default: native,golden)",
@@ -169,11 +174,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, caches and block tables (default: 0)")
     parser.add_argument(
         "--tokens",
-        type=positive_int,
+        type=_args.positive_int,
         default=256,
         help="total tokens per batch, T (default: 256); memory grows with the longest sequence squared",
     )
     parser.add_argument(
-        "--repeats", type=positive_int, default=5, help="timed runs per way, median reported (default: 5)"
+        "--repeats", type=_args.positive_int, default=5, help="timed runs per way, median reported (default: 5)"
     )
     parser.set_defaults(run=run)

@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 
 from pakv_onnx import kernels
+from pakv_onnx.commands import _args
 
 ARCH_CHOICES = ("llama", "deepseek")
 MAX_BATCH = 32
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "generate",
         help="a transformers decoder generating over a paged KV cache in ONNX Runtime, checked against transformers",
         description=(
@@ -94,9 +96,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "must equal transformers' generate(do_sample=False) with its dense cache, and its logits "
             "must be within a fp32 tolerance. Prints a table (or --json) and PASS/FAIL; exit 0/1."
         ),
-        epilog="examples:\n  pakv-onnx generate --arch llama\n"
-        "  pakv-onnx generate --arch deepseek --batch 6 --new-tokens 24 --block-size 32 --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "--arch llama",
+            "--arch deepseek --batch 6 --new-tokens 24 --block-size 32 --json",
+        ],
     )
     parser.add_argument("--arch", choices=ARCH_CHOICES, required=True, help="model family")
     parser.add_argument(

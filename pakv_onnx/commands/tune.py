@@ -8,7 +8,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from pakv_onnx.commands._args import positive_int
+from pakv_onnx.commands import _args
 
 DEFAULT_SHAPE = {"dtype": "bfloat16", "key_heads": 1, "key_dim": 512, "value_heads": 1, "value_dim": 64}
 
@@ -222,7 +222,8 @@ def _num(value, spec: str) -> str:
 def add_parser(commands: argparse._SubParsersAction) -> None:
     from pakv_onnx.pypto.cases import dtype_by_name
 
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "tune",
         help="cost-model (SIM) table of the PyPTO kernel's chunk sizes for one case, with the copy floor",
         description=(
@@ -235,16 +236,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "the kernel uses them for this shape from then on. The cost model charges static view shapes, not "
             "valid rows."
         ),
-        epilog=(
-            "examples:\n"
-            "  pakv-onnx tune                      # the shape options' defaults: the seed sweep's shapes, T=55\n"
-            "  pakv-onnx tune --case level5\n"
-            "  pakv-onnx tune --case heads64_k128_v128 --json\n"
-            "  pakv-onnx tune --case nz-bfloat16 --chunks 4 16\n"
-            "  pakv-onnx tune --dtype float16 --key-heads 8 --key-dim 128 --value-heads 8 --value-dim 128 \\\n"
-            "                 --block-size 64 --q 2 --tokens 300"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "  # the shape options' defaults: the seed sweep's shapes, T=55",
+            "--case level5",
+            "--case heads64_k128_v128 --json",
+            "--case nz-bfloat16 --chunks 4 16",
+            "--dtype float16 --key-heads 8 --key-dim 128 --value-heads 8 --value-dim 128\n"
+            "--block-size 64 --q 2 --tokens 300",
+        ],
     )
     parser.add_argument(
         "--case",
@@ -254,18 +253,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     shape = parser.add_argument_group("explicit shape (when --case is not given)")
     shape.add_argument("--dtype", default=DEFAULT_SHAPE["dtype"], choices=tuple(dtype_by_name()))
-    shape.add_argument("--key-heads", type=positive_int, default=DEFAULT_SHAPE["key_heads"])
-    shape.add_argument("--key-dim", type=positive_int, default=DEFAULT_SHAPE["key_dim"])
-    shape.add_argument("--value-heads", type=positive_int, default=DEFAULT_SHAPE["value_heads"])
-    shape.add_argument("--value-dim", type=positive_int, default=DEFAULT_SHAPE["value_dim"])
-    shape.add_argument("--block-size", type=positive_int, default=128)
-    shape.add_argument("--q", type=positive_int, default=4, help="sequences (default: 4)")
-    shape.add_argument("--tokens", type=positive_int, default=55, help="total tokens T, split evenly (default: 55)")
+    shape.add_argument("--key-heads", type=_args.positive_int, default=DEFAULT_SHAPE["key_heads"])
+    shape.add_argument("--key-dim", type=_args.positive_int, default=DEFAULT_SHAPE["key_dim"])
+    shape.add_argument("--value-heads", type=_args.positive_int, default=DEFAULT_SHAPE["value_heads"])
+    shape.add_argument("--value-dim", type=_args.positive_int, default=DEFAULT_SHAPE["value_dim"])
+    shape.add_argument("--block-size", type=_args.positive_int, default=128)
+    shape.add_argument("--q", type=_args.positive_int, default=4, help="sequences (default: 4)")
+    shape.add_argument(
+        "--tokens", type=_args.positive_int, default=55, help="total tokens T, split evenly (default: 55)"
+    )
     parser.add_argument(
-        "--chunks", type=positive_int, nargs="+", metavar="C", help="chunks to try (default: every candidate)"
+        "--chunks", type=_args.positive_int, nargs="+", metavar="C", help="chunks to try (default: every candidate)"
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON (top-level floor_us, rows)")
     parser.add_argument("--no-save", action="store_true", help="do not save the chosen tiles in the cache")
-    parser.add_argument("--jobs", type=positive_int, default=1, help="cost-model subprocesses at once (default: 1)")
+    parser.add_argument(
+        "--jobs", type=_args.positive_int, default=1, help="cost-model subprocesses at once (default: 1)"
+    )
     parser.add_argument("--timeout", type=float, default=600, metavar="S", help="per-subprocess timeout in seconds")
     parser.set_defaults(run=run)

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from pakv_onnx.commands._args import non_negative_int, positive_int
+from pakv_onnx.commands import _args
 from pakv_onnx.commands._report import case_line, totals_line
 
 DEFAULT_KERNEL_CASES = 4
@@ -168,7 +168,8 @@ def _result_line(index: int, total: int, case_id: str, summary: str, result) -> 
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    parser = commands.add_parser(
+    parser = _args.add_command(
+        commands,
         "verify-kernel",
         help="check the PyPTO kernel bit-exact vs the golden (CPU: SIM compile + PyPTO's interpreter; or --device npu)",
         description=(
@@ -187,7 +188,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "for a usage or environment problem (unknown case id, pypto missing or another version, no NPU "
             "for --device npu, a case that cannot fit in memory)."
         ),
-        epilog=(
+        reference=(
             "case ids:\n"
             "  level0..level9, heads1_k128_v64, heads64_k128_v128   seed cases, num_blocks 64\n"
             "  t4096                                                 sweep shapes, Q=4, T=4096\n"
@@ -196,19 +197,19 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "                                                        key/value dtypes differ\n"
             "  kernel-N                                              random case inside the kernel's support\n"
             "  random-N                                              the random case N of `pakv-onnx cases`\n"
-            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T                explicit Norm shapes\n"
-            "examples:\n"
-            "  pakv-onnx verify-kernel\n"
-            "  pakv-onnx verify-kernel --cases level0 nz-int8 kernel-3\n"
-            "  pakv-onnx verify-kernel --list\n"
-            "  pakv-onnx verify-kernel --device npu      # on a machine with an Ascend NPU"
+            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T                explicit Norm shapes"
         ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        examples=[
+            "",
+            "--cases level0 nz-int8 kernel-3",
+            "--list",
+            "--device npu  # on a machine with an Ascend NPU",
+        ],
     )
     parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
     parser.add_argument(
         "--random",
-        type=non_negative_int,
+        type=_args.non_negative_int,
         default=DEFAULT_KERNEL_CASES,
         metavar="N",
         help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",
@@ -218,7 +219,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", choices=("cpu", "npu"), default="cpu", help="where the kernel runs (default: cpu)")
     parser.add_argument(
         "--timeout",
-        type=positive_int,
+        type=_args.positive_int,
         default=900,
         metavar="S",
         help="per-subprocess timeout in seconds (default: 900)",
