@@ -31,6 +31,14 @@ class TuneRow:
     seed: bool = False
     rule: bool = False
 
+    @classmethod
+    def before_costing(cls, tiles, shape, *, seed: bool, rule: bool) -> TuneRow:
+        """The row of ``tiles`` (a :class:`~pakv_onnx.pypto.tiles.Tiles`) on ``shape``, its cost not run yet."""
+        from pakv_onnx.pypto import tiles as tiles_mod
+
+        key_bytes, value_bytes = tiles_mod.tile_bytes(tiles, shape)
+        return cls(tiles.kind, tiles.chunk, tiles.key_tile, tiles.value_tile, key_bytes, value_bytes, seed=seed, rule=rule)
+
 
 def case_id_for(args: argparse.Namespace) -> str:
     from pakv_onnx.pypto import cases
@@ -80,21 +88,7 @@ def _rows(shape, chunks: list[int] | None) -> tuple[list[TuneRow], list]:
         candidates.append(rule)
     seed = tiles_mod.seed_tiles(shape)
     specs = candidates + ([seed] if seed else [])
-    rows = []
-    for tiles in specs:
-        key_bytes, value_bytes = tiles_mod.tile_bytes(tiles, shape)
-        rows.append(
-            TuneRow(
-                kernel=tiles.kind,
-                chunk=tiles.chunk,
-                key_tile=tiles.key_tile,
-                value_tile=tiles.value_tile,
-                key_tile_bytes=key_bytes,
-                value_tile_bytes=value_bytes,
-                seed=tiles == seed,
-                rule=tiles == rule,
-            )
-        )
+    rows = [TuneRow.before_costing(t, shape, seed=t == seed, rule=t == rule) for t in specs]
     return rows, specs
 
 
