@@ -32,29 +32,19 @@ from _timing import interleaved_medians_us
 from onnx import helper
 
 import pakv_onnx.export as pe
-from pakv_onnx import runtime_plugin
+from pakv_onnx import runtime_plugin, spec
 from pakv_onnx.cases import GatherCase, seed_case
-from pakv_onnx.spec import (
-    DOMAIN,
-    INPUT_NAMES,
-    OP_TYPE,
-    OUTPUT_NAMES,
-    CacheMode,
-    bitwise_equal,
-    nz_last_dim,
-    plan_gather,
-)
 
 
 def seed_shaped(case_id: str, num_blocks: int) -> GatherCase:
     """The seed case ``case_id`` with ``num_blocks`` blocks (its ids wrap around the smaller pool)."""
-    spec = seed_case(case_id)
-    spec = dataclasses.replace(
-        spec,
-        key_cache_shape=(num_blocks, *spec.key_cache_shape[1:]),
-        value_cache_shape=(num_blocks, *spec.value_cache_shape[1:]),
+    seed = seed_case(case_id)
+    seed = dataclasses.replace(
+        seed,
+        key_cache_shape=(num_blocks, *seed.key_cache_shape[1:]),
+        value_cache_shape=(num_blocks, *seed.value_cache_shape[1:]),
     )
-    return spec.build()
+    return seed.build()
 
 
 def as_pa_nz(case: GatherCase) -> GatherCase:
@@ -62,17 +52,17 @@ def as_pa_nz(case: GatherCase) -> GatherCase:
 
     def convert(cache: torch.Tensor) -> torch.Tensor:
         nb, bs = cache.shape[:2]
-        e = nz_last_dim(cache.element_size())
+        e = spec.nz_last_dim(cache.element_size())
         return cache.reshape(nb, bs, -1, e).transpose(1, 2).contiguous()
 
     return dataclasses.replace(
-        case, key_cache=convert(case.key_cache), value_cache=convert(case.value_cache), cache_mode=CacheMode.PA_NZ
+        case, key_cache=convert(case.key_cache), value_cache=convert(case.value_cache), cache_mode=spec.CacheMode.PA_NZ
     )
 
 
 def floor_function(case: GatherCase, opset_version: int) -> onnx.FunctionProto:
     """A body that only gathers: ``case``'s per-token (block, slot) as constants (see the module doc)."""
-    block, slot = plan_gather(*case.inputs(), **case.attributes()).token_slots()
+    block, slot = spec.plan_gather(*case.inputs(), **case.attributes()).token_slots()
     nodes = []
 
     def constant(name: str, values: torch.Tensor) -> str:
@@ -80,12 +70,12 @@ def floor_function(case: GatherCase, opset_version: int) -> onnx.FunctionProto:
         nodes.append(helper.make_node("Constant", [], [name], value=tensor))
         return name
 
-    if case.cache_mode is CacheMode.NORM:
+    if case.cache_mode is spec.CacheMode.NORM:
         index = constant("index", torch.stack([block, slot], dim=1))  # [T, 2]
-        for cache, out in zip(INPUT_NAMES[:2], OUTPUT_NAMES):
+        for cache, out in zip(spec.INPUT_NAMES[:2], spec.OUTPUT_NAMES):
             nodes.append(helper.make_node("GatherND", [cache, index], [out]))
     else:
-        for cache, out, tensor in zip(INPUT_NAMES[:2], OUTPUT_NAMES, (case.key_cache, case.value_cache)):
+        for cache, out, tensor in zip(spec.INPUT_NAMES[:2], spec.OUTPUT_NAMES, (case.key_cache, case.value_cache)):
             fractals, block_size = tensor.shape[1], tensor.shape[2]
             # Row of E elements of (block, fractal f, slot) in [nb*F*bs, E]: (block*F + f)*bs + slot.
             rows = (block[:, None] * fractals + torch.arange(fractals)[None, :]) * block_size + slot[:, None]
@@ -94,7 +84,7 @@ def floor_function(case: GatherCase, opset_version: int) -> onnx.FunctionProto:
             nodes.append(helper.make_node("GatherND", [f"{out}_rows", index], [f"{out}_read"]))
             nodes.append(helper.make_node("Flatten", [f"{out}_read"], [out], axis=1))
     return helper.make_function(
-        DOMAIN, OP_TYPE, list(INPUT_NAMES), list(OUTPUT_NAMES), nodes,
+        spec.DOMAIN, spec.OP_TYPE, list(spec.INPUT_NAMES), list(spec.OUTPUT_NAMES), nodes,
         [helper.make_opsetid("", opset_version)], attributes=["cache_mode", "is_seq_lens_cumsum"],
     )
 
@@ -110,7 +100,7 @@ def floor_model(model: onnx.ModelProto, case: GatherCase) -> onnx.ModelProto:
 
 def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
     model = pe.make_gather_model_for(*case.inputs(), **case.attributes())
-    feeds = dict(zip(INPUT_NAMES, case.inputs()))
+    feeds = dict(zip(spec.INPUT_NAMES, case.inputs()))
     golden = case.golden()
     outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
     # Default session options on every side (the plugin's adds only the custom-op library).
@@ -125,7 +115,7 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
     runs = {}
     for name, session in sessions.items():
         result = runtime_plugin.run(session, feeds, out=outs)
-        assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1]), name
+        assert spec.bitwise_equal(result["key"], golden[0]) and spec.bitwise_equal(result["value"], golden[1]), name
         binding = runtime_plugin.bind(session, feeds, out=outs)
         runs[name] = lambda s=session, b=binding: s.run_with_iobinding(b)
     medians = interleaved_medians_us(runs, repeats, warmup=20)
