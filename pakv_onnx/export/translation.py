@@ -26,12 +26,14 @@ from pakv_onnx.spec import (
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
+    INPUT_NAMES,
     OP_TYPE,
     OPSET_VERSION,
     OPTIONAL_INPUTS,
     OUTPUT_NAMES,
     PARAMETER_NAMES,
     CacheMode,
+    bind_arguments,
 )
 
 _schema.register_schema()
@@ -60,12 +62,13 @@ def gather_pa_kv_cache_onnx(
     return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(OUTPUT_NAMES))
 
 
-def check_signature(function, *, leading: int = 0) -> None:
-    """``function``'s parameters (after ``leading`` ones) must be spec's signature: names, order, defaults.
+def check_signature(function) -> None:
+    """``function``'s parameters must be spec's signature: names, order, defaults.
 
-    The translations keep a Python signature (the exporters dispatch on it); this ties it to spec.
+    The onnxscript translation keeps a Python signature (the exporter dispatches on it); this ties
+    it to spec. (The TorchScript symbolic takes ``*args`` and binds them with spec.bind_arguments.)
     """
-    params = list(inspect.signature(function).parameters.values())[leading:]
+    params = list(inspect.signature(function).parameters.values())
     names = tuple(p.name for p in params)
     if names != PARAMETER_NAMES:
         raise AssertionError(f"{function.__name__} takes {names}, spec says {PARAMETER_NAMES}")
@@ -87,24 +90,17 @@ _legacy_lock = threading.Lock()
 _legacy_registered: set[int] = set()
 
 
-def _legacy_symbolic(
-    g,
-    key_cache,
-    value_cache,
-    block_tables,
-    seq_lens,
-    seq_offset=None,
-    cache_mode: str = DEFAULT_CACHE_MODE.value,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
-):
+def _legacy_symbolic(g, *args):
+    """The TorchScript exporter's symbolic: it hands the op's arguments over positionally, in
+    spec's order (attributes as constant Values), so they are bound by spec's names."""
     from torch.onnx import symbolic_helper
 
-    mode = symbolic_helper._maybe_get_const(cache_mode, "s")
-    cumsum = symbolic_helper._maybe_get_const(is_seq_lens_cumsum, "b")
+    bound = bind_arguments(args, {})
+    mode = symbolic_helper._maybe_get_const(bound[ATTR_CACHE_MODE], "s")
+    cumsum = symbolic_helper._maybe_get_const(bound[ATTR_IS_SEQ_LENS_CUMSUM], "b")
     attrs = _attributes(mode, bool(cumsum))
-    inputs = [key_cache, value_cache, block_tables, seq_lens]
-    if not symbolic_helper._is_none(seq_offset):
-        inputs.append(seq_offset)
+    # A None constant for an optional input (seq_offset) leaves it out: the node gets four inputs.
+    inputs = [bound[name] for name in INPUT_NAMES if not symbolic_helper._is_none(bound[name])]
     key, value = g.op(
         f"{DOMAIN}::{OP_TYPE}",
         *inputs,
@@ -112,6 +108,7 @@ def _legacy_symbolic(
         is_seq_lens_cumsum_i=attrs[ATTR_IS_SEQ_LENS_CUMSUM],
         outputs=len(OUTPUT_NAMES),
     )
+    key_cache, value_cache = bound[INPUT_NAMES[0]], bound[INPUT_NAMES[1]]
     # Output types: each output its own cache's dtype, rank from the layout; T unknown.
     for out, cache in ((key, key_cache), (value, value_cache)):
         cache_type = cache.type()
@@ -124,7 +121,6 @@ def _legacy_symbolic(
 
 
 check_signature(gather_pa_kv_cache_onnx)
-check_signature(_legacy_symbolic, leading=1)
 
 
 def register_legacy_symbolic(opset_version: int) -> None:
