@@ -17,32 +17,17 @@ import threading
 import onnxscript
 import torch
 
+from pakv_onnx import spec
 from pakv_onnx.export import schema as _schema
 from pakv_onnx.export import torch_op
-from pakv_onnx.spec import (
-    ATTR_CACHE_MODE,
-    ATTR_IS_SEQ_LENS_CUMSUM,
-    ATTRIBUTE_DEFAULTS,
-    DEFAULT_CACHE_MODE,
-    DEFAULT_IS_SEQ_LENS_CUMSUM,
-    DOMAIN,
-    INPUT_NAMES,
-    OP_TYPE,
-    OPSET_VERSION,
-    OPTIONAL_INPUTS,
-    OUTPUT_NAMES,
-    PARAMETER_NAMES,
-    CacheMode,
-    bind_arguments,
-)
 
 _schema.register_schema()
-PAKV_OPSET = onnxscript.values.Opset(DOMAIN, OPSET_VERSION)
+PAKV_OPSET = onnxscript.values.Opset(spec.DOMAIN, spec.OPSET_VERSION)
 
 
 def _attributes(cache_mode: str, is_seq_lens_cumsum: bool) -> dict:
-    mode = CacheMode(cache_mode)  # ValueError at export time for an unknown mode
-    return {ATTR_CACHE_MODE: mode.value, ATTR_IS_SEQ_LENS_CUMSUM: int(bool(is_seq_lens_cumsum))}
+    mode = spec.CacheMode(cache_mode)  # ValueError at export time for an unknown mode
+    return {spec.ATTR_CACHE_MODE: mode.value, spec.ATTR_IS_SEQ_LENS_CUMSUM: int(bool(is_seq_lens_cumsum))}
 
 
 def gather_pa_kv_cache_onnx(
@@ -51,15 +36,15 @@ def gather_pa_kv_cache_onnx(
     block_tables,
     seq_lens,
     seq_offset=None,
-    cache_mode: str = DEFAULT_CACHE_MODE.value,
-    is_seq_lens_cumsum: bool = DEFAULT_IS_SEQ_LENS_CUMSUM,
+    cache_mode: str = spec.DEFAULT_CACHE_MODE.value,
+    is_seq_lens_cumsum: bool = spec.DEFAULT_IS_SEQ_LENS_CUMSUM,
 ):
     """onnxscript translation: one ``pakv::GatherPaKvCache`` node with both attributes."""
     inputs = [key_cache, value_cache, block_tables, seq_lens]
     if seq_offset is not None:
         inputs.append(seq_offset)
-    op = getattr(PAKV_OPSET, OP_TYPE)
-    return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(OUTPUT_NAMES))
+    op = getattr(PAKV_OPSET, spec.OP_TYPE)
+    return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(spec.OUTPUT_NAMES))
 
 
 def check_signature(function) -> None:
@@ -70,10 +55,11 @@ def check_signature(function) -> None:
     """
     params = list(inspect.signature(function).parameters.values())
     names = tuple(p.name for p in params)
-    if names != PARAMETER_NAMES:
-        raise AssertionError(f"{function.__name__} takes {names}, spec says {PARAMETER_NAMES}")
+    if names != spec.PARAMETER_NAMES:
+        raise AssertionError(f"{function.__name__} takes {names}, spec says {spec.PARAMETER_NAMES}")
     for param in params:
-        expected = ATTRIBUTE_DEFAULTS.get(param.name, None if param.name in OPTIONAL_INPUTS else inspect.Parameter.empty)
+        absent = None if param.name in spec.OPTIONAL_INPUTS else inspect.Parameter.empty
+        expected = spec.ATTRIBUTE_DEFAULTS.get(param.name, absent)
         if param.default != expected:
             raise AssertionError(f"{function.__name__}: default of {param.name} is {param.default!r}, spec says {expected!r}")
 
@@ -95,24 +81,24 @@ def _legacy_symbolic(g, *args):
     spec's order (attributes as constant Values), so they are bound by spec's names."""
     from torch.onnx import symbolic_helper
 
-    bound = bind_arguments(args, {})
-    mode = symbolic_helper._maybe_get_const(bound[ATTR_CACHE_MODE], "s")
-    cumsum = symbolic_helper._maybe_get_const(bound[ATTR_IS_SEQ_LENS_CUMSUM], "b")
+    bound = spec.bind_arguments(args, {})
+    mode = symbolic_helper._maybe_get_const(bound[spec.ATTR_CACHE_MODE], "s")
+    cumsum = symbolic_helper._maybe_get_const(bound[spec.ATTR_IS_SEQ_LENS_CUMSUM], "b")
     attrs = _attributes(mode, bool(cumsum))
     # A None constant for an optional input (seq_offset) leaves it out: the node gets four inputs.
-    inputs = [bound[name] for name in INPUT_NAMES if not symbolic_helper._is_none(bound[name])]
+    inputs = [bound[name] for name in spec.INPUT_NAMES if not symbolic_helper._is_none(bound[name])]
     key, value = g.op(
-        f"{DOMAIN}::{OP_TYPE}",
+        f"{spec.DOMAIN}::{spec.OP_TYPE}",
         *inputs,
-        cache_mode_s=attrs[ATTR_CACHE_MODE],
-        is_seq_lens_cumsum_i=attrs[ATTR_IS_SEQ_LENS_CUMSUM],
-        outputs=len(OUTPUT_NAMES),
+        cache_mode_s=attrs[spec.ATTR_CACHE_MODE],
+        is_seq_lens_cumsum_i=attrs[spec.ATTR_IS_SEQ_LENS_CUMSUM],
+        outputs=len(spec.OUTPUT_NAMES),
     )
-    key_cache, value_cache = bound[INPUT_NAMES[0]], bound[INPUT_NAMES[1]]
+    key_cache, value_cache = bound[spec.INPUT_NAMES[0]], bound[spec.INPUT_NAMES[1]]
     # Output types: each output its own cache's dtype, rank from the layout; T unknown.
     for out, cache in ((key, key_cache), (value, value_cache)):
         cache_type = cache.type()
-        rank = 3 if CacheMode(mode) is CacheMode.NORM else 2
+        rank = 3 if spec.CacheMode(mode) is spec.CacheMode.NORM else 2
         try:
             out.setType(cache_type.with_sizes([None] * rank))
         except (AttributeError, RuntimeError):
