@@ -749,13 +749,6 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int] | None:
     return first, first + (span + 1) * tensor.element_size()
 
 
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.device != b.device:
-        return False
-    ra, rb = byte_range(a), byte_range(b)
-    return ra is not None and rb is not None and ra[0] < rb[1] and rb[0] < ra[1]
-
-
 def _check_no_aliasing(
     outputs: Sequence[tuple[str, torch.Tensor | None]], inputs: Sequence[tuple[str, torch.Tensor | None]]
 ) -> None:
@@ -1147,12 +1140,5 @@ def plan_gather(
             ("seq_lens", seq_lens),
             ("seq_offset", seq_offset),
         ),
-    )
-    return plan
-    _check_output("key_out", key_out, plan.key_out_shape, "key_cache", key_cache)
-    _check_output("value_out", value_out, plan.value_out_shape, "value_cache", value_cache)
-    _check_no_aliasing(
-        {"key_out": key_out, "value_out": value_out},
-        dict(zip(INPUT_NAMES, (key_cache, value_cache, block_tables, seq_lens, seq_offset))),
     )
     return plan
