@@ -908,23 +908,12 @@ def _accept_fast(
                 or out.shape != (total, *token)
             ):
                 return None
-        # No overlap between the outputs, or with any input (all dense here: [address, + nbytes));
-        # on any overlap the full checks raise spec's message.
-        spans = []
-        for t in (key_cache, value_cache, block_tables, seq_lens, seq_offset):
-            if t is not None:
-                if not t.is_contiguous():
-                    return None
-                first = t.data_ptr()
-                spans.append((first, first + t.nbytes))
-        for out in (key_out, value_out):
-            if out is not None:
-                first, end = out.data_ptr(), out.data_ptr() + out.nbytes
-                if first != end:
-                    for other_first, other_end in spans:
-                        if first < other_end and other_first < end:
-                            return None
-                spans.append((first, end))
+        # Dense index tensors and no overlap between the outputs or with any input; on any overlap
+        # the full checks raise spec's message.
+        if not dense_cpu_without_overlap(
+            (key_cache, value_cache, block_tables, seq_lens, seq_offset), (key_out, value_out)
+        ):
+            return None
 
     plan = object.__new__(GatherPlan)  # index tensors built on first access (GatherPlan.__getattr__)
     plan.__dict__.update(
