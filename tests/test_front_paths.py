@@ -304,3 +304,20 @@ def test_index_tensors_reach_the_host_in_one_copy_per_device() -> None:
     tables, lens = torch.zeros(2, 3, dtype=torch.int32), torch.tensor([0, 1, 2])
     got = spec._on_host(tables, lens, None)
     assert got[0] is tables and got[1] is lens and got[2] is None
+
+
+@pytest.mark.parametrize(
+    "backend, error, pattern",
+    [
+        (["torch"], TypeError, r"^backend must be a string, got list$"),
+        ("fastest", ValueError, r"^backend 'fastest' is unknown \(choices: auto, "),
+    ],
+)
+def test_a_bad_backend_name_is_refused_by_name_on_every_path(backend, error, pattern) -> None:
+    """With caches whose backend is already cached (the raw path's lookup runs first) or not."""
+    case = random_case(11, dtype=torch.float16, cache_mode=CacheMode.NORM)
+    golden = case.golden()
+    pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="native")  # warm the cache
+    for outputs in ({}, {"key_out": torch.empty_like(golden[0]), "value_out": torch.empty_like(golden[1])}):
+        with pytest.raises(error, match=pattern):
+            pakv_onnx.gather_pa_kv_cache(*case.inputs(), **case.attributes(), **outputs, backend=backend)

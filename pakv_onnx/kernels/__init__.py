@@ -144,32 +144,26 @@ def resolve_backend(
             the message says why and which backends can.
     """
     caches = (cache, cache if value_cache is None else value_cache)
-    if name == AUTO:
-        # Pool views are resolved every time (whether a backend can read one depends on its strides).
-        dense = caches[0].is_contiguous() and caches[1].is_contiguous()
-        key = (caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
-        hit = _auto_cache.get(key) if dense else None
-        if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
-            return hit[2]
-        backend, cacheable = _resolve_auto(plan, caches)
-        if cacheable and dense:
-            _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
-        return backend
-    # A named backend's verdict on contiguous caches is cached like auto's pick (same key, plus
-    # the name); only "can run" verdicts are kept, a refusal is worked out (and worded) each time.
+    # Pool views are resolved every time (whether a backend can read one depends on its strides).
     dense = caches[0].is_contiguous() and caches[1].is_contiguous()
-    key = (name, caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode)
-    hit = _auto_cache.get(key) if dense else None
-    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
-        return hit[2]
-    backend = get_backend(name)
-    reason = backend.refusal(plan, caches)
-    if reason is None and dense and backend.verdict_is_cacheable and backend.unavailable_reason() is None:
+    key = _cache_key(name, caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode) if dense else None
+    hit = _cached(key)
+    if hit is not None:
+        return hit
+    if name == AUTO:
+        backend, cacheable = _resolve_auto(plan, caches)
+    else:
+        backend = get_backend(name)
+        reason = backend.refusal(plan, caches)
+        if reason is not None:  # a refusal is worked out (and worded) each time, never cached
+            able = [
+                other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None
+            ]
+            hint = f"; backends that can: {', '.join(able)}" if able else ""
+            raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
+        cacheable = backend.verdict_is_cacheable and backend.unavailable_reason() is None
+    if cacheable and key is not None:
         _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
-    if reason is not None:
-        able = [other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None]
-        hint = f"; backends that can: {', '.join(able)}" if able else ""
-        raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
     return backend
 
 
@@ -186,8 +180,22 @@ def cached_backend(
 ) -> Backend | None:
     """The backend :func:`resolve_backend` picked before for ``name`` and contiguous caches of this
     device, dtypes and cache mode, or ``None`` (not resolved yet, or not cacheable)."""
-    key = (device, key_dtype, value_dtype, mode) if name == AUTO else (name, device, key_dtype, value_dtype, mode)
-    hit = _auto_cache.get(key)
+    return _cached(_cache_key(name, device, key_dtype, value_dtype, mode))
+
+
+def _cache_key(
+    name: object, device: torch.device, key_dtype: torch.dtype, value_dtype: torch.dtype, mode: object
+) -> tuple | None:
+    """The resolution cache's key for this call (``auto`` and each backend name apart); ``None`` for
+    a name that is not a string (never cached: :func:`get_backend` words its error)."""
+    if type(name) is not str:
+        return None
+    return (device, key_dtype, value_dtype, mode) if name == AUTO else (name, device, key_dtype, value_dtype, mode)
+
+
+def _cached(key: tuple | None) -> Backend | None:
+    """The cached pick for ``key`` if it was made under today's AUTO_PREFERENCE and BACKEND_MODULES."""
+    hit = _auto_cache.get(key) if key is not None else None
     if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
         return hit[2]
     return None
