@@ -63,7 +63,9 @@ def gather_pa_kv_cache(
     if key_out is not None and value_out is not None and isinstance(key_cache, torch.Tensor):
         # A backend resolved before for such caches may take the raw call (validate + gather in
         # one step); it declines anything it does not fully check, and then the full path runs.
-        mode = cache_mode if type(cache_mode) is CacheMode else _MODE_BY_NAME.get(cache_mode)
+        mode = cache_mode if type(cache_mode) is CacheMode else None
+        if type(cache_mode) is str:  # anything else (even unhashable) is left to spec's message
+            mode = _MODE_BY_NAME.get(cache_mode)
         if isinstance(value_cache, torch.Tensor) and mode is not None and type(is_seq_lens_cumsum) is bool:
             known = kernels.cached_backend(backend, key_cache.device, key_cache.dtype, value_cache.dtype, mode)
             if known is not None and known.gather_raw is not None and known.gather_raw(

@@ -158,6 +158,7 @@ def test_pa_nz_last_dim(dtype: torch.dtype, good_e: int) -> None:
 def test_bad_cache_mode_and_flag() -> None:
     expect(ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'", cache_mode="NZ")
     expect(TypeError, r"cache_mode must be a string", cache_mode=3)
+    expect(TypeError, r"cache_mode must be a string, got list", cache_mode=["Norm"])  # unhashable too
     expect(ValueError, r"is_seq_lens_cumsum must be 0/1", is_seq_lens_cumsum=2)
 
 
