@@ -55,6 +55,7 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     DOMAIN,
     INPUT_NAMES,
+    INT64_MAX,
     OP_TYPE,
     OPSET_VERSION,
     OUTPUT_NAMES,
@@ -130,12 +131,12 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
 
     # Attributes: constants once ORT inlines the function; it folds them and every If on them.
     mode = op.Constant(value_string=cache_mode)
-    is_nz = op.Equal(mode, op.Constant(value_string="PA_NZ"))
-    check_cache_mode = op.Cast(op.Where(op.Or(is_nz, op.Equal(mode, op.Constant(value_string="Norm"))), passed, failed), to=7)
+    is_nz = op.Equal(mode, op.Constant(value_string=_PA_NZ))
+    check_cache_mode = op.Cast(op.Where(op.Or(is_nz, op.Equal(mode, op.Constant(value_string=_NORM))), passed, failed), to=_I64)
     cumsum_flag = op.Constant(value_int=is_seq_lens_cumsum)
     is_cumsum = op.Equal(cumsum_flag, op.Constant(value_int=1))
     flag_ok = op.Or(is_cumsum, op.Equal(cumsum_flag, op.Constant(value_int=0)))
-    check_cumsum_flag = op.Cast(op.Where(flag_ok, passed, failed), to=7)
+    check_cumsum_flag = op.Cast(op.Where(flag_ok, passed, failed), to=_I64)
 
     # Cache geometry, [1]-shaped dims (Split by 1s fails on any rank but 4):
     # Norm [nb, bs, H, D], PA_NZ [nb, F, bs, E].
@@ -153,9 +154,9 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
 
     # Per sequence: output starts, ends and lengths from either seq_lens form. One Split checks
     # the entry count (Q+1 cumsum, Q lengths); a rank other than 1 fails the checks' Concat below.
-    lens = op.Cast(seq_lens, to=7)
+    lens = op.Cast(seq_lens, to=_I64)
     counted_lens, last_len = op.Split(lens, op.Concat(num_seqs, op.Reshape(cumsum_flag, one), axis=0))
-    offsets = op.Split(op.Cast(seq_offset, to=7), num_seqs)
+    offsets = op.Split(op.Cast(seq_offset, to=_I64), num_seqs)
     # Checks are pairs low <= high, gathered in two vectors and compared once (cheaper in ORT
     # than one compare per rule). Each branch gives the same pieces; the vectors are
     #   low  = [geometry, low_a,  low_b,  low_c,          offset_remainder]
@@ -164,7 +165,7 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     # see the row-fit check below), entry by entry.
     if is_cumsum:
         starts = op.Identity(counted_lens)
-        ends = op.Slice(lens, one, op.Constant(value_ints=[9223372036854775807]))
+        ends = op.Slice(lens, one, op.Constant(value_ints=[INT64_MAX]))
         num_tokens = op.Identity(last_len)
         # Pieces of seq_lens itself shifted by one (no node to cut out the first entry), compared,
         # not subtracted (no wrap-around): [0, lens] <= [lens, T] is seq_lens[0] >= 0 and
@@ -222,8 +223,8 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     slot = op.Mod(position, block_size)
     # Clearing the sign bit turns a negative id (which the gathers would wrap around) into one
     # of at least 2**62, which they reject with the rest of the out-of-range ids.
-    sign_off = op.Constant(value_ints=[9223372036854775807])
-    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=7), minus_one), sign_off)
+    sign_off = op.Constant(value_ints=[INT64_MAX])
+    tables = op.BitwiseAnd(op.Reshape(op.Cast(block_tables, to=_I64), minus_one), sign_off)
     block = op.Gather(tables, op.Div(position, block_size))  # [T, 1]
 
     if is_nz:
