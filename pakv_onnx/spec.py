@@ -489,7 +489,8 @@ def _require_index_dtype(name: str, tensor: torch.Tensor) -> None:
         raise TypeError(f"{name} must be int32 or int64, got {tensor.dtype}")
 
 
-def _parse_cache_mode(cache_mode: object) -> CacheMode:
+def parse_cache_mode(cache_mode: object) -> CacheMode:
+    """The contract's reading of a ``cache_mode`` argument or attribute (str, bytes or CacheMode)."""
     if isinstance(cache_mode, CacheMode):
         return cache_mode
     if isinstance(cache_mode, bytes):
@@ -505,7 +506,8 @@ def _parse_cache_mode(cache_mode: object) -> CacheMode:
 _MODE_BY_NAME: dict[str, CacheMode] = {m.value: m for m in CacheMode}
 
 
-def _parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
+def parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
+    """The contract's reading of an ``is_seq_lens_cumsum`` argument or attribute (bool, 0 or 1)."""
     if isinstance(is_seq_lens_cumsum, bool):
         return is_seq_lens_cumsum
     if isinstance(is_seq_lens_cumsum, int) and is_seq_lens_cumsum in (0, 1):
@@ -1006,8 +1008,8 @@ def plan_gather(
         ValueError: any other contract violation; the message names the input, the
             index and the bad value.
     """
-    mode = cache_mode if type(cache_mode) is CacheMode else _parse_cache_mode(cache_mode)
-    is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else _parse_cumsum_flag(is_seq_lens_cumsum)
+    mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
+    is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
     plan = _accept_fast(
         key_cache, value_cache, block_tables, seq_lens, seq_offset, mode, is_cumsum, key_out, value_out
     )

@@ -116,6 +116,7 @@ def _model(**options):
         (_model(index_dtypes=(torch.int16,) * 3), ValueError, r"block_tables: index dtype torch.int16 is not"),
         (_model(index_dtypes=(torch.int32,) * 2), ValueError, r"gives no dtype for \['seq_offset'\]"),
         (_model(cache_mode="NZ"), ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'"),
+        (_model(cache_mode=3), TypeError, r"cache_mode must be a string, got int"),  # as the op says it
         (_model(is_seq_lens_cumsum=2), ValueError, r"is_seq_lens_cumsum must be 0/1 or a bool, got 2"),
         (_model(shapes={"keys": [1]}), ValueError, r"unknown inputs \['keys'\]"),
         (_model(shapes="static"), ValueError, r"shapes must be 'symbolic', None"),

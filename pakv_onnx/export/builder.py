@@ -63,15 +63,13 @@ def _symbolic_shapes(mode: CacheMode, is_seq_lens_cumsum: bool) -> dict[str, lis
     }
 
 
-def _checked_attributes(cache_mode: object, is_seq_lens_cumsum: object) -> dict[str, object]:
-    """The node attributes as the contract writes them; ``ValueError`` naming a bad one."""
-    try:
-        mode = CacheMode(cache_mode)
-    except ValueError:
-        raise ValueError(f"{spec.ATTR_CACHE_MODE} must be 'Norm' or 'PA_NZ', got {cache_mode!r}") from None
-    if isinstance(is_seq_lens_cumsum, float) or is_seq_lens_cumsum not in (0, 1):  # True/False are 1/0
-        raise ValueError(f"{spec.ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
-    return {spec.ATTR_CACHE_MODE: mode.value, spec.ATTR_IS_SEQ_LENS_CUMSUM: int(is_seq_lens_cumsum)}
+def node_attributes(cache_mode: object, is_seq_lens_cumsum: object) -> dict[str, object]:
+    """The node attributes as the contract writes them, read by spec's own parsers (``TypeError`` /
+    ``ValueError`` naming a bad one, word for word as the op)."""
+    return {
+        spec.ATTR_CACHE_MODE: spec.parse_cache_mode(cache_mode).value,
+        spec.ATTR_IS_SEQ_LENS_CUMSUM: int(spec.parse_cumsum_flag(is_seq_lens_cumsum)),
+    }
 
 
 def gather_node(
@@ -94,7 +92,8 @@ def gather_node(
     refuse, for tests.
 
     Raises:
-        ValueError: (strict) an empty required input, a bad attribute, or not two outputs.
+        ValueError: (strict) an empty required input, a bad attribute value, or not two outputs.
+        TypeError: (strict) a ``cache_mode`` that is not a string.
     """
     if len(outputs) != len(spec.OUTPUT_NAMES):
         raise ValueError(f"outputs must name {len(spec.OUTPUT_NAMES)} values {spec.OUTPUT_NAMES}, got {list(outputs)}")
@@ -103,7 +102,7 @@ def gather_node(
         missing = [n for n, v in zip(spec.INPUT_NAMES, inputs) if not v and n not in spec.OPTIONAL_INPUTS]
         if missing:
             raise ValueError(f"{_OP_NAME} needs a value for the required input(s) {missing}")
-        attributes = _checked_attributes(cache_mode, is_seq_lens_cumsum)
+        attributes = node_attributes(cache_mode, is_seq_lens_cumsum)
     else:
         attributes = {spec.ATTR_CACHE_MODE: cache_mode, spec.ATTR_IS_SEQ_LENS_CUMSUM: is_seq_lens_cumsum}
     while inputs and not inputs[-1]:

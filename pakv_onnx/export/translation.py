@@ -20,14 +20,10 @@ import torch
 from pakv_onnx import spec
 from pakv_onnx.export import schema as _schema
 from pakv_onnx.export import torch_op
+from pakv_onnx.export.builder import node_attributes
 
 _schema.register_schema()
 PAKV_OPSET = onnxscript.values.Opset(spec.DOMAIN, spec.OPSET_VERSION)
-
-
-def _attributes(cache_mode: str, is_seq_lens_cumsum: bool) -> dict:
-    mode = spec.CacheMode(cache_mode)  # ValueError at export time for an unknown mode
-    return {spec.ATTR_CACHE_MODE: mode.value, spec.ATTR_IS_SEQ_LENS_CUMSUM: int(bool(is_seq_lens_cumsum))}
 
 
 def gather_pa_kv_cache_onnx(
@@ -44,7 +40,7 @@ def gather_pa_kv_cache_onnx(
     if seq_offset is not None:
         inputs.append(seq_offset)
     op = getattr(PAKV_OPSET, spec.OP_TYPE)
-    return op(*inputs, **_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(spec.OUTPUT_NAMES))
+    return op(*inputs, **node_attributes(cache_mode, is_seq_lens_cumsum), _outputs=len(spec.OUTPUT_NAMES))
 
 
 def check_signature(function) -> None:
@@ -84,7 +80,7 @@ def _legacy_symbolic(g, *args):
     bound = spec.bind_arguments(args, {})
     mode = symbolic_helper._maybe_get_const(bound[spec.ATTR_CACHE_MODE], "s")
     cumsum = symbolic_helper._maybe_get_const(bound[spec.ATTR_IS_SEQ_LENS_CUMSUM], "b")
-    attrs = _attributes(mode, bool(cumsum))
+    attrs = node_attributes(mode, bool(cumsum))
     # A None constant for an optional input (seq_offset) leaves it out: the node gets four inputs.
     inputs = [bound[name] for name in spec.INPUT_NAMES if not symbolic_helper._is_none(bound[name])]
     key, value = g.op(
