@@ -233,6 +233,9 @@ def _tensor_packing(ranks: tuple[int, ...]) -> struct.Struct:
     return packing
 
 
+# One pakv_tensor record with every dim field (how the ORT bridge's request lists its inputs).
+TENSOR_RECORD = _tensor_packing((MAX_RANK,))
+
 RAW_DONE, RAW_DECLINED = 0, 1
 
 
@@ -255,6 +258,21 @@ def gather_raw(ranks: tuple[int, ...], fields: list[int], nz: bool, cumsum: bool
 @functools.cache
 def _raw_gather_inputs():
     return load().pakv_gather_raw
+
+
+@functools.cache
+def _request_output():
+    """``pakv_request_output`` taking plain addresses (a separate function object of the library)."""
+    fn = load()["pakv_request_output"]
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    fn.restype = ctypes.c_void_p
+    return fn
+
+
+def request_output(request_address: int, index: int, dims_address: int, rank: int) -> int:
+    """``pakv_request_output``: ORT's buffer for output ``index`` of the shape at ``dims_address``
+    (``rank`` int64s), or 0 with the request's error set."""
+    return _request_output()(request_address, index, dims_address, rank) or 0
 
 
 def gather(plan: Plan) -> None:

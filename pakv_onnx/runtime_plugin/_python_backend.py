@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import functools
 import os
-import struct
 import sys
 import threading
 import time
@@ -52,9 +50,7 @@ def _view(address: int, shape: tuple[int, ...], dtype):
     return tensor
 
 
-# pakv_tensor {void* data; int32 present, elem_type, ndim, reserved; int64 dims[MAX_RANK]}: the five
-# input records are read with one struct unpack (a ctypes field read per value costs more).
-_TENSOR_RECORD = struct.Struct(f"@Piiii{native_lib.MAX_RANK}q")
+# The five input records are read with one struct unpack (a ctypes field read per value costs more).
 _INPUTS_OFFSET = native_lib.Request.inputs.offset
 _INPUTS_BYTES = ctypes.sizeof(native_lib.Tensor) * native_lib.NUM_INPUTS
 _INPUTS_BLOCK = ctypes.c_char * _INPUTS_BYTES
@@ -68,15 +64,6 @@ def _input(name: str, record: tuple[int, ...]):
     if dtype is None:
         raise TypeError(f"{name} has ONNX element type {elem_type}, which is outside the contract")
     return _view(data or 0, record[5 : 5 + max(ndim, 0)], dtype)
-
-
-@functools.cache
-def _request_output():
-    """``pakv_request_output`` taking plain addresses (a separate function object of the library)."""
-    fn = native_lib.load()["pakv_request_output"]
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_void_p
-    return fn
 
 
 class _Dims(threading.local):
@@ -93,7 +80,7 @@ def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype
     dims = scratch.dims
     for i, size in enumerate(shape):  # rank <= 3 (the op's outputs)
         dims[i] = size
-    address = _request_output()(req_address, index, scratch.address, len(shape))
+    address = native_lib.request_output(req_address, index, scratch.address, len(shape))
     if not address:
         raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
     return _view(address, shape, dtype)
@@ -104,14 +91,14 @@ def _serve(req_ptr) -> None:
     req_address = ctypes.addressof(req)
     block = _INPUTS_BLOCK.from_address(req_address + _INPUTS_OFFSET)
     inputs = tuple(
-        _input(name, record) for name, record in zip(INPUT_NAMES, _TENSOR_RECORD.iter_unpack(block))
+        _input(name, record) for name, record in zip(INPUT_NAMES, native_lib.TENSOR_RECORD.iter_unpack(block))
     )
 
     def allocate_from_ort(plan):
         # Each output takes its own cache's dtype (key and value caches may differ).
         return (
-            _output(req_ptr, req_address, 0, plan.key_out_shape, inputs[0].dtype),
-            _output(req_ptr, req_address, 1, plan.value_out_shape, inputs[1].dtype),
+            _output(req_ptr, req_address, 0, plan.key_out_shape, plan.key_dtype),
+            _output(req_ptr, req_address, 1, plan.value_out_shape, plan.value_dtype),
         )
 
     gather_with(
