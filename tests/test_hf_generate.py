@@ -136,7 +136,7 @@ def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.Mo
         (["--arch", "gpt2"], "invalid choice"),
         (["--arch", "llama", "--batch", "0"], "must be in 1..32"),
         (["--arch", "llama", "--new-tokens", "-3"], "must be in 1..512"),
-        (["--arch", "llama", "--block-size", "x"], "expected an integer"),
+        (["--arch", "llama", "--block-size", "x"], "want an integer, got 'x'"),
         (["--arch", "llama", "--backend", "native,nope"], "backend 'nope' is unknown"),
         ([], "--arch"),
     ],
@@ -144,6 +144,13 @@ def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.Mo
 def test_generate_refuses_bad_arguments(argv, message, capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["generate", *argv]) == 2  # argparse's refusal, returned as the exit code
     assert message in capsys.readouterr().err
+
+
+def test_generate_offers_every_arch() -> None:
+    from pakv_onnx.commands import generate as generate_command
+    from pakv_onnx.models.hf.configs import ARCHS
+
+    assert generate_command.ARCH_CHOICES == ARCHS
 
 
 @pytest.mark.slow

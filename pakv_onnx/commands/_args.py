@@ -81,6 +81,18 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def int_in(low: int, high: int):
+    """An argument type: an integer in ``low..high`` (``--batch``, ``--block-size``)."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
+        return value
+
+    return parse
+
+
 def runnable_backend(name: str, *, allow_auto: bool = True) -> str:
     """A backend name that exists and can run in this process (``auto`` always can).
 

@@ -8,38 +8,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pakv_onnx import kernels
 from pakv_onnx.commands import _args
 
-ARCH_CHOICES = ("llama", "deepseek")
+ARCH_CHOICES = ("llama", "deepseek")  # models.hf.configs.ARCHS (not imported to parse; a test ties them)
 MAX_BATCH = 32
 MAX_NEW_TOKENS = 512  # prompts are <= 40 tokens; the models know 1024 positions
 MAX_BLOCK_SIZE = 1024
-
-
-def _int_in(low: int, high: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in {low}..{high}, got {value}")
-        return value
-
-    return parse
-
-
-def _backend_list(text: str) -> list[str]:
-    names = [b.strip() for b in text.split(",") if b.strip()]
-    if not names:
-        raise argparse.ArgumentTypeError("expected at least one backend name")
-    for name in names:
-        try:
-            kernels.get_backend(name)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-    return names
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,23 +77,26 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--arch", choices=ARCH_CHOICES, required=True, help="model family")
     parser.add_argument(
-        "--batch", type=_int_in(1, MAX_BATCH), default=4, help=f"prompts generated together (1..{MAX_BATCH}; default 4)"
+        "--batch",
+        type=_args.int_in(1, MAX_BATCH),
+        default=4,
+        help=f"prompts generated together (1..{MAX_BATCH}; default 4)",
     )
     parser.add_argument(
         "--new-tokens",
-        type=_int_in(1, MAX_NEW_TOKENS),
+        type=_args.int_in(1, MAX_NEW_TOKENS),
         default=16,
         help=f"tokens the longest sequence generates; others stop earlier (1..{MAX_NEW_TOKENS}; default 16)",
     )
     parser.add_argument(
         "--block-size",
-        type=_int_in(1, MAX_BLOCK_SIZE),
+        type=_args.int_in(1, MAX_BLOCK_SIZE),
         default=16,
         help=f"tokens per cache block (1..{MAX_BLOCK_SIZE}; default 16)",
     )
     parser.add_argument(
         "--backend",
-        type=_backend_list,
+        type=_args.runnable_backend_list,
         default=["native", "golden"],
         help="comma-separated plugin backends to generate on, besides stock ORT (default: native,golden)",
     )
