@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import pytest
@@ -157,6 +158,33 @@ def test_failed_run_directories_are_bounded(temp_cache):
     removed = runs.prune_failed_runs(max_bytes=1024)
     assert [p.name for p in runs.runs_dir().iterdir()] == [newest.name]  # the newest stays, even over the cap
     assert len(removed) == runs.KEEP_FAILED_RUNS - 1
+
+
+DYING_WORKER = """
+import os, signal, sys
+from pakv_onnx.pypto import worker
+
+def execute(item, kernel_fn=None):
+    with open({ran!r}, "a") as handle:
+        handle.write(item["case"] + "\\n")
+    if item["case"] == "dies":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel OOM killer would
+    return {{"ok": True, "detail": "ran " + item["case"], "tiles": None}}
+
+worker.execute = execute
+sys.exit(worker.worker_main(sys.argv[1]))
+"""
+
+
+def test_a_batch_whose_subprocess_dies_blames_the_item_it_died_on(tmp_path, temp_cache):
+    ran = tmp_path / "ran.txt"
+    script = tmp_path / "dying_worker.py"
+    script.write_text(DYING_WORKER.format(ran=str(ran)))
+    items = [{"mode": "cost", "case": c} for c in ("a", "b", "dies", "c")]
+    results = runs.run_batch(items, worker=[sys.executable, str(script)])
+    assert [(r.case_id, r.ok) for r in results] == [("a", True), ("b", True), ("dies", False), ("c", True)]
+    assert "killed" in results[2].detail and os.path.isdir(results[2].run_dir), results[2]
+    assert ran.read_text().split() == ["a", "b", "dies", "c"]  # what passed before the death is not run again
 
 
 def test_tuned_tiles_are_cached_and_used(temp_cache):

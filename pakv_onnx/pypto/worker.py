@@ -133,6 +133,8 @@ def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Several cost/floor runs in this process, each with the cost-model lines its run printed.
 
     Stops at the first failure (a failed compile poisons later ones); the parent reruns the rest.
+    Before going on to the next run, the results so far go to the result file (marked
+    ``partial``): if this process dies on that run, the parent keeps them and blames that run.
     """
     from pakv_onnx.pypto.runs import parse_cost_summary
 
@@ -152,6 +154,7 @@ def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
         results.append(payload)
         if not payload["ok"] or rss_bytes() > RSS_CAP_BYTES:
             break  # the parent runs the rest in a fresh process
+        write_result(request["result"], {"ok": False, "partial": True, "results": results})
     return {"ok": True, "detail": f"{len(results)} runs", "tiles": None, "results": results}
 
 
@@ -166,8 +169,15 @@ def worker_main(request_path: str, kernel_fn=None) -> int:
     except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
         payload = _failure(err)
     flush_c_stdio()
-    Path(request["result"]).write_text(json.dumps(payload))
+    write_result(request["result"], payload)
     return 0 if payload["ok"] else 1
+
+
+def write_result(path: str, payload: dict[str, Any]) -> None:
+    """Replace the result file in one step (the parent may read it after this process was killed)."""
+    scratch = Path(f"{path}.tmp")
+    scratch.write_text(json.dumps(payload))
+    scratch.replace(path)
 
 
 # --------------------------------------------------------------------------- #
