@@ -144,6 +144,16 @@ def test_pypto_cpu_refuses_a_call_that_cannot_fit(monkeypatch, temp_cache):
         gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto-cpu")
 
 
+def test_verify_kernel_checks_memory_only_for_the_cpu_interpreter(monkeypatch):
+    from pakv_onnx.commands import verify_kernel
+
+    monkeypatch.setattr(runs, "available_bytes", lambda: 2**20)
+    built = verify_kernel._build_all(["level0"])
+    kernel, memory = verify_kernel._refusals(built, "cpu")
+    assert not kernel and len(memory) == 1 and "needs about" in memory[0], memory
+    assert verify_kernel._refusals(built, "npu") == ({}, [])  # the NPU's memory is not the interpreter's
+
+
 def test_failed_run_directories_are_bounded(temp_cache):
     for i in range(runs.KEEP_FAILED_RUNS + 4):
         path = runs.new_run_dir(f"failed-{i}")
