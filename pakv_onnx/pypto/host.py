@@ -94,10 +94,9 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
                 )
     if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
         return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
-    try:
-        choose_tiles(plan, cache.dtype, value_dtype)
-    except ValueError as err:
-        return str(err)
+    # Whether any tiles fit, not which (that reads the tuned-tiles file; `tune` saves only shapes that have some).
+    if not tiles_mod.candidate_tiles(tiles_mod.shape_of(plan, _itemsize(cache.dtype), _itemsize(value_dtype))):
+        return tiles_mod.NO_TILE_FITS
     return None
 
 

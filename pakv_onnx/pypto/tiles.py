@@ -24,6 +24,7 @@ from pathlib import Path
 VECTOR_BUFFER_BYTES = 196_608
 ALIGN_BYTES = 32  # a vector tile row must be a multiple of one 32-byte block
 NZ_ROW_BYTES = 32  # one PA_NZ fractal row
+NO_TILE_FITS = f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer"
 
 # The seed kernel's fixed rule, kept to compare against.
 SEED_DEFAULT_ROWS = (16, 32)
@@ -168,7 +169,7 @@ def rule_tiles(shape: KernelShape) -> Tiles:
     """The closed-form choice: the candidate chunk with the lowest :func:`estimate_cycles`."""
     options = candidate_tiles(shape)
     if not options:
-        raise ValueError(f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer")
+        raise ValueError(NO_TILE_FITS)
     return min(options, key=lambda t: estimate_cycles(shape, t.chunk))
 
 
