@@ -39,7 +39,7 @@ def gather_by_entries(plan, key_cache, value_cache, chunk):
 
 
 @pytest.mark.parametrize(
-    "case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "nz-int8", "level9", *cases.available_feature_cases()]
+    "case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "nz-int8", "level9", *cases.FEATURE_CASES]
 )
 def test_entries_reproduce_the_golden_at_every_chunk(case_id):
     case = cases.build_case(case_id)
