@@ -50,7 +50,6 @@ class RunResult:
     seconds: float
     aicore_us: float | None = None
     tasks: int | None = None
-    utilisation: float | None = None
     tiles: dict | None = None
     log: str | None = None
     run_dir: str | None = None
@@ -60,13 +59,12 @@ class RunResult:
 _SUMMARY = {
     "aicore_us": re.compile(r"AICore End-to-End Time:\s*([0-9.]+)"),
     "tasks": re.compile(r"Total Task Count:\s*([0-9]+)"),
-    "utilisation": re.compile(r"AICore Utilization:\s*([0-9.]+)%"),
 }
 _ERROR_HINT = re.compile(r"(exceed|out of|buffer|CHECK FAILED|Error|error)", re.IGNORECASE)
 
 
 def parse_cost_summary(text: str) -> dict[str, Any]:
-    """AICore end-to-end us, task count and utilisation (%) from the cost model's printout (last run)."""
+    """AICore end-to-end us and task count from the cost model's printout (last run)."""
     found: dict[str, Any] = {}
     for key, pattern in _SUMMARY.items():
         matches = pattern.findall(text)
@@ -252,7 +250,6 @@ def run_batch(
                     tiles=payload.get("tiles"),
                     aicore_us=payload.get("aicore_us"),
                     tasks=payload.get("tasks"),
-                    utilisation=payload.get("utilisation"),
                     log=None if payload["ok"] and not keep else batch.log,
                     run_dir=batch.run_dir if keep or not payload["ok"] else None,
                 )
