@@ -63,9 +63,10 @@ def fill_sentinel(tensor: torch.Tensor) -> None:
     bits_view(tensor).fill_(-1)  # all bits set: a row the kernel skipped cannot pass as gathered
 
 
-def _outputs(plan, case) -> tuple[torch.Tensor, torch.Tensor]:
-    key_out = torch.empty(plan.key_out_shape, dtype=case.key_cache.dtype)
-    value_out = torch.empty(plan.value_out_shape, dtype=case.value_cache.dtype)
+def _outputs(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's two outputs, every bit set (see :func:`fill_sentinel`)."""
+    key_out = torch.empty(plan.key_out_shape, dtype=plan.key_dtype)
+    value_out = torch.empty(plan.value_out_shape, dtype=plan.value_dtype)
     fill_sentinel(key_out)
     fill_sentinel(value_out)
     return key_out, value_out
@@ -97,7 +98,7 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     case = cases.build_case(request["case"])
     plan = plan_gather(*case.inputs(), **case.attributes())
     tiles = Tiles.from_json(request["tiles"]) if request.get("tiles") else None
-    key_out, value_out = _outputs(plan, case)
+    key_out, value_out = _outputs(plan)
     shapes = f"key={list(key_out.shape)} value={list(value_out.shape)}"
     if mode == "floor":
         # Same output bytes, contiguous rows (the cost model does not look at the data).
@@ -191,10 +192,7 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     inputs = torch.load(request["inputs"], weights_only=True)
     plan = plan_gather(*inputs["tensors"], **inputs["attributes"])
     key_cache, value_cache = inputs["tensors"][0], inputs["tensors"][1]
-    key_out = torch.empty(plan.key_out_shape, dtype=key_cache.dtype)
-    value_out = torch.empty(plan.value_out_shape, dtype=value_cache.dtype)
-    fill_sentinel(key_out)
-    fill_sentinel(value_out)
+    key_out, value_out = _outputs(plan)
     adapter.install()
     tiles = host.run_kernel(plan, GatherTensors(key_cache, value_cache, key_out, value_out), sim=True, verify=True)
     flush_c_stdio()
