@@ -33,7 +33,7 @@ from pakv_onnx.cases import (
     seed_case,
     seed_cases,
 )
-from pakv_onnx.spec import CacheMode
+from pakv_onnx.spec import CacheMode, nz_last_dim
 
 SMALL_NUM_BLOCKS = 64
 # Bytes of one small cache at most: the interpreter's peak is about 24x its inputs (the
@@ -140,8 +140,7 @@ def kernel_case(
     num_seqs = rng.randint(2, 6)
 
     def token(dt: torch.dtype) -> tuple[int, int]:
-        unit = 32 // torch.empty((), dtype=dt).element_size()  # elements per 32-byte block
-        return rng.randint(1, 4), unit * rng.randint(1, 4)
+        return rng.randint(1, 4), nz_last_dim(dt.itemsize) * rng.randint(1, 4)  # whole 32-byte blocks
 
     key_token, value_token = token(dtype), token(value_dtype)
     lengths = [rng.randint(0, 3 * block_size + block_size // 2) for _ in range(num_seqs)]

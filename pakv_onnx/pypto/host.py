@@ -85,7 +85,7 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
             )
     if plan.cache_mode is CacheMode.NORM:
         for which, dtype in (("key", cache.dtype), ("value", value_dtype)):
-            itemsize = _itemsize(dtype)
+            itemsize = dtype.itemsize
             width = row_width(plan, which)
             if (width * itemsize) % ALIGN_BYTES:
                 return (
@@ -95,18 +95,14 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
     if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
         return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
     # Whether any tiles fit, not which (that reads the tuned-tiles file; `tune` saves only shapes that have some).
-    if not tiles_mod.candidate_tiles(tiles_mod.shape_of(plan, _itemsize(cache.dtype), _itemsize(value_dtype))):
+    if not tiles_mod.candidate_tiles(tiles_mod.shape_of(plan, cache.dtype.itemsize, value_dtype.itemsize)):
         return tiles_mod.NO_TILE_FITS
     return None
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def choose_tiles(plan: GatherPlan, key_dtype: torch.dtype, value_dtype: torch.dtype) -> Tiles:
     """The tiles the kernel uses for ``plan``: tuned (cached by ``tune``) if known, else the rule."""
-    shape = tiles_mod.shape_of(plan, _itemsize(key_dtype), _itemsize(value_dtype))
+    shape = tiles_mod.shape_of(plan, key_dtype.itemsize, value_dtype.itemsize)
     return tiles_mod.tuned(shape) or tiles_mod.rule_tiles(shape)
 
 
