@@ -33,6 +33,7 @@ from pakv_onnx.cases import (
     seed_case,
     seed_cases,
 )
+from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
 from pakv_onnx.spec import CacheMode, nz_last_dim
 
 SMALL_NUM_BLOCKS = 64
@@ -44,8 +45,6 @@ FEATURE_CASES = ("lengths", "offsets", "mixed")
 
 
 def dtype_by_name() -> dict[str, torch.dtype]:
-    from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
-
     return {dtype_name(d): d for d in SUPPORTED_DTYPES}
 
 
@@ -73,7 +72,7 @@ def small_seed_case(case_id: str, num_blocks: int | None = None) -> GatherCase:
 
 
 def shape_spec(dtype: torch.dtype, key_hd, value_hd, block_size: int, q_count: int, total_tokens: int) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)  # the key parse_shape_case looks up in dtype_by_name
     return f"{name}:{key_hd[0]},{key_hd[1]}:{value_hd[0]},{value_hd[1]}:{block_size}:{q_count}:{total_tokens}"
 
 
