@@ -72,7 +72,7 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
     ``cache`` is the key cache (the registry passes that one); ``value_cache`` when known.
     Each cache's dtype is read from the tensor itself (key and value may differ).
     """
-    value_dtype = value_cache.dtype if value_cache is not None else getattr(plan, "value_dtype", cache.dtype)
+    value_dtype = value_cache.dtype if value_cache is not None else plan.value_dtype
     for name, dtype in (("key_cache", cache.dtype), ("value_cache", value_dtype)):
         reason = _dtype_reason(name, dtype)
         if reason:
