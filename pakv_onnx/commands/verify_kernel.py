@@ -13,17 +13,6 @@ DEFAULT_KERNEL_CASES = 4
 BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it; the rest go to a fresh one)
 
 
-def preflight() -> str | None:
-    """Why PyPTO's CPU toolchain cannot run here (pypto missing or another version), else ``None``."""
-    from pakv_onnx.pypto import adapter
-
-    try:
-        adapter.check_version()
-    except adapter.AdapterError as err:
-        return str(err)
-    return None
-
-
 def _build_all(case_ids: list[str]):
     """{id: (case, plan)}; ``ValueError`` on the first unknown or invalid id."""
     from pakv_onnx.pypto import cases
@@ -108,7 +97,7 @@ def _run_npu(case_ids: list[str], built):
 
 def run(args: argparse.Namespace) -> int:
     from pakv_onnx.paths import cache_dir
-    from pakv_onnx.pypto import cases, runs
+    from pakv_onnx.pypto import adapter, cases, runs
 
     if args.list:
         return _list(args)
@@ -120,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --device npu needs an Ascend NPU with pypto and torch_npu: {problem}", file=sys.stderr)
             return 2
     else:
-        problem = preflight()
+        problem = adapter.unavailable_reason()
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
