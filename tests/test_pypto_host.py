@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def gather_by_entries(plan, key_cache, value_cache, chunk):
 
 
 @pytest.mark.parametrize(
-    "case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "nz-int8", "level9", *cases.available_feature_cases()]
+    "case_id", ["kernel-0", "kernel-1", "kernel-2", "kernel-5", "nz-int8", "level9", *cases.FEATURE_CASES]
 )
 def test_entries_reproduce_the_golden_at_every_chunk(case_id):
     case = cases.build_case(case_id)
@@ -143,6 +144,16 @@ def test_pypto_cpu_refuses_a_call_that_cannot_fit(monkeypatch, temp_cache):
         gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto-cpu")
 
 
+def test_verify_kernel_checks_memory_only_for_the_cpu_interpreter(monkeypatch):
+    from pakv_onnx.commands import verify_kernel
+
+    monkeypatch.setattr(runs, "available_bytes", lambda: 2**20)
+    built = verify_kernel._build_all(["level0"])
+    kernel, memory = verify_kernel._refusals(built, "cpu")
+    assert not kernel and len(memory) == 1 and "needs about" in memory[0], memory
+    assert verify_kernel._refusals(built, "npu") == ({}, [])  # the NPU's memory is not the interpreter's
+
+
 def test_failed_run_directories_are_bounded(temp_cache):
     for i in range(runs.KEEP_FAILED_RUNS + 4):
         path = runs.new_run_dir(f"failed-{i}")
@@ -157,6 +168,33 @@ def test_failed_run_directories_are_bounded(temp_cache):
     removed = runs.prune_failed_runs(max_bytes=1024)
     assert [p.name for p in runs.runs_dir().iterdir()] == [newest.name]  # the newest stays, even over the cap
     assert len(removed) == runs.KEEP_FAILED_RUNS - 1
+
+
+DYING_WORKER = """
+import os, signal, sys
+from pakv_onnx.pypto import worker
+
+def execute(item, kernel_fn=None):
+    with open({ran!r}, "a") as handle:
+        handle.write(item["case"] + "\\n")
+    if item["case"] == "dies":
+        os.kill(os.getpid(), signal.SIGKILL)  # as the kernel OOM killer would
+    return {{"ok": True, "detail": "ran " + item["case"], "tiles": None}}
+
+worker.execute = execute
+sys.exit(worker.worker_main(sys.argv[1]))
+"""
+
+
+def test_a_batch_whose_subprocess_dies_blames_the_item_it_died_on(tmp_path, temp_cache):
+    ran = tmp_path / "ran.txt"
+    script = tmp_path / "dying_worker.py"
+    script.write_text(DYING_WORKER.format(ran=str(ran)))
+    items = [{"mode": "cost", "case": c} for c in ("a", "b", "dies", "c")]
+    results = runs.run_batch(items, worker=[sys.executable, str(script)])
+    assert [(r.case_id, r.ok) for r in results] == [("a", True), ("b", True), ("dies", False), ("c", True)]
+    assert "killed" in results[2].detail and os.path.isdir(results[2].run_dir), results[2]
+    assert ran.read_text().split() == ["a", "b", "dies", "c"]  # what passed before the death is not run again
 
 
 def test_tuned_tiles_are_cached_and_used(temp_cache):

@@ -120,11 +120,11 @@ def _measure(case_id: str, shape, specs, jobs: int, timeout: float):
 
 
 def run(args: argparse.Namespace) -> int:
-    from pakv_onnx.commands.verify_kernel import preflight
     from pakv_onnx.paths import cache_dir
+    from pakv_onnx.pypto import adapter
     from pakv_onnx.pypto import tiles as tiles_mod
 
-    problem = preflight()
+    problem = adapter.unavailable_reason()
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2

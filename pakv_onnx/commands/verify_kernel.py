@@ -13,17 +13,6 @@ DEFAULT_KERNEL_CASES = 4
 BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it; the rest go to a fresh one)
 
 
-def preflight() -> str | None:
-    """Why PyPTO's CPU toolchain cannot run here (pypto missing or another version), else ``None``."""
-    from pakv_onnx.pypto import adapter
-
-    try:
-        adapter.check_version()
-    except adapter.AdapterError as err:
-        return str(err)
-    return None
-
-
 def _build_all(case_ids: list[str]):
     """{id: (case, plan)}; ``ValueError`` on the first unknown or invalid id."""
     from pakv_onnx.pypto import cases
@@ -53,8 +42,11 @@ def _list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refusals(built) -> tuple[dict[str, str], list[str]]:
-    """(kernel refusals by id, memory refusals): what the kernel cannot do, what cannot fit here."""
+def _refusals(built, device: str) -> tuple[dict[str, str], list[str]]:
+    """(kernel refusals by id, memory refusals): what the kernel cannot do, what cannot fit here.
+
+    Memory is checked for ``device`` "cpu" only: the estimate models PyPTO's CPU interpreter.
+    """
     from pakv_onnx.pypto import host, runs
 
     kernel, memory = {}, []
@@ -62,6 +54,8 @@ def _refusals(built) -> tuple[dict[str, str], list[str]]:
         reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
         if reason:
             kernel[case_id] = reason
+            continue
+        if device == "npu":
             continue
         refusal = runs.memory_refusal(runs.case_bytes(case), "verify")
         if refusal:
@@ -103,7 +97,7 @@ def _run_npu(case_ids: list[str], built):
 
 def run(args: argparse.Namespace) -> int:
     from pakv_onnx.paths import cache_dir
-    from pakv_onnx.pypto import cases, runs
+    from pakv_onnx.pypto import adapter, cases, runs
 
     if args.list:
         return _list(args)
@@ -115,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --device npu needs an Ascend NPU with pypto and torch_npu: {problem}", file=sys.stderr)
             return 2
     else:
-        problem = preflight()
+        problem = adapter.unavailable_reason()
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
@@ -125,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    refused, memory = _refusals(built)
+    refused, memory = _refusals(built, args.device)
     if memory:
         print("error: refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory), file=sys.stderr)
         return 2

@@ -11,17 +11,9 @@ from pakv_onnx.spec import GatherPlan, GatherTensors
 
 
 def _unavailable_reason() -> str | None:
-    from pakv_onnx.kernels.pypto_nd import pypto_missing_reason
     from pakv_onnx.pypto import adapter
 
-    missing = pypto_missing_reason()
-    if missing:
-        return missing
-    try:
-        adapter.check_version()
-    except adapter.AdapterError as err:
-        return str(err)
-    return None
+    return adapter.unavailable_reason()
 
 
 def _gather(plan: GatherPlan, tensors: GatherTensors) -> None:

@@ -51,7 +51,7 @@ def check_version() -> None:
     version = pypto_version()
     try:
         importable = importlib.util.find_spec("pypto") is not None
-    except ImportError:
+    except (ImportError, ValueError):  # ValueError: a "pypto" in sys.modules without a spec
         importable = False
     if version is None or not importable:
         raise AdapterError("pypto is not installed (pip install 'pakv-onnx[pypto]')")
@@ -62,6 +62,15 @@ def check_version() -> None:
             f"the check refuses to run rather than compare against zeros "
             f"(install pypto=={SUPPORTED_PYPTO_VERSION} or update pakv_onnx/pypto/adapter.py)"
         )
+
+
+def unavailable_reason() -> str | None:
+    """Why PyPTO's CPU toolchain cannot run here (pypto missing or another version), else ``None``."""
+    try:
+        check_version()
+    except AdapterError as err:
+        return str(err)
+    return None
 
 
 def _calculator_key() -> str:

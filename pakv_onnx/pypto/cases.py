@@ -9,17 +9,16 @@ Cases are named, never pickled, so a subprocess rebuilds the same bytes from the
 * ``random-N``: :func:`pakv_onnx.cases.random_case` (N) -- the same case as in every other
   command; the kernel may refuse it (then the run says why);
 * ``kernel-N``: a random case inside the kernel's support (any supported dtype, both layouts,
-  both seq_lens forms, int32/int64 indices, non-multiple seq_offset where the contract allows);
+  both seq_lens forms, int32/int64 indices, non-multiple seq_offset);
 * ``dtype-NAME`` / ``nz-NAME``: a small Norm / PA_NZ case of cache dtype NAME;
 * ``lengths``, ``offsets``, ``mixed``: lengths-mode seq_lens; seq_offset not a multiple of
-  block_size; key and value caches of different dtypes (the last two where spec allows them);
+  block_size; key and value caches of different dtypes;
 * ``shape:DTYPE:KH,KD:VH,VD:BS:Q:T``: explicit Norm shapes in the sweep's pattern (for ``tune``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 
 import torch
@@ -34,7 +33,8 @@ from pakv_onnx.cases import (
     seed_case,
     seed_cases,
 )
-from pakv_onnx.spec import CacheMode, plan_gather
+from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
+from pakv_onnx.spec import CacheMode, nz_last_dim
 
 SMALL_NUM_BLOCKS = 64
 # Bytes of one small cache at most: the interpreter's peak is about 24x its inputs (the
@@ -45,8 +45,6 @@ FEATURE_CASES = ("lengths", "offsets", "mixed")
 
 
 def dtype_by_name() -> dict[str, torch.dtype]:
-    from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
-
     return {dtype_name(d): d for d in SUPPORTED_DTYPES}
 
 
@@ -74,7 +72,7 @@ def small_seed_case(case_id: str, num_blocks: int | None = None) -> GatherCase:
 
 
 def shape_spec(dtype: torch.dtype, key_hd, value_hd, block_size: int, q_count: int, total_tokens: int) -> str:
-    name = str(dtype).removeprefix("torch.")
+    name = dtype_name(dtype)  # the key parse_shape_case looks up in dtype_by_name
     return f"{name}:{key_hd[0]},{key_hd[1]}:{value_hd[0]},{value_hd[1]}:{block_size}:{q_count}:{total_tokens}"
 
 
@@ -112,19 +110,6 @@ def t4096_case() -> GatherCase:
     return shape_case(torch.bfloat16, (1, 512), (1, 64), 128, 4, 4096, seed=4096, case_id=T4096_CASE)
 
 
-@functools.cache
-def spec_allows(feature: str) -> bool:
-    """Whether this checkout's spec accepts ``feature`` ("partial_offset" or "mixed_dtypes")."""
-    cache = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
-    value = cache.to(torch.int8) if feature == "mixed_dtypes" else cache
-    offset = torch.tensor([1 if feature == "partial_offset" else 0], dtype=torch.int32)
-    try:
-        plan_gather(cache, value, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([0, 2], dtype=torch.int32), offset)
-    except (ValueError, TypeError):
-        return False
-    return True
-
-
 def kernel_case(
     seed: int,
     *,
@@ -149,14 +134,12 @@ def kernel_case(
     is_cumsum = rng.random() < 0.5 if is_cumsum is None else is_cumsum
     if partial_offsets is None:
         partial_offsets = rng.random() < 0.5
-    partial_offsets = partial_offsets and spec_allows("partial_offset")
     block_size = rng.choice((1, 2, 4, 8, 16, 32))
     num_blocks = rng.randint(8, SMALL_NUM_BLOCKS)
     num_seqs = rng.randint(2, 6)
 
     def token(dt: torch.dtype) -> tuple[int, int]:
-        unit = 32 // torch.empty((), dtype=dt).element_size()  # elements per 32-byte block
-        return rng.randint(1, 4), unit * rng.randint(1, 4)
+        return rng.randint(1, 4), nz_last_dim(dt.itemsize) * rng.randint(1, 4)  # whole 32-byte blocks
 
     key_token, value_token = token(dtype), token(value_dtype)
     lengths = [rng.randint(0, 3 * block_size + block_size // 2) for _ in range(num_seqs)]
@@ -191,24 +174,12 @@ def _feature_case(name: str) -> GatherCase:
     if name == "lengths":
         return kernel_case(11, dtype=torch.bfloat16, mode=CacheMode.NORM, is_cumsum=False, case_id=name)
     if name == "offsets":
-        if not spec_allows("partial_offset"):
-            raise ValueError("case 'offsets' needs a spec that accepts seq_offset not a multiple of block_size")
         return kernel_case(12, dtype=torch.float16, mode=CacheMode.NORM, partial_offsets=True, case_id=name)
-    if not spec_allows("mixed_dtypes"):
-        raise ValueError("case 'mixed' needs a spec that accepts key and value caches of different dtypes")
     return kernel_case(13, dtype=torch.bfloat16, value_dtype=torch.int8, mode=CacheMode.PA_NZ, case_id=name)
 
 
 def seed_case_ids() -> list[str]:
     return [spec.case_id for spec in seed_cases()]
-
-
-def available_feature_cases() -> list[str]:
-    return [
-        name
-        for name in FEATURE_CASES
-        if name == "lengths" or spec_allows("partial_offset" if name == "offsets" else "mixed_dtypes")
-    ]
 
 
 def default_case_ids(kernel_count: int = 4, first_seed: int = 0) -> list[str]:
@@ -219,7 +190,7 @@ def default_case_ids(kernel_count: int = 4, first_seed: int = 0) -> list[str]:
         T4096_CASE,
         *(f"dtype-{n}" for n in names),
         *(f"nz-{n}" for n in names),
-        *available_feature_cases(),
+        *FEATURE_CASES,
         *(f"kernel-{first_seed + i}" for i in range(kernel_count)),
     ]
 

@@ -38,8 +38,8 @@ class PyptoCpuError(RuntimeError):
 
 def plan_bytes(plan: GatherPlan, key_cache: torch.Tensor, value_dtype: torch.dtype | None = None) -> int:
     """Bytes of the tensors one call hands the interpreter (caches, outputs, index tensors)."""
-    value_dtype = value_dtype or getattr(plan, "value_dtype", key_cache.dtype)
-    value_itemsize = torch.empty((), dtype=value_dtype).element_size()
+    value_dtype = value_dtype or plan.value_dtype
+    value_itemsize = value_dtype.itemsize
     value_row = host.row_width(plan, "value")
     value_cache = plan.num_blocks * plan.block_size * value_row * value_itemsize
     outputs = plan.num_tokens * (host.row_width(plan, "key") * key_cache.element_size() + value_row * value_itemsize)

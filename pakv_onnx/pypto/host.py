@@ -72,7 +72,7 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
     ``cache`` is the key cache (the registry passes that one); ``value_cache`` when known.
     Each cache's dtype is read from the tensor itself (key and value may differ).
     """
-    value_dtype = value_cache.dtype if value_cache is not None else getattr(plan, "value_dtype", cache.dtype)
+    value_dtype = value_cache.dtype if value_cache is not None else plan.value_dtype
     for name, dtype in (("key_cache", cache.dtype), ("value_cache", value_dtype)):
         reason = _dtype_reason(name, dtype)
         if reason:
@@ -85,7 +85,7 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
             )
     if plan.cache_mode is CacheMode.NORM:
         for which, dtype in (("key", cache.dtype), ("value", value_dtype)):
-            itemsize = _itemsize(dtype)
+            itemsize = dtype.itemsize
             width = row_width(plan, which)
             if (width * itemsize) % ALIGN_BYTES:
                 return (
@@ -94,20 +94,15 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
                 )
     if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
         return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
-    try:
-        choose_tiles(plan, cache.dtype, value_dtype)
-    except ValueError as err:
-        return str(err)
+    # Whether any tiles fit, not which (that reads the tuned-tiles file; `tune` saves only shapes that have some).
+    if not tiles_mod.candidate_tiles(tiles_mod.shape_of(plan, cache.dtype.itemsize, value_dtype.itemsize)):
+        return tiles_mod.NO_TILE_FITS
     return None
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def choose_tiles(plan: GatherPlan, key_dtype: torch.dtype, value_dtype: torch.dtype) -> Tiles:
     """The tiles the kernel uses for ``plan``: tuned (cached by ``tune``) if known, else the rule."""
-    shape = tiles_mod.shape_of(plan, _itemsize(key_dtype), _itemsize(value_dtype))
+    shape = tiles_mod.shape_of(plan, key_dtype.itemsize, value_dtype.itemsize)
     return tiles_mod.tuned(shape) or tiles_mod.rule_tiles(shape)
 
 

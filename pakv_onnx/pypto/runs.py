@@ -50,7 +50,6 @@ class RunResult:
     seconds: float
     aicore_us: float | None = None
     tasks: int | None = None
-    utilisation: float | None = None
     tiles: dict | None = None
     log: str | None = None
     run_dir: str | None = None
@@ -60,13 +59,12 @@ class RunResult:
 _SUMMARY = {
     "aicore_us": re.compile(r"AICore End-to-End Time:\s*([0-9.]+)"),
     "tasks": re.compile(r"Total Task Count:\s*([0-9]+)"),
-    "utilisation": re.compile(r"AICore Utilization:\s*([0-9.]+)%"),
 }
 _ERROR_HINT = re.compile(r"(exceed|out of|buffer|CHECK FAILED|Error|error)", re.IGNORECASE)
 
 
 def parse_cost_summary(text: str) -> dict[str, Any]:
-    """AICore end-to-end us, task count and utilisation (%) from the cost model's printout (last run)."""
+    """AICore end-to-end us and task count from the cost model's printout (last run)."""
     found: dict[str, Any] = {}
     for key, pattern in _SUMMARY.items():
         matches = pattern.findall(text)
@@ -212,22 +210,30 @@ def run_in_subprocess(
 
 
 def run_batch(
-    items: list[dict[str, Any]], *, timeout: float = DEFAULT_TIMEOUT_S, keep: bool = False
+    items: list[dict[str, Any]],
+    *,
+    timeout: float = DEFAULT_TIMEOUT_S,
+    keep: bool = False,
+    worker: list[str] | None = None,
 ) -> list[RunResult]:
     """Cost/floor runs, several per subprocess (saves the ~1.5 s import per run).
 
     A run that fails ends its subprocess (later compiles there would fail too); the rest
     go to a fresh one. Returns one :class:`RunResult` per item, in order. ``keep`` keeps
-    every batch's run directory (named in each result's ``run_dir``).
+    every batch's run directory (named in each result's ``run_dir``); ``worker`` as in
+    :func:`run_in_subprocess`.
     """
     results: list[RunResult] = []
     while len(results) < len(items):
         rest = items[len(results) :]
         start = time.perf_counter()
         batch = run_in_subprocess(
-            {"mode": "batch", "case": rest[0].get("case", "-"), "items": rest}, timeout=timeout, keep=True
+            {"mode": "batch", "case": rest[0].get("case", "-"), "items": rest},
+            timeout=timeout,
+            keep=True,
+            worker=worker,
         )
-        done = (batch.payload or {}).get("results", []) if batch.ok else []
+        done = (batch.payload or {}).get("results", [])  # all of them, or those before the subprocess died
         seconds = (time.perf_counter() - start) / max(1, len(done))
         for item, payload in zip(rest, done):
             detail = str(payload["detail"])
@@ -244,14 +250,13 @@ def run_batch(
                     tiles=payload.get("tiles"),
                     aicore_us=payload.get("aicore_us"),
                     tasks=payload.get("tasks"),
-                    utilisation=payload.get("utilisation"),
                     log=None if payload["ok"] and not keep else batch.log,
                     run_dir=batch.run_dir if keep or not payload["ok"] else None,
                 )
             )
-        if not done:  # the subprocess itself died on the first item: report it and go on
-            results.append(dataclasses.replace(batch, case_id=str(rest[0].get("case", "-"))))
-        if done and all(p["ok"] for p in done) and not keep:
+        if not batch.ok and len(done) < len(rest):  # the subprocess itself died on this item: report it, go on
+            results.append(dataclasses.replace(batch, case_id=str(rest[len(done)].get("case", "-"))))
+        if batch.ok and done and all(p["ok"] for p in done) and not keep:
             shutil.rmtree(batch.run_dir, ignore_errors=True)
         else:
             prune_failed_runs()
@@ -262,11 +267,11 @@ def read_result(case_id: str, run_dir: Path, returncode: int | None, seconds: fl
     log_path, result_path = run_dir / "run.log", run_dir / "result.json"
     log_text = log_path.read_text(errors="replace") if log_path.exists() else ""
     summary = parse_cost_summary(log_text)
-    tiles = payload = None
-    if result_path.exists():
-        payload = json.loads(result_path.read_text())
+    tiles = None
+    payload = json.loads(result_path.read_text()) if result_path.exists() else None
+    if payload is not None and not payload.get("partial"):
         ok, detail, tiles = bool(payload["ok"]), str(payload["detail"]), payload.get("tiles")
-    else:
+    else:  # no result, or a batch's results so far: the subprocess died
         ok = False
         hints = [line.strip() for line in log_text.splitlines() if _ERROR_HINT.search(line)]
         why = "timed out" if returncode is None else f"exited with code {returncode}"

@@ -21,9 +21,11 @@ import json
 import math
 from pathlib import Path
 
+from pakv_onnx.spec import NZ_FRACTAL_BYTES
+
 VECTOR_BUFFER_BYTES = 196_608
 ALIGN_BYTES = 32  # a vector tile row must be a multiple of one 32-byte block
-NZ_ROW_BYTES = 32  # one PA_NZ fractal row
+NO_TILE_FITS = f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer"
 
 # The seed kernel's fixed rule, kept to compare against.
 SEED_DEFAULT_ROWS = (16, 32)
@@ -125,8 +127,8 @@ def norm_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
 
 def nz_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
     """(fractals, rows) of a PA_NZ tile for ``chunk`` slots of ``width // E`` 32-byte fractals."""
-    fractals = width * itemsize // NZ_ROW_BYTES
-    fit = [d for d in _divisors(fractals) if d * chunk * NZ_ROW_BYTES <= VECTOR_BUFFER_BYTES]
+    fractals = width * itemsize // NZ_FRACTAL_BYTES
+    fit = [d for d in _divisors(fractals) if d * chunk * NZ_FRACTAL_BYTES <= VECTOR_BUFFER_BYTES]
     return (max(fit), chunk) if fit else None
 
 
@@ -168,7 +170,7 @@ def rule_tiles(shape: KernelShape) -> Tiles:
     """The closed-form choice: the candidate chunk with the lowest :func:`estimate_cycles`."""
     options = candidate_tiles(shape)
     if not options:
-        raise ValueError(f"no 32-byte aligned vector tile fits the {VECTOR_BUFFER_BYTES}-byte vector buffer")
+        raise ValueError(NO_TILE_FITS)
     return min(options, key=lambda t: estimate_cycles(shape, t.chunk))
 
 
@@ -188,7 +190,10 @@ def tile_bytes(tiles: Tiles, shape: KernelShape) -> tuple[int, int]:
             tiles.key_tile[0] * tiles.key_tile[1] * shape.key_itemsize,
             tiles.value_tile[0] * tiles.value_tile[1] * shape.value_itemsize,
         )
-    return tiles.key_tile[0] * tiles.key_tile[1] * NZ_ROW_BYTES, tiles.value_tile[0] * tiles.value_tile[1] * NZ_ROW_BYTES
+    return (
+        tiles.key_tile[0] * tiles.key_tile[1] * NZ_FRACTAL_BYTES,
+        tiles.value_tile[0] * tiles.value_tile[1] * NZ_FRACTAL_BYTES,
+    )
 
 
 def fits(tiles: Tiles, shape: KernelShape) -> bool:

@@ -63,9 +63,10 @@ def fill_sentinel(tensor: torch.Tensor) -> None:
     bits_view(tensor).fill_(-1)  # all bits set: a row the kernel skipped cannot pass as gathered
 
 
-def _outputs(plan, case) -> tuple[torch.Tensor, torch.Tensor]:
-    key_out = torch.empty(plan.key_out_shape, dtype=case.key_cache.dtype)
-    value_out = torch.empty(plan.value_out_shape, dtype=case.value_cache.dtype)
+def _outputs(plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan's two outputs, every bit set (see :func:`fill_sentinel`)."""
+    key_out = torch.empty(plan.key_out_shape, dtype=plan.key_dtype)
+    value_out = torch.empty(plan.value_out_shape, dtype=plan.value_dtype)
     fill_sentinel(key_out)
     fill_sentinel(value_out)
     return key_out, value_out
@@ -97,7 +98,7 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     case = cases.build_case(request["case"])
     plan = plan_gather(*case.inputs(), **case.attributes())
     tiles = Tiles.from_json(request["tiles"]) if request.get("tiles") else None
-    key_out, value_out = _outputs(plan, case)
+    key_out, value_out = _outputs(plan)
     shapes = f"key={list(key_out.shape)} value={list(value_out.shape)}"
     if mode == "floor":
         # Same output bytes, contiguous rows (the cost model does not look at the data).
@@ -133,6 +134,8 @@ def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Several cost/floor runs in this process, each with the cost-model lines its run printed.
 
     Stops at the first failure (a failed compile poisons later ones); the parent reruns the rest.
+    Before going on to the next run, the results so far go to the result file (marked
+    ``partial``): if this process dies on that run, the parent keeps them and blames that run.
     """
     from pakv_onnx.pypto.runs import parse_cost_summary
 
@@ -152,6 +155,7 @@ def execute_batch(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
         results.append(payload)
         if not payload["ok"] or rss_bytes() > RSS_CAP_BYTES:
             break  # the parent runs the rest in a fresh process
+        write_result(request["result"], {"ok": False, "partial": True, "results": results})
     return {"ok": True, "detail": f"{len(results)} runs", "tiles": None, "results": results}
 
 
@@ -166,8 +170,15 @@ def worker_main(request_path: str, kernel_fn=None) -> int:
     except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
         payload = _failure(err)
     flush_c_stdio()
-    Path(request["result"]).write_text(json.dumps(payload))
+    write_result(request["result"], payload)
     return 0 if payload["ok"] else 1
+
+
+def write_result(path: str, payload: dict[str, Any]) -> None:
+    """Replace the result file in one step (the parent may read it after this process was killed)."""
+    scratch = Path(f"{path}.tmp")
+    scratch.write_text(json.dumps(payload))
+    scratch.replace(path)
 
 
 # --------------------------------------------------------------------------- #
@@ -181,10 +192,7 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     inputs = torch.load(request["inputs"], weights_only=True)
     plan = plan_gather(*inputs["tensors"], **inputs["attributes"])
     key_cache, value_cache = inputs["tensors"][0], inputs["tensors"][1]
-    key_out = torch.empty(plan.key_out_shape, dtype=key_cache.dtype)
-    value_out = torch.empty(plan.value_out_shape, dtype=value_cache.dtype)
-    fill_sentinel(key_out)
-    fill_sentinel(value_out)
+    key_out, value_out = _outputs(plan)
     adapter.install()
     tiles = host.run_kernel(plan, GatherTensors(key_cache, value_cache, key_out, value_out), sim=True, verify=True)
     flush_c_stdio()
