@@ -30,7 +30,7 @@ import onnx
 import onnxruntime as ort
 import torch
 from _cases import capped_seed_case
-from _timing import interleaved_medians_us
+from _timing import interleaved_medians_us, prebound
 from onnx import helper
 
 import pakv_onnx.export as pe
@@ -103,12 +103,7 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
         "plugin": runtime_plugin.make_session(model, backend="native"),
         "floor": ort.InferenceSession(floor_model(model, case).SerializeToString(), options, providers=cpu),
     }
-    runs = {}
-    for name, session in sessions.items():
-        result = runtime_plugin.run(session, feeds, out=outs)
-        assert spec.bitwise_equal(result["key"], golden[0]) and spec.bitwise_equal(result["value"], golden[1]), name
-        binding = runtime_plugin.bind(session, feeds, out=outs)
-        runs[name] = lambda s=session, b=binding: s.run_with_iobinding(b)
+    runs = {name: prebound(session, feeds, outs, golden, name) for name, session in sessions.items()}
     medians = interleaved_medians_us(runs, repeats, warmup=20)
     ratios = {"ratio": medians["fallback"] / medians["plugin"], "floor_ratio": medians["floor"] / medians["plugin"]}
     return {"case": label, "T": int(case.seq_lens[-1]), **medians, **ratios}
