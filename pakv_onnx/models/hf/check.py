@@ -20,7 +20,7 @@ from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.models.hf import generate
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
-from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, step_feeds
+from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
 from pakv_onnx.spec import GatherPlan, plan_gather
 
 # fp32 everywhere; the paged path and transformers' dense eager path differ only in summation
@@ -126,19 +126,15 @@ def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch
     return lambda feeds: runtime_plugin.run(session, feeds)
 
 
-def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> PagedDecoderStep:
+def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> None:
     """Build the paged model of ``arch`` and export its step (traced on the workload's prefill) to ``path``."""
     step = PagedDecoderStep(build_model(arch, seed))
     cache = generate.new_cache(step.model.config, workload, block_size, seed)
     ids = list(range(len(workload.prompts)))
     for i in ids:
         cache.add_sequence(i)
-    lengths = [len(p) for p in workload.prompts]
-    layout = cache.prepare_step(ids, lengths)
-    input_ids = torch.tensor([[t for p in workload.prompts for t in p]], dtype=torch.int64)
-    position_ids = torch.tensor([[pos for n in lengths for pos in range(n)]], dtype=torch.int64)
-    export_step(step, step_feeds(cache, layout, input_ids, position_ids), path)
-    return step
+    _, _, feeds = generate.step_inputs(cache, ids, workload.prompts)
+    export_step(step, feeds, path)
 
 
 def run_runner(
