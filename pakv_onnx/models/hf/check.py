@@ -77,6 +77,14 @@ def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
     return plan_gather(key, value, torch.zeros(1, 1, dtype=torch.int32), one, torch.zeros(1, dtype=torch.int32)), key
 
 
+def pypto_cpu_refusal(probe: tuple[GatherPlan, torch.Tensor] | None = None) -> str | None:
+    """Why ``plugin:pypto-cpu`` cannot join a run here (``None``: it can): the backend is unavailable,
+    or it refuses ``probe`` (a plan and key cache like the run's; its refusals include memory).
+    Shared with :mod:`pakv_onnx.demo`, which adds the same row."""
+    backend = kernels.get_backend(PYPTO_CPU)
+    return backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
+
+
 def runner_names(
     backends: Sequence[str],
     workload: generate.Workload,
@@ -90,8 +98,7 @@ def runner_names(
     skipped: dict[str, str] = {}
     if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
         calls = gather_calls(workload, num_layers)
-        backend = kernels.get_backend(PYPTO_CPU)
-        reason = backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
+        reason = pypto_cpu_refusal(probe)
         if reason is not None:
             skipped[f"plugin:{PYPTO_CPU}"] = reason
         elif calls > PYPTO_CPU_MAX_CALLS:
