@@ -26,13 +26,13 @@ import argparse
 
 import torch
 from _cases import capped_seed_case, large_case
-from _timing import interleaved_medians_us
+from _timing import interleaved_medians_us, prebound
 
 import pakv_onnx
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase
 from pakv_onnx.export import make_gather_model_for, torch_op  # noqa: F401  (torch_op registers torch.ops.pakv.*)
-from pakv_onnx.spec import INPUT_NAMES, CacheMode, bitwise_equal
+from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
 
 # Issue 14's goals, at the level8 shape. At large T only the front's "unchanged" goal applies:
 # torch.ops returns fresh outputs, and first-touching hundreds of MB of them costs more than the
@@ -46,17 +46,6 @@ def _noop(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Ten
     return key_cache.new_empty(0), value_cache.new_empty(0)
 
 
-def _prebound(case: GatherCase, backend: str, outs: dict):
-    model = make_gather_model_for(*case.inputs(), **case.attributes(), shapes=None, fallback=False)
-    session = runtime_plugin.make_session(model, backend=backend)
-    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
-    result = runtime_plugin.run(session, feeds, out=outs)
-    golden = case.golden()
-    assert bitwise_equal(result["key"], golden[0]) and bitwise_equal(result["value"], golden[1]), backend
-    binding = runtime_plugin.bind(session, feeds, out=outs)
-    return lambda: session.run_with_iobinding(binding)
-
-
 def variants(case: GatherCase, callbacks: bool) -> dict:
     """name -> zero-argument call, each checked bit-exact against the golden once."""
     golden = case.golden()
@@ -64,9 +53,12 @@ def variants(case: GatherCase, callbacks: bool) -> dict:
     inputs, attrs = case.inputs(), case.attributes()
     key_out, value_out = torch.empty_like(golden[0]), torch.empty_like(golden[1])
     op = torch.ops.pakv.gather_pa_kv_cache
-    cache_mode = attrs["cache_mode"]
-    mode = cache_mode.value if isinstance(cache_mode, CacheMode) else cache_mode
+    mode = attrs["cache_mode"].value
     flag = bool(attrs["is_seq_lens_cumsum"])
+    # One model (no fallback function: only the plugin runs the node) for every plugin session.
+    model = make_gather_model_for(*inputs, **attrs, shapes=None, fallback=False)
+    feeds = {name: t for name, t in zip(INPUT_NAMES, inputs) if t is not None}
+    native = runtime_plugin.make_session(model, backend="native")
 
     def front_native():
         return pakv_onnx.gather_pa_kv_cache(*inputs, **attrs, key_out=key_out, value_out=value_out, backend="native")
@@ -77,20 +69,18 @@ def variants(case: GatherCase, callbacks: bool) -> dict:
     for fn in (front_native, torch_ops):
         key, value = fn()
         assert bitwise_equal(key, golden[0]) and bitwise_equal(value, golden[1]), fn.__name__
-    fns = {"plugin": _prebound(case, "native", outs), "front-native": front_native, "torch.ops": torch_ops}
+    plugin = prebound(native, feeds, outs, golden, "native")
+    fns = {"plugin": plugin, "front-native": front_native, "torch.ops": torch_ops}
     if not callbacks:  # large T: the allocating floor torch.ops is up against
-        session = runtime_plugin.make_session(
-            make_gather_model_for(*inputs, **attrs, shapes=None, fallback=False), backend="native"
-        )
-        feeds = {name: t for name, t in zip(INPUT_NAMES, inputs) if t is not None}
-        fns["plugin-alloc"] = lambda: runtime_plugin.run(session, feeds)
+        fns["plugin-alloc"] = lambda: runtime_plugin.run(native, feeds)
         # The large case reads whole blocks in table order: torch's own allocating gather of them.
         block_ids = case.block_tables.flatten().to(torch.int64)
         keys, values = case.key_cache, case.value_cache
         fns["index_select"] = lambda: (keys.index_select(0, block_ids), values.index_select(0, block_ids))
     if callbacks:
-        fns["cb-golden"] = _prebound(case, "golden", outs)
-        fns["cb-torch"] = _prebound(case, "torch", outs)
+        for backend in ("golden", "torch"):
+            session = runtime_plugin.make_session(model, backend=backend)
+            fns[f"cb-{backend}"] = prebound(session, feeds, outs, golden, backend)
         fns["noop-op"] = lambda: _noop(inputs[0], inputs[1])
     return fns
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from pakv_onnx.models.hf import PagedKVCache, Workload, build_model, check, make_workload, new_cache, step_feeds
+from pakv_onnx.models.hf import Workload, build_model, check, make_workload, new_cache
+from pakv_onnx.models.hf.generate import run_step
 
 
 def decode_transformers(model, prompts: torch.Tensor, steps: int) -> float:
@@ -43,23 +44,6 @@ def decode_transformers(model, prompts: torch.Tensor, steps: int) -> float:
         return time.perf_counter() - start
 
 
-def _paged_step(session, cache: PagedKVCache, ids: list[int], tokens: list[list[int]]) -> list[int]:
-    """One step of the paged path (inputs laid out, session run, rows written); returns the argmax tokens."""
-    counts = [len(t) for t in tokens]
-    layout = cache.prepare_step(ids, counts)
-    starts = [cache.sequences[i].length for i in ids]
-    positions = [p for start, n in zip(starts, counts) for p in range(start, start + n)]
-    feeds = step_feeds(
-        cache,
-        layout,
-        torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.int64),
-        torch.tensor([positions], dtype=torch.int64),
-    )
-    outputs = check.session_step(session)(feeds)
-    cache.write_step_outputs(ids, counts, layout, outputs)
-    return outputs["logits"].argmax(-1).tolist()
-
-
 def decode_paged(session, config, prompts: torch.Tensor, steps: int, block_size: int) -> float:
     """Seconds for ``steps`` decode steps of the paged ORT path after an untimed prefill."""
     batch = prompts.shape[0]
@@ -68,10 +52,11 @@ def decode_paged(session, config, prompts: torch.Tensor, steps: int, block_size:
     ids = list(range(batch))
     for i in ids:
         cache.add_sequence(i)
-    chosen = _paged_step(session, cache, ids, workload.prompts)
+    step = check.session_step(session)
+    chosen = run_step(step, cache, ids, workload.prompts)["logits"].argmax(-1).tolist()
     start = time.perf_counter()
     for _ in range(steps):
-        chosen = _paged_step(session, cache, ids, [[t] for t in chosen])
+        chosen = run_step(step, cache, ids, [[t] for t in chosen])["logits"].argmax(-1).tolist()
     return time.perf_counter() - start
 
 

@@ -33,7 +33,7 @@ from per_token_reference import gather_per_token
 import pakv_onnx
 from pakv_onnx.cases import GatherCase, random_cache
 from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
-from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, nz_last_dim
+from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, block_size_axis, nz_last_dim
 
 # session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
 # session creation raises onnxruntime's own exception types.
@@ -113,7 +113,7 @@ def assert_matches_reference(case: GatherCase, backend: str, *, caller_outputs: 
 # Case transforms
 # --------------------------------------------------------------------------- #
 def block_size_of(case: GatherCase) -> int:
-    return case.key_cache.shape[1 if case.cache_mode is CacheMode.NORM else 2]
+    return case.key_cache.shape[block_size_axis(case.cache_mode)]
 
 
 def unaligned_offsets(case: GatherCase, seed: int) -> GatherCase:

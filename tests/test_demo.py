@@ -65,6 +65,22 @@ def test_demo_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypat
     assert out.rstrip().endswith("FAIL")
 
 
+def test_demo_skips_a_pypto_cpu_that_refuses_the_graph(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The row the demo adds on its own is asked first (as ``generate`` asks): a refusal is a skip note, not a FAIL."""
+    refusing = kernels.Backend(
+        name="pypto-cpu", description="test", gather=None, unsupported_reason=lambda plan, cache: "too big here"
+    )
+    real = kernels.get_backend
+    monkeypatch.setattr(kernels, "get_backend", lambda name: refusing if name == "pypto-cpu" else real(name))
+    assert cli.main(["demo", "--model", "gqa", "--tokens", "64", "--repeats", "1", "--backend", "native"]) == 0
+    out = capsys.readouterr().out
+    skips = [line.split() for line in out.splitlines() if "plugin:pypto-cpu" in line]
+    assert skips == [["plugin:pypto-cpu", "skipped:", "too", "big", "here"]] * 2, out
+    assert out.rstrip().endswith("PASS")
+
+
 def test_demo_rejects_unknown_backend(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["demo", "--backend", "native,nope"]) == 2
     assert "backend 'nope' is unknown" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import onnx
 import pytest
 import torch
 from conftest import run_python
+from onnx_graphs import feeds_for_case
 from onnx import TensorProto
 
 import pakv_onnx.export as pe
@@ -91,7 +92,7 @@ def test_shapes_symbolic_concrete_or_none() -> None:
     assert all(dims(v) is None for v in (*unranked.graph.input, *unranked.graph.output))
 
     for model in (symbolic, concrete, unranked):
-        out = runtime_plugin.run(runtime_plugin.make_session(model), dict(zip(INPUT_NAMES, case.inputs())))
+        out = runtime_plugin.run(runtime_plugin.make_session(model), feeds_for_case(case))
         assert bitwise_equal(out["key"], case.golden()[0]) and bitwise_equal(out["value"], case.golden()[1])
 
 

@@ -15,6 +15,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import assert_pair_equal, reference_outputs, unaligned_offsets, with_value_dtype
+from onnx_graphs import feeds_for_case
 
 import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
@@ -46,7 +47,7 @@ def model_for(case: GatherCase, *, ranked: bool = True, **overrides) -> onnx.Mod
 
 def run_stock(case: GatherCase, model: onnx.ModelProto | None = None) -> list[torch.Tensor]:
     session = stock_session(model if model is not None else model_for(case))
-    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
+    feeds = feeds_for_case(case)
     outputs = runtime_plugin.run(session, feeds)
     return [outputs[o.name] for o in session.get_outputs()]
 
@@ -279,7 +280,7 @@ def test_unoptimized_session_runs_the_ifs_and_checks(mode: CacheMode, is_cumsum:
     options.log_severity_level = 4
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model_for(case).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
+    feeds = feeds_for_case(case)
     outputs = runtime_plugin.run(session, feeds)
     assert_pair_equal([outputs["key"], outputs["value"]], reference_outputs(case), "unoptimized")
     bad = dict(feeds, seq_offset=-feeds["seq_offset"] - 1)

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from onnx_graphs import feeds_for_case
 
 from pakv_onnx import gather_pa_kv_cache, kernels, runtime_plugin
 from pakv_onnx.export.builder import make_gather_model
 from pakv_onnx.pypto import cases, cpu, runs
-from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
+from pakv_onnx.spec import bitwise_equal
 
 pytestmark = pytest.mark.usefixtures("temp_cache")
 
@@ -64,7 +65,7 @@ def test_ort_session_runs_the_kernel_bit_exact(case_id):
         index_dtypes=(case.block_tables.dtype, case.seq_lens.dtype, case.seq_offset.dtype),
     )
     session = runtime_plugin.make_session(model.SerializeToString(), backend="pypto-cpu")
-    outputs = runtime_plugin.run(session, dict(zip(INPUT_NAMES, case.inputs())))
+    outputs = runtime_plugin.run(session, feeds_for_case(case))
     _assert_golden(outputs["key"], outputs["value"], case)
 
 

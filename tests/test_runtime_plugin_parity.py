@@ -30,6 +30,7 @@ from pakv_onnx.spec import (
     CacheMode,
     GatherTensors,
     bitwise_equal,
+    block_size_axis,
     nz_last_dim,
     plan_gather,
 )
@@ -95,7 +96,7 @@ def test_any_seq_offset_takes_the_floor_column_through_ort(mode: CacheMode, cums
     remainders = 0
     for seed in range(40):
         inputs, attributes = floor_case(seed, mode, cumsum, torch.bfloat16, torch.bfloat16)
-        bs = inputs[0].shape[1 if mode is CacheMode.NORM else 2]
+        bs = inputs[0].shape[block_size_axis(mode)]
         remainders += int((inputs[4] % bs != 0).any())
         outputs = run_native_ort(inputs, attributes, sessions)
         assert_matches_reference(outputs, inputs, attributes, f"seed {seed}")
@@ -188,7 +189,7 @@ def test_core_reads_pool_views_with_any_offset_floor_rule() -> None:
     gen = torch.Generator().manual_seed(3)
     for mode in CacheMode:
         pool, key_view, value_view = _pool_views(mode, torch.bfloat16, gen)
-        bs = key_view.shape[1 if mode is CacheMode.NORM else 2]
+        bs = key_view.shape[block_size_axis(mode)]
         tables = torch.randint(0, pool.shape[0], (3, 6), generator=gen, dtype=torch.int64)
         lengths = torch.tensor([5, 0, 9], dtype=torch.int64)
         offsets = torch.tensor([3, 7, bs + 1], dtype=torch.int64)

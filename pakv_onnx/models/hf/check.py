@@ -20,7 +20,7 @@ from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.models.hf import generate
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
-from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, step_feeds
+from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
 from pakv_onnx.spec import GatherPlan, plan_gather
 
 # fp32 everywhere; the paged path and transformers' dense eager path differ only in summation
@@ -77,6 +77,14 @@ def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
     return plan_gather(key, value, torch.zeros(1, 1, dtype=torch.int32), one, torch.zeros(1, dtype=torch.int32)), key
 
 
+def pypto_cpu_refusal(probe: tuple[GatherPlan, torch.Tensor] | None = None) -> str | None:
+    """Why ``plugin:pypto-cpu`` cannot join a run here (``None``: it can): the backend is unavailable,
+    or it refuses ``probe`` (a plan and key cache like the run's; its refusals include memory).
+    Shared with :mod:`pakv_onnx.demo`, which adds the same row."""
+    backend = kernels.get_backend(PYPTO_CPU)
+    return backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
+
+
 def runner_names(
     backends: Sequence[str],
     workload: generate.Workload,
@@ -90,8 +98,7 @@ def runner_names(
     skipped: dict[str, str] = {}
     if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
         calls = gather_calls(workload, num_layers)
-        backend = kernels.get_backend(PYPTO_CPU)
-        reason = backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
+        reason = pypto_cpu_refusal(probe)
         if reason is not None:
             skipped[f"plugin:{PYPTO_CPU}"] = reason
         elif calls > PYPTO_CPU_MAX_CALLS:
@@ -126,19 +133,15 @@ def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch
     return lambda feeds: runtime_plugin.run(session, feeds)
 
 
-def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> PagedDecoderStep:
+def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> None:
     """Build the paged model of ``arch`` and export its step (traced on the workload's prefill) to ``path``."""
     step = PagedDecoderStep(build_model(arch, seed))
     cache = generate.new_cache(step.model.config, workload, block_size, seed)
     ids = list(range(len(workload.prompts)))
     for i in ids:
         cache.add_sequence(i)
-    lengths = [len(p) for p in workload.prompts]
-    layout = cache.prepare_step(ids, lengths)
-    input_ids = torch.tensor([[t for p in workload.prompts for t in p]], dtype=torch.int64)
-    position_ids = torch.tensor([[pos for n in lengths for pos in range(n)]], dtype=torch.int64)
-    export_step(step, step_feeds(cache, layout, input_ids, position_ids), path)
-    return step
+    _, _, feeds = generate.step_inputs(cache, ids, workload.prompts)
+    export_step(step, feeds, path)
 
 
 def run_runner(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from pakv_onnx.models.hf.cache import PagedKVCache
+from pakv_onnx.models.hf.cache import PagedKVCache, StepLayout
 from pakv_onnx.models.hf.configs import cache_geometry
 from pakv_onnx.models.hf.step import step_feeds
 
@@ -79,6 +79,31 @@ def new_cache(model_config, workload: Workload, block_size: int, seed: int, spar
     )
 
 
+def step_inputs(
+    cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]]
+) -> tuple[list[int], StepLayout, dict[str, torch.Tensor]]:
+    """Lay out one step in which sequence ``seq_ids[k]`` feeds ``tokens[k]`` (at the positions after
+    its cached tokens): ``(new token counts, layout, the graph's named feeds)``."""
+    counts = [len(t) for t in tokens]
+    layout = cache.prepare_step(seq_ids, counts)
+    starts = [cache.sequences[i].length for i in seq_ids]
+    input_ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.int64)
+    positions = [p for start, n in zip(starts, counts) for p in range(start, start + n)]
+    position_ids = torch.tensor([positions], dtype=torch.int64)
+    return counts, layout, step_feeds(cache, layout, input_ids, position_ids)
+
+
+def run_step(
+    step: StepFn, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]]
+) -> Mapping[str, torch.Tensor]:
+    """One step laid out by :func:`step_inputs`, run through ``step``, its new K/V rows written into
+    the pools; returns the step's outputs."""
+    counts, layout, feeds = step_inputs(cache, seq_ids, tokens)
+    outputs = step(feeds)
+    cache.write_step_outputs(seq_ids, counts, layout, outputs)
+    return outputs
+
+
 def generate_paged(step: StepFn, cache: PagedKVCache, workload: Workload) -> Generation:
     """Greedy generation of ``workload`` through ``step`` over ``cache`` (see the module docstring).
 
@@ -95,16 +120,7 @@ def generate_paged(step: StepFn, cache: PagedKVCache, workload: Workload) -> Gen
     steps = 0
     start = time.perf_counter()
     while live:
-        new_counts = [len(pending[i]) for i in live]
-        layout = cache.prepare_step(live, new_counts)
-        input_ids = torch.tensor([[t for i in live for t in pending[i]]], dtype=torch.int64)
-        position_ids = torch.tensor(
-            [[p for i in live for p in range(cache.sequences[i].length, cache.sequences[i].length + len(pending[i]))]],
-            dtype=torch.int64,
-        )
-        outputs = step(step_feeds(cache, layout, input_ids, position_ids))
-        cache.write_step_outputs(live, new_counts, layout, outputs)
-        step_logits = outputs["logits"]
+        step_logits = run_step(step, cache, live, [pending[i] for i in live])["logits"]
         chosen = step_logits.argmax(dim=-1).tolist()
         for row, i in enumerate(live):
             tokens[i].append(int(chosen[row]))
