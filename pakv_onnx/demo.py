@@ -161,9 +161,10 @@ def run_graph(
     with torch.no_grad():
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
     results = [compare("torch eager", eager_outputs, reference, eager_ms)]
-    # plugin:pypto-cpu joins every graph it can run (listed as skipped, with why, otherwise).
+    # plugin:pypto-cpu joins every graph where pypto can run (listed as skipped, with why, for a
+    # graph it refuses; left out altogether where pypto is not installed, as before).
     names, skipped = list(backends), []
-    if PYPTO_CPU not in backends:
+    if PYPTO_CPU not in backends and pypto_cpu_refusal() is None:
         plan = plan_gather(*batch.gather_inputs(), cache_mode="Norm", is_seq_lens_cumsum=True)  # as forward calls it
         refusal = pypto_cpu_refusal((plan, batch.key_cache))
         if refusal is None:
