@@ -6,9 +6,10 @@ custom-op library and that the ``native`` backend calls through ctypes, both for
 and editable installs (``pip install -e .`` builds it in place).
 
 Sources (pakv_onnx/native_lib/):
-    pakv_core.c    the copy core: plan checks, memcpy runs, thread split (no ORT, no Python)
-    pakv_ort.c     the ORT glue: RegisterCustomOps, ops, attributes, ORT inputs -> plan
-    pakv_bridge.c  the Python bridge: backend names, the callback, exit handling
+    pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
+    pakv_contract.c  the contract's validator: every rule and its message, tensor records -> plan
+    pakv_ort.c       the ORT glue: RegisterCustomOps, ops, attributes, ORT tensors -> records
+    pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
 """
 
 import os
@@ -20,8 +21,8 @@ from setuptools.command.build_ext import build_ext
 
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_ort.c", "pakv_bridge.c"]
-HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_bridge.h", "pakv_dtypes.h"]
+SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c"]
+HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_contract.h", "pakv_bridge.h", "pakv_dtypes.h"]
 COMPILE_ARGS = [
     "-std=c11",
     "-O3",

@@ -1,5 +1,6 @@
-"""Timing shared by the benchmarks: medians in microseconds, variants timed in turn round by round,
-and ORT sessions driven through an IOBinding built once (checked bit-exact first)."""
+"""Timing shared by the benchmarks: per-call medians in microseconds, variants timed in alternating
+blocks of consecutive calls, and ORT sessions driven through an IOBinding built once (checked
+bit-exact first)."""
 
 from __future__ import annotations
 
@@ -33,18 +34,33 @@ def prebound(
 
 def median_us(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median wall time of ``fn()`` in microseconds over ``repeats`` calls (after ``warmup``)."""
-    return interleaved_medians_us({"fn": fn}, repeats, warmup)["fn"]
+    return blocked_medians_us({"fn": fn}, repeats, warmup)["fn"]
 
 
-def interleaved_medians_us(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Median us of each function, timed in turn round by round so machine drift hits all alike."""
+def blocked_medians_us(
+    fns: dict[str, Callable[[], object]], calls: int, warmup: int = 3, block: int = 30
+) -> dict[str, float]:
+    """Per-call median us of each function, timed in blocks of ``block`` consecutive calls.
+
+    Blocks alternate between the functions (A-block, B-block, A-block ...), so machine drift
+    hits all alike, while each block runs one function back to back, as a serving loop calls it:
+    timing single calls in turn would make every function pay the caches the others evicted
+    (which flatters whatever is compared with the fastest). The figure is the median over blocks
+    of each block's median call; about ``calls`` calls of each function in all.
+    """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
+    size = max(1, min(block, calls))
+    rounds = max(1, -(-calls // size))
+    blocks: dict[str, list[float]] = {name: [] for name in fns}
+    times = [0.0] * size
+    for _ in range(rounds):
         for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+            fn()  # one untimed call: the block starts with this function's own data in cache
+            for i in range(size):
+                start = time.perf_counter()
+                fn()
+                times[i] = time.perf_counter() - start
+            blocks[name].append(statistics.median(times))
+    return {name: statistics.median(b) * 1e6 for name, b in blocks.items()}

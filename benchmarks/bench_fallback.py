@@ -30,11 +30,11 @@ import onnx
 import onnxruntime as ort
 import torch
 from _cases import capped_seed_case
-from _timing import interleaved_medians_us, prebound
+from _timing import blocked_medians_us, prebound
 from onnx import helper
 
 import pakv_onnx.export as pe
-from pakv_onnx import runtime_plugin, spec
+from pakv_onnx import runtime_plugin, spec, validator
 from pakv_onnx.cases import GatherCase
 
 
@@ -53,7 +53,7 @@ def as_pa_nz(case: GatherCase) -> GatherCase:
 
 def floor_function(case: GatherCase, opset_version: int) -> onnx.FunctionProto:
     """A body that only gathers: ``case``'s per-token (block, slot) as constants (see the module doc)."""
-    block, slot = spec.plan_gather(*case.inputs(), **case.attributes()).token_slots()
+    block, slot = validator.plan_gather(*case.inputs(), **case.attributes()).token_slots()
     nodes = []
 
     def constant(name: str, values: torch.Tensor) -> str:
@@ -104,7 +104,7 @@ def bench_case(label: str, case: GatherCase, repeats: int) -> dict:
         "floor": ort.InferenceSession(floor_model(model, case).SerializeToString(), options, providers=cpu),
     }
     runs = {name: prebound(session, feeds, outs, golden, name) for name, session in sessions.items()}
-    medians = interleaved_medians_us(runs, repeats, warmup=20)
+    medians = blocked_medians_us(runs, repeats, warmup=20)
     ratios = {"ratio": medians["fallback"] / medians["plugin"], "floor_ratio": medians["floor"] / medians["plugin"]}
     return {"case": label, "T": int(case.seq_lens[-1]), **medians, **ratios}
 

@@ -28,13 +28,14 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from _cases import capped_seed_case, large_case
-from _timing import interleaved_medians_us, median_us, prebound
+from _timing import blocked_medians_us, median_us, prebound
 from onnx import TensorProto, helper
 
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase
 from pakv_onnx.export import make_gather_model_for
-from pakv_onnx.spec import INPUT_NAMES, plan_gather
+from pakv_onnx.spec import INPUT_NAMES
+from pakv_onnx.validator import plan_gather
 
 
 def gather_floor(case: GatherCase, plan, outs, golden):
@@ -129,7 +130,7 @@ def bench_case(label: str, case: GatherCase, repeats: int, with_pyop: bool) -> d
     runs["gather"] = gather_floor(case, plan, outs, golden)
     src = [golden[0].clone(), golden[1].clone()]
     runs["memcpy"] = lambda: (outs["key"].copy_(src[0]), outs["value"].copy_(src[1]))
-    row.update(interleaved_medians_us(runs, repeats))
+    row.update(blocked_medians_us(runs, repeats))
     row["pyop"] = pyop_time(case, plan, max(3, repeats // 10)) if with_pyop else None
     return row
 

@@ -1,6 +1,7 @@
 """pakv-onnx: the GatherPaKvCache paged-KV-cache gather through the whole ONNX life cycle.
 
-- :mod:`pakv_onnx.spec`     the contract and its validation (``plan_gather``)
+- :mod:`pakv_onnx.spec`      the contract, declared (names, tables, plans)
+- :mod:`pakv_onnx.validator` the one validator (``plan_gather``: the C contract unit, from Python)
 - :mod:`pakv_onnx.golden`   the torch reference
 - :mod:`pakv_onnx.kernels`  compute backends and their registry
 - :mod:`pakv_onnx.cases`    reproducible test cases (the seed sweep, random cases)
@@ -25,7 +26,7 @@ _EXPORTS = {
     "CacheMode": "pakv_onnx.spec",
     "GatherPlan": "pakv_onnx.spec",
     "GatherTensors": "pakv_onnx.spec",
-    "plan_gather": "pakv_onnx.spec",
+    "plan_gather": "pakv_onnx.validator",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -33,7 +34,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from pakv_onnx.kernels import BackendUnavailableError, backend_names
     from pakv_onnx.ops import gather_pa_kv_cache
-    from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, plan_gather
+    from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors
+    from pakv_onnx.validator import plan_gather
 
 
 def __getattr__(name: str) -> Any:

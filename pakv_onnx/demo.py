@@ -25,7 +25,8 @@ from pakv_onnx.models import GqaPagedAttention, MlaContextAttention, PagedAttent
 from pakv_onnx.models.batch import ragged_lengths
 from pakv_onnx.models.hf.check import PYPTO_CPU, pypto_cpu_refusal
 from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
-from pakv_onnx.spec import bitwise_equal, plan_gather
+from pakv_onnx.spec import bitwise_equal
+from pakv_onnx.validator import plan_gather
 
 # fp32 attention in ORT vs torch differs only by summation order: about 1e-6 at these sizes.
 ATTENTION_ATOL = 1e-4

@@ -4,7 +4,7 @@ Written to be read, not to be fast: one slice copy per (sequence, used block), s
 from the contract in :mod:`pakv_onnx.spec` (its FLOOR RULE: sequence q starts at slot 0 of
 column ``seq_offset[q] // bs``, kept in ``plan.table_col_starts``). It never validates on its
 own; callers hand it a :class:`~pakv_onnx.spec.GatherPlan` from
-:func:`~pakv_onnx.spec.plan_gather`. Caches may have different dtypes and may be pool views
+:func:`~pakv_onnx.validator.plan_gather`. Caches may have different dtypes and may be pool views
 strided on dim 0: it indexes them as they are and never copies a whole cache.
 """
 

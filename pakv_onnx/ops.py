@@ -7,15 +7,8 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import (
-    _MODE_BY_NAME,
-    DEFAULT_CACHE_MODE,
-    DEFAULT_IS_SEQ_LENS_CUMSUM,
-    CacheMode,
-    GatherPlan,
-    GatherTensors,
-    plan_gather,
-)
+from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, GatherPlan, GatherTensors
+from pakv_onnx.validator import check_outputs, plan_gather
 
 
 def gather_pa_kv_cache(
@@ -59,19 +52,6 @@ def gather_pa_kv_cache(
         TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
-
-    if key_out is not None and value_out is not None and isinstance(key_cache, torch.Tensor):
-        # A backend resolved before for such caches may take the raw call (validate + gather in
-        # one step); it declines anything it does not fully check, and then the full path runs.
-        mode = cache_mode if type(cache_mode) is CacheMode else None
-        if type(cache_mode) is str:  # anything else (even unhashable) is left to spec's message
-            mode = _MODE_BY_NAME.get(cache_mode)
-        if isinstance(value_cache, torch.Tensor) and mode is not None and type(is_seq_lens_cumsum) is bool:
-            known = kernels.cached_backend(backend, key_cache.device, key_cache.dtype, value_cache.dtype, mode)
-            if known is not None and known.gather_raw is not None and known.gather_raw(
-                key_cache, value_cache, block_tables, seq_lens, seq_offset, mode, is_seq_lens_cumsum, key_out, value_out
-            ):
-                return key_out, value_out
     return gather_with(
         (key_cache, value_cache, block_tables, seq_lens, seq_offset),
         cache_mode=cache_mode,
@@ -106,7 +86,8 @@ def gather_with(
 
     The one path every Python caller takes: the public front (outputs given, or allocated here in
     each cache's dtype) and the ORT plugin's callback (``allocate(plan)`` takes its outputs from
-    ORT once the plan knows their shapes).
+    ORT once the plan knows their shapes; they are validated like caller outputs, since a host
+    may have bound them to any buffer).
     """
     key_cache, value_cache = inputs[0], inputs[1]
     plan = plan_gather(
@@ -115,6 +96,7 @@ def gather_with(
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
     if allocate is not None:
         key_out, value_out = allocate(plan)
+        check_outputs(plan, key_out, value_out)
     if key_out is None:
         key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
     if value_out is None:

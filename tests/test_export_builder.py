@@ -112,9 +112,9 @@ def _model(**options):
 @pytest.mark.parametrize(
     ("call", "error", "pattern"),
     [
-        (lambda: pe.make_gather_model(torch.float64), ValueError, r"key_cache: cache dtype torch.float64 is not"),
-        (_model(value_dtype=torch.bool), ValueError, r"value_cache: cache dtype torch.bool is not"),
-        (_model(index_dtypes=(torch.int16,) * 3), ValueError, r"block_tables: index dtype torch.int16 is not"),
+        (lambda: pe.make_gather_model(torch.float64), ValueError, r"key_cache: no cache dtype of the contract is called torch.float64"),
+        (_model(value_dtype=torch.bool), ValueError, r"value_cache: no cache dtype of the contract is called torch.bool"),
+        (_model(index_dtypes=(torch.int16,) * 3), ValueError, r"block_tables: torch.int16 is no index dtype of the contract"),
         (_model(index_dtypes=(torch.int32,) * 2), ValueError, r"gives no dtype for \['seq_offset'\]"),
         (_model(cache_mode="NZ"), ValueError, r"cache_mode must be 'Norm' or 'PA_NZ', got 'NZ'"),
         (_model(cache_mode=3), TypeError, r"cache_mode must be a string, got int"),  # as the op says it

@@ -2,7 +2,7 @@
 
 Valid input: bit-exact against the per-token reference over random non-aligned offsets, both
 layouts, both seq_lens forms, mixed key/value dtypes. Invalid input: one test per rule of
-spec.plan_gather that standard ops can express; stock ORT must raise (never return rows), and
+the validator that standard ops can express; stock ORT must raise (never return rows), and
 spec (so the plugin) rejects the same input.
 """
 
@@ -21,7 +21,8 @@ import pakv_onnx.export as pe
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase, random_case
 from pakv_onnx.export import fallback
-from pakv_onnx.spec import INPUT_NAMES, INT64_MAX, CacheMode, plan_gather
+from pakv_onnx.spec import INPUT_NAMES, INT64_MAX, CacheMode
+from pakv_onnx.validator import plan_gather
 
 FORMS = list(itertools.product(list(CacheMode), (True, False)))
 FORM_IDS = [f"{m.value}-{'cumsum' if c else 'lengths'}" for m, c in FORMS]

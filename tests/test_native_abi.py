@@ -1,7 +1,7 @@
 """Facts the C library and Python share are written once or checked here (issue 9.2-9.3):
 
 * the C cache dtype table (pakv_dtypes.h) equals spec.CACHE_DTYPES, in order;
-* the ctypes mirrors (Plan, Request) match the C structs: the library reports its ABI version and
+* the ctypes mirrors (Plan, Tensor, Request) match the C structs: the library reports its ABI version and
   struct sizes and the loader refuses a mismatch;
 * the library exports exactly the functions the loader declares (no dead exports);
 * ORT slot numbers live only in ort_abi.h (the fake-ORT driver includes it, keeps no table).
@@ -26,7 +26,8 @@ DRIVER = Path(__file__).parent / "native" / "fake_ort_driver.c"
 
 def test_c_dtype_table_matches_spec() -> None:
     text = (SOURCES / "pakv_dtypes.h").read_text()
-    body = text[text.index("PAKV_CACHE_DTYPES[] = {") : text.index("};")]
+    start = text.index("PAKV_CACHE_DTYPES[] = {")
+    body = text[start : text.index("};", start)]
     rows = [(int(t), int(s), n) for t, s, n in re.findall(r'\{(\d+), (\d+), "([a-z0-9_]+)"\}', body)]
     assert rows == [(d.onnx_type, d.itemsize, d.name) for d in CACHE_DTYPES]
 
@@ -39,8 +40,13 @@ def test_struct_sizes_and_abi_version_match_the_library() -> None:
     header = (SOURCES / "pakv_core.h").read_text()
     assert f"#define PAKV_ABI_VERSION {native_lib.ABI_VERSION}\n" in header
     # Field order: the ctypes mirror names the C fields in the same order.
-    c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+);", header[header.index("typedef struct pakv_plan") :], re.M)
+    c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+)(?:\[\w+\])?;", header[header.index("typedef struct pakv_plan") :], re.M)
     assert [name for name, _ in native_lib.Plan._fields_] == c_fields[: len(native_lib.Plan._fields_)]
+    assert lib.pakv_tensor_size() == ctypes.sizeof(native_lib.Tensor)
+    contract = (SOURCES / "pakv_contract.h").read_text()
+    record = contract[contract.index("typedef struct {") : contract.index("} pakv_tensor;")]
+    c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+)(?:\[\w+\])?;", record, re.M)
+    assert [name for name, _ in native_lib.Tensor._fields_] == c_fields
 
 
 def test_loader_refuses_a_library_with_another_abi() -> None:
@@ -56,7 +62,11 @@ def test_loader_refuses_a_library_with_another_abi() -> None:
         def pakv_request_size(self):
             return ctypes.sizeof(native_lib.Request)
 
-    with pytest.raises(native_lib.LibraryABIError, match=r"ABI version is 1 in the library, 2 here.*rebuild"):
+        def pakv_tensor_size(self):
+            return ctypes.sizeof(native_lib.Tensor)
+
+    stale = rf"ABI version is {native_lib.ABI_VERSION - 1} in the library, {native_lib.ABI_VERSION} here.*rebuild"
+    with pytest.raises(native_lib.LibraryABIError, match=stale):
         native_lib.check_abi(Stale(), "/stale/libpakv_ort.so")
 
 

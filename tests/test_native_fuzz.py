@@ -1,6 +1,6 @@
 """Property test (hypothesis): malformed inputs to the native kernel through ORT only ever give
 errors, never crashes or out-of-bounds reads, and the kernel accepts exactly what the contract
-(spec.plan_gather) accepts, bit-exact when it does. Runs in a subprocess so a crash fails the
+(validator.plan_gather) accepts, bit-exact when it does. Runs in a subprocess so a crash fails the
 test instead of killing pytest."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ SCRIPT = (
     from hypothesis import HealthCheck, given, settings, strategies as st
     from pakv_onnx import gather_pa_kv_cache, runtime_plugin
     from onnx_graphs import plugin_model_for
-    from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, bitwise_equal, nz_last_dim, plan_gather
+    from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, bitwise_equal, nz_last_dim
+    from pakv_onnx.validator import plan_gather
 
     sessions = {}
     stats = {"accepted": 0, "refused": 0}

@@ -61,7 +61,7 @@ if mode == "ort":
 else:
     def call():
         return gather_pa_kv_cache(*inputs, backend="native")
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.validator import plan_gather
     # The C core races the writer only if the plan hands it the caller's table (not a copy).
     shared = plan_gather(*inputs).block_tables.data_ptr() == tables.data_ptr()
 

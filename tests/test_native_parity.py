@@ -1,4 +1,4 @@
-"""Parity through the Python API (issue 13, the parts that pass through spec.plan_gather).
+"""Parity through the Python API (issue 13, the parts that pass through validator.plan_gather).
 
 Every backend that reads caches through spec: pool views read in place, every dtype pair, any
 non-negative offset (floor rule), through the front and the plugin's Python callback. The C-side
@@ -14,7 +14,8 @@ from onnx_graphs import plugin_model_for
 from test_runtime_plugin_parity import _pool_views, floor_case
 
 from pakv_onnx import gather_pa_kv_cache, kernels, native_lib, runtime_plugin
-from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal, plan_gather
+from pakv_onnx.spec import CACHE_DTYPES, INPUT_NAMES, OUTPUT_NAMES, CacheMode, bitwise_equal
+from pakv_onnx.validator import plan_gather
 
 
 def assert_reference(key, value, inputs, attributes, label):
@@ -34,13 +35,14 @@ def test_pool_views_are_gathered_in_place_by_the_native_backend(monkeypatch, mod
     seq_lens = torch.tensor([0, 7, 7, 16], dtype=torch.int32)
     args = (key_view, value_view, tables, seq_lens)
     seen = []
-    real_gather = native_lib.gather
+    real_gather = native_lib.run_gather
 
-    def spy(c_plan):
+    def spy(plan_address, key_out, value_out):
+        c_plan = native_lib.Plan.from_address(plan_address)
         seen.append((c_plan.key_cache, c_plan.value_cache))
-        real_gather(c_plan)
+        real_gather(plan_address, key_out, value_out)
 
-    monkeypatch.setattr(native_lib, "gather", spy)
+    monkeypatch.setattr(native_lib, "run_gather", spy)
     key, value = gather_pa_kv_cache(*args, cache_mode=mode, backend=backend)
     assert seen == [(key_view.data_ptr(), value_view.data_ptr())]
     assert key_view.data_ptr() == pool.data_ptr()  # the pool's storage, not a copy

@@ -7,6 +7,7 @@ split is checked too. CI runs this file as its own step (.ci/run)."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -19,7 +20,18 @@ from pakv_onnx import native_lib
 
 SOURCES = Path(native_lib.__file__).parent
 SESSION = Path(__file__).parent / "native" / "sanitizer_session.py"
-C_FILES = ["pakv_core.c", "pakv_ort.c", "pakv_bridge.c"]  # the sources setup.py builds
+
+
+def _setup_sources() -> list[str]:
+    """setup.py's SOURCES (the one list of the library's C files), read without running setup.py."""
+    tree = ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["SOURCES"]:
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no SOURCES list")
+
+
+C_FILES = _setup_sources()
 
 
 def _runtime(name: str) -> str:

@@ -14,7 +14,8 @@ from pakv_onnx import cli
 from pakv_onnx.cases import random_case
 from pakv_onnx.pypto import cases, host, runs
 from pakv_onnx.pypto import tiles as tiles_mod
-from pakv_onnx.spec import CacheMode, bitwise_equal, nz_last_dim, plan_gather
+from pakv_onnx.spec import CacheMode, bitwise_equal, nz_last_dim
+from pakv_onnx.validator import plan_gather
 
 
 def _plan(case):

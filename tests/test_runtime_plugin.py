@@ -135,7 +135,7 @@ def test_native_backend_writes_into_caller_outputs_without_copies() -> None:
 
 
 def _plan(case):
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.validator import plan_gather
 
     return plan_gather(*case.inputs(), **case.attributes())
 

@@ -24,8 +24,8 @@ from pakv_onnx.spec import (
     INT64_MAX,
     CacheMode,
     bitwise_equal,
-    plan_gather,
 )
+from pakv_onnx.validator import plan_gather
 
 
 def base_case(mode=CacheMode.NORM, cumsum=True):

@@ -13,6 +13,7 @@ from the golden on dense copies, always compared bit-exact.
 
 from __future__ import annotations
 
+import ctypes
 import random
 
 import pytest
@@ -32,8 +33,8 @@ from pakv_onnx.spec import (
     bitwise_equal,
     block_size_axis,
     nz_last_dim,
-    plan_gather,
 )
+from pakv_onnx.validator import plan_gather
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
@@ -154,33 +155,45 @@ def test_native_backend_gathers_pool_views_in_place(monkeypatch, mode: CacheMode
     key_dense, value_dense = key_view.contiguous(), value_view.contiguous()
     tables = torch.randint(0, pool.shape[0], (3, 5), generator=gen, dtype=torch.int64)
     seq_lens = torch.tensor([0, 7, 7, 15], dtype=torch.int64)
-    plan = plan_gather(key_dense, value_dense, tables, seq_lens, None, cache_mode=mode)  # spec: dense only here
-    expected = [torch.empty(plan.key_out_shape, dtype=dtype), torch.empty(plan.value_out_shape, dtype=dtype)]
-    golden.gather_golden(plan, GatherTensors(key_dense, value_dense, *expected))
+    dense_plan = plan_gather(key_dense, value_dense, tables, seq_lens, None, cache_mode=mode)
+    expected = [torch.empty(dense_plan.key_out_shape, dtype=dtype), torch.empty(dense_plan.value_out_shape, dtype=dtype)]
+    golden.gather_golden(dense_plan, GatherTensors(key_dense, value_dense, *expected))
     seen = []
-    real_gather = native_lib.gather
+    real_gather = native_lib.run_gather
 
-    def spy(c_plan):
+    def spy(plan_address, key_out, value_out):
+        c_plan = native_lib.Plan.from_address(plan_address)
         seen.append((c_plan.key_cache, c_plan.value_cache, c_plan.key_block_stride, c_plan.value_block_stride))
-        real_gather(c_plan)
+        real_gather(plan_address, key_out, value_out)
 
-    monkeypatch.setattr(native_lib, "gather", spy)
+    monkeypatch.setattr(native_lib, "run_gather", spy)
     out = [torch.empty_like(expected[0]), torch.empty_like(expected[1])]
+    plan = plan_gather(key_view, value_view, tables, seq_lens, None, cache_mode=mode)
     native.gather_native(plan, GatherTensors(key_view, value_view, *out))
     block_bytes = key_view[0].numel() * dtype.itemsize
     assert seen == [(pool.data_ptr(), pool.data_ptr() + block_bytes, 2 * block_bytes, 2 * block_bytes)]
     assert bitwise_equal(out[0], expected[0]) and bitwise_equal(out[1], expected[1])
 
 
-def test_native_backend_refuses_a_cache_whose_blocks_are_not_dense_by_name() -> None:
+def test_native_backend_runs_only_the_plan_of_its_tensors() -> None:
+    """A cache whose blocks are not row-major is the validator's refusal (for every backend); the
+    native backend refuses to run a plan on caches other than the ones it was made for."""
     gen = torch.Generator().manual_seed(1)
     cache = random_cache((4, 4, 2, 8), torch.float16, gen)
     transposed = cache.transpose(2, 3)  # blocks not row-major
+    with pytest.raises(ValueError, match="key_cache must be row-major contiguous within each block"):
+        plan_gather(transposed, cache, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 3]))
     plan = plan_gather(cache, cache, torch.zeros(1, 1, dtype=torch.int64), torch.tensor([0, 3]))
-    assert "row-major contiguous" in native.BACKEND.unsupported_reason(plan, transposed)
-    outputs = [torch.empty(3, 2, 8, dtype=torch.float16)] * 2
-    with pytest.raises(ValueError, match="key_cache must be a CPU tensor whose blocks are row-major contiguous"):
-        native.gather_native(plan, GatherTensors(transposed, cache, *outputs))
+    outputs = [torch.empty(3, 2, 8, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(ValueError, match="not the tensors this plan was made for"):
+        native.gather_native(plan, GatherTensors(cache.clone(), cache, *outputs))
+    with pytest.raises(ValueError, match=r"key_out must be a contiguous CPU tensor of shape \[3, 2, 8\]"):
+        native.gather_native(plan, GatherTensors(cache, cache, torch.empty(3, 8, 2, dtype=torch.float16), outputs[1]))
+
+
+def run_plan(plan: native_lib.Plan) -> None:
+    """The copy core on a hand-made plan (its memory-safety checks, then the copy)."""
+    native_lib.run_gather(ctypes.addressof(plan), plan.key_out or 0, plan.value_out or 0)
 
 
 def test_core_reads_pool_views_with_any_offset_floor_rule() -> None:
@@ -203,10 +216,10 @@ def test_core_reads_pool_views_with_any_offset_floor_rule() -> None:
             key_cache=key_view.data_ptr(), value_cache=value_view.data_ptr(),
             key_block_stride=key_view.stride(0) * 2, value_block_stride=value_view.stride(0) * 2,
             key_row_bytes=row_k, value_row_bytes=row_k, key_out=out_k.data_ptr(), value_out=out_v.data_ptr(),
-            num_seqs=3, table_cols=6, block_tables=tables.data_ptr(), seq_lengths=lengths.data_ptr(),
-            out_starts=starts.data_ptr(), col_starts=cols.data_ptr(), num_tokens=14,
+            num_seqs=3, table_cols=6, block_tables=tables.data_ptr(), table_row_stride=48, table_col_stride=8,
+            seq_lengths=lengths.data_ptr(), out_starts=starts.data_ptr(), col_starts=cols.data_ptr(), num_tokens=14,
         )  # fmt: skip
-        native_lib.gather(plan)
+        run_plan(plan)
         expected = gather_per_token(
             key_view.contiguous(), value_view.contiguous(), tables, lengths, offsets,
             cache_mode=mode.value, is_seq_lens_cumsum=False,
@@ -216,8 +229,9 @@ def test_core_reads_pool_views_with_any_offset_floor_rule() -> None:
 
 
 def test_core_refuses_bad_plans_by_name() -> None:
-    """Plans the core must never run: wrong struct size, a block stride smaller than a block,
-    a block id out of range, sizes whose byte products overflow."""
+    """Plans the core must never run: wrong struct size, a negative block stride, a block id out of
+    range, sizes whose byte products overflow. (A stride below one block is a pool whose blocks
+    overlap: read, not refused.)"""
     cache = torch.zeros(2, 2, 1, 4, dtype=torch.int16)
     out = torch.empty(4, 1, 4, dtype=torch.int16)
     table = torch.tensor([[0, 5]], dtype=torch.int64)
@@ -228,23 +242,24 @@ def test_core_refuses_bad_plans_by_name() -> None:
             layout=0, tables64=1, num_blocks=2, block_size=2, key_cache=cache.data_ptr(),
             value_cache=cache.data_ptr(), key_block_stride=16, value_block_stride=16, key_row_bytes=8,
             value_row_bytes=8, key_out=out.data_ptr(), value_out=out.data_ptr(), num_seqs=1, table_cols=2,
-            block_tables=table.data_ptr(), seq_lengths=index[0].data_ptr(), out_starts=index[1].data_ptr(),
-            col_starts=index[2].data_ptr(), num_tokens=4,
+            block_tables=table.data_ptr(), table_row_stride=16, table_col_stride=8, seq_lengths=index[0].data_ptr(),
+            out_starts=index[1].data_ptr(), col_starts=index[2].data_ptr(), num_tokens=4,
         )  # fmt: skip
         fields.update(changes)
         return native_lib.Plan(**fields)
 
-    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is outside \[0, 2\)"):
-        native_lib.gather(plan())
+    with pytest.raises(ValueError, match=r"block_tables changed after validation .*entry \(0, 1\) = 5 is outside \[0, 2\)"):
+        run_plan(plan())
     table[0, 1] = 1
-    native_lib.gather(plan())  # now valid
+    run_plan(plan())  # now valid
+    run_plan(plan(key_block_stride=8))  # blocks overlapping by half: read
     short = plan()
     short.struct_size -= 8
     with pytest.raises(ValueError, match="plan ABI mismatch"):
-        native_lib.gather(short)
-    with pytest.raises(ValueError, match="block stride 8 bytes is smaller than one block"):
-        native_lib.gather(plan(key_block_stride=8))
+        run_plan(short)
+    with pytest.raises(ValueError, match="block stride -8 bytes is negative"):
+        run_plan(plan(key_block_stride=-8))
     with pytest.raises(ValueError, match="overflow"):
-        native_lib.gather(plan(num_blocks=2**62))
-    with pytest.raises(ValueError, match="overflows int64"):
-        native_lib.gather(plan(key_row_bytes=2**62, value_row_bytes=2**62, key_block_stride=2**63 - 1))
+        run_plan(plan(num_blocks=2**62))
+    with pytest.raises(ValueError, match="overflow"):
+        run_plan(plan(key_row_bytes=2**62, value_row_bytes=2**62, key_block_stride=2**63 - 1))

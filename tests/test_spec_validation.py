@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 import pakv_onnx
 from pakv_onnx.cases import random_case
 from test_front_paths import assert_same_rejection_everywhere
-from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal, plan_gather
+from validator_records import index_record, record, validate
+from pakv_onnx.spec import INT64_MAX, CacheMode, bitwise_equal
+from pakv_onnx.validator import plan_gather
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the validator names a dtype: its torch name without the module (ONNX's type, torch's spelling)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def norm_inputs(**overrides):
@@ -73,12 +80,12 @@ def test_wrong_rank(name: str, value: torch.Tensor) -> None:
 
 # --- dtype ----------------------------------------------------------------- #
 def test_cache_dtype_outside_contract() -> None:
-    pattern = r"key_cache dtype torch.float64 is not in the contract"
+    pattern = r"key_cache dtype float64 is not in the contract"
     expect(TypeError, pattern, **caches((6, 4, 2, 8), (6, 4, 1, 4), torch.float64))
 
 
 def test_value_cache_dtype_outside_contract() -> None:
-    expect(TypeError, r"value_cache dtype torch.float64 is not in the contract", value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float64))
+    expect(TypeError, r"value_cache dtype float64 is not in the contract", value_cache=torch.zeros(6, 4, 1, 4, dtype=torch.float64))
 
 
 @pytest.mark.parametrize(
@@ -91,7 +98,7 @@ def test_key_and_value_dtypes_may_differ(key_dtype: torch.dtype, value_dtype: to
     assert (plan.key_dtype, plan.value_dtype) == (key_dtype, value_dtype)
     assert not hasattr(plan, "dtype")  # one dtype for both is gone for good
     # Each caller output must match its own cache.
-    with pytest.raises(TypeError, match=rf"value_out must have value_cache's dtype {value_dtype}"):
+    with pytest.raises(TypeError, match=rf"value_out must have value_cache's dtype {dtype_name(value_dtype)}, got {dtype_name(key_dtype)}$"):
         plan_gather(**inputs, **attrs, value_out=torch.zeros(8, 1, 4, dtype=key_dtype))
 
 
@@ -106,7 +113,7 @@ def test_pa_nz_e_is_per_cache() -> None:
 @pytest.mark.parametrize("dtype", [torch.int16, torch.float32, torch.uint32])
 def test_index_dtype(name: str, dtype: torch.dtype) -> None:
     valid = {"block_tables": [[0, 5, 9], [3, -1, -1]], "seq_lens": [0, 5, 8], "seq_offset": [0, 0]}[name]
-    expect(TypeError, rf"{name} must be int32 or int64, got {dtype}", **{name: torch.tensor(valid).to(dtype)})
+    expect(TypeError, rf"{name} must be int32 or int64, got {dtype_name(dtype)}$", **{name: torch.tensor(valid).to(dtype)})
 
 
 def test_non_tensor_input() -> None:
@@ -201,21 +208,22 @@ def test_total_tokens_overflow_int64() -> None:
 
 
 def test_output_bytes_overflow_with_wide_blocks() -> None:
-    from unittest import mock
-
-    # A real tensor with block_size 2**62 cannot exist, so fake only the shape the spec reads.
-    inputs, attrs = norm_inputs(seq_lens=torch.tensor([0, 2**61, 2**61]))
-    key = mock.MagicMock(spec=torch.Tensor)
-    key.dtype, key.device, key.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 2, 8])
-    key.dim.return_value, key.element_size.return_value, key.is_contiguous.return_value = 4, 2, True
-    key.numel.return_value, key.stride.return_value = 6 * 2**62 * 16, (2**62 * 16, 16, 8, 1)
-    value = mock.MagicMock(spec=torch.Tensor)
-    value.dtype, value.device, value.shape = torch.bfloat16, torch.device("cpu"), torch.Size([6, 2**62, 1, 4])
-    value.dim.return_value, value.element_size.return_value, value.is_contiguous.return_value = 4, 2, True
-    value.numel.return_value, value.stride.return_value = 6 * 2**62 * 4, (2**62 * 4, 4, 4, 1)
-    inputs.update(key_cache=key, value_cache=value)
-    with pytest.raises(ValueError, match=r"key output of 2305843009213693952 tokens x 32 bytes overflows int64"):
-        plan_gather(**inputs, **attrs)
+    """T x bytes per token past int64: a cache no torch tensor can hold (2**40-token blocks), so its
+    record is made by hand; the validator never reads a cache, only the real index tensors."""
+    tables = torch.zeros(1, 2**19, dtype=torch.int64)
+    seq_lens = torch.tensor([0, 2**59])
+    calls = {
+        "key_cache": record((1, 2**40, 2, 8), strides=(0, 16, 8, 1)),
+        "value_cache": record((1, 2**40, 1, 4), strides=(0, 4, 4, 1)),
+        "block_tables": index_record(tables),
+        "seq_lens": index_record(seq_lens),
+    }
+    assert validate(calls) == (ValueError, "key output of 576460752303423488 tokens x 32 bytes overflows int64 byte offsets")
+    calls["key_cache"] = record((1, 2**40, 1, 1), strides=(0, 1, 1, 1))  # 2 bytes per token: the value side overflows
+    calls["value_cache"] = record((1, 2**40, 1, 16), strides=(0, 16, 16, 1))
+    assert validate(calls) == (
+        ValueError, "value output of 576460752303423488 tokens x 32 bytes overflows int64 byte offsets"
+    )
 
 
 # --- seq_offset ------------------------------------------------------------ #
@@ -372,9 +380,10 @@ def test_runs_and_token_slots_never_overflow_near_int64_max() -> None:
     with pytest.raises(ValueError, match=r"token_slots\(\): 9223372036854775807 tokens is more than"):
         plan.token_slots()
     # A plan with more runs than any index could hold is refused by runs() itself.
+    import array
     import dataclasses
 
-    many = dataclasses.replace(plan, block_size=1, seq_lengths=torch.tensor([2**40]))
+    many = dataclasses.replace(plan, block_size=1, num_seqs=1, index=array.array("q", [2**40, 0, 0]))
     with pytest.raises(ValueError, match=r"runs\(\): 1099511627776 copy runs is more than"):
         many.runs()
 

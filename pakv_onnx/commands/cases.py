@@ -10,7 +10,8 @@ from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
 from pakv_onnx.commands import _args
 from pakv_onnx.commands._report import case_line, totals_line
 from pakv_onnx.ops import gather_pa_kv_cache
-from pakv_onnx.spec import bitwise_equal, plan_gather
+from pakv_onnx.spec import bitwise_equal
+from pakv_onnx.validator import plan_gather
 
 PRECISION_PASS = "[PRECISION_PASS]"
 PRECISION_FAIL = "[PRECISION_FAIL]"

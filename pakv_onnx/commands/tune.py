@@ -59,7 +59,7 @@ def _prepare(case_id: str):
     """(case, plan, kernel shape) or ``ValueError`` naming why the case cannot be tuned here."""
     from pakv_onnx.pypto import cases, host, runs
     from pakv_onnx.pypto import tiles as tiles_mod
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.validator import plan_gather
 
     case = cases.build_case(case_id)
     plan = plan_gather(*case.inputs(), **case.attributes())

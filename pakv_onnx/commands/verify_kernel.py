@@ -16,7 +16,7 @@ BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it;
 def _build_all(case_ids: list[str]):
     """{id: (case, plan)}; ``ValueError`` on the first unknown or invalid id."""
     from pakv_onnx.pypto import cases
-    from pakv_onnx.spec import plan_gather
+    from pakv_onnx.validator import plan_gather
 
     built = {}
     for case_id in case_ids:

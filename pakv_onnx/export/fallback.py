@@ -24,7 +24,7 @@ function and folds the attribute branches, 39 nodes remain for Norm with cumsum 
 ``benchmarks/bench_fallback.py`` times the body against the plugin and against a floor
 that only runs the final gathers.
 
-Never silently wrong: every rule of :func:`pakv_onnx.spec.plan_gather` that standard ops can
+Never silently wrong: every rule of :func:`pakv_onnx.validator.plan_gather` that standard ops can
 express has a check node, named after the rule (ORT's error names the node, e.g.
 ``Name:'_inlfunc_GatherPaKvCache_pakv check: seq_offset ...'``), so the run fails with an ORT
 error instead of returning rows; see :data:`CHECKS`. Rules it cannot express are listed in
@@ -83,7 +83,7 @@ CHECKS: dict[str, str] = {
     "offsets": "seq_offset must have Q entries",
     "low": "seq_lens and seq_offset must have rank 1",  # (the Concat fails on mixed ranks)
     "check_inputs": (
-        "the inputs break the contract (pakv_onnx.spec.plan_gather says which): value_cache's num_blocks "
+        "the inputs break the contract (pakv_onnx.validator.plan_gather says which): value_cache's num_blocks "
         "and block_size must be key_cache's, block_size >= 1; seq_lens must start at 0 and not decrease "
         "(cumsum) or be non-negative and sum within int64 (lengths); seq_offset must be non-negative; "
         "each block_tables row must hold its sequence's blocks from column seq_offset // block_size"
@@ -93,7 +93,7 @@ CHECKS: dict[str, str] = {
 }
 CHECK_PREFIX = "pakv check: "
 
-# Rules of spec.plan_gather that the function does not check, and why.
+# Rules of the validator that the function does not check, and why.
 UNCHECKED_RULES: dict[str, str] = {
     "cache and index dtypes in the contract": (
         "a function body cannot branch on an input's element type; the graph's declared input "

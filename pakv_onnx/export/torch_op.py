@@ -70,8 +70,8 @@ def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tenso
     mode = CacheMode(bound[ATTR_CACHE_MODE])  # ValueError for an unknown mode, at trace time
     is_seq_lens_cumsum = bool(bound[ATTR_IS_SEQ_LENS_CUMSUM])
     for name, cache in zip(INPUT_NAMES[:2], (key_cache, value_cache)):
-        if cache.dim() != 4:
-            raise ValueError(f"{name} must have rank 4 ({mode.value}), got shape {tuple(cache.shape)}")
+        if cache.dim() != 4:  # the output shapes below read dims 1-3; the validator words the rule at run time
+            raise ValueError(f"cannot trace {QUALIFIED_NAME}: its output shapes need a 4-D {name}, got {cache.dim()}-D")
     # Shape relations of the contract, so torch.export ties the symbols together.
     num_seqs = block_tables.shape[0]
     torch._check(value_cache.shape[0] == key_cache.shape[0])

@@ -49,15 +49,6 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
-        gather_raw: optional fast path for a call with caller outputs, before any plan:
-            ``gather_raw(key_cache, value_cache, block_tables, seq_lens, seq_offset, mode,
-            is_cumsum, key_out, value_out) -> bool``. It must run every check of the contract
-            (or decline) before writing; ``False`` means declined, nothing written, and the caller
-            takes the full path (spec's checks, which word any error).
-        support_by_layout: for contiguous caches, its ``unsupported_reason`` depends only on the
-            caches' device, dtypes and the cache mode (never on sizes or index values), so ``auto``
-            may cache its verdict per such key (a backend with the default ``unsupported_reason`` is
-            treated so too).
     """
 
     name: str
@@ -67,17 +58,17 @@ class Backend:
     unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = _handles_every_call
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
-    support_by_layout: bool = False
-    gather_raw: Callable[..., bool] | None = None
 
-    @property
-    def verdict_is_cacheable(self) -> bool:
-        """Whether :meth:`refusal` depends only on the key of :func:`resolve_backend`'s cache."""
-        return self.support_by_layout or self.unsupported_reason is _handles_every_call
+    def unavailable(self) -> str | None:
+        """:attr:`unavailable_reason`, asked once per process (packages and devices don't come and go)."""
+        known = _availability.get(id(self))
+        if known is None:
+            known = _availability[id(self)] = (self, self.unavailable_reason())
+        return known[1]
 
     def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
-        reason = self.unavailable_reason() or self.unsupported_reason(plan, caches[0])
+        reason = self.unavailable() or self.unsupported_reason(plan, caches[0])
         if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
             return (
                 f"it takes one element type for both caches, and key_cache is {plan.key_dtype} "
@@ -144,81 +135,34 @@ def resolve_backend(
             the message says why and which backends can.
     """
     caches = (cache, cache if value_cache is None else value_cache)
-    # Pool views are resolved every time (whether a backend can read one depends on its strides).
-    dense = caches[0].is_contiguous() and caches[1].is_contiguous()
-    key = _cache_key(name, caches[0].device, plan.key_dtype, plan.value_dtype, plan.cache_mode) if dense else None
-    hit = _cached(key)
-    if hit is not None:
-        return hit
     if name == AUTO:
-        backend, cacheable = _resolve_auto(plan, caches)
-    else:
-        backend = get_backend(name)
-        reason = backend.refusal(plan, caches)
-        if reason is not None:  # a refusal is worked out (and worded) each time, never cached
-            able = [
-                other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None
-            ]
-            hint = f"; backends that can: {', '.join(able)}" if able else ""
-            raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
-        cacheable = backend.verdict_is_cacheable and backend.unavailable_reason() is None
-    if cacheable and key is not None:
-        _auto_cache[key] = (AUTO_PREFERENCE, dict(BACKEND_MODULES), backend)
+        return _resolve_auto(plan, caches)
+    backend = get_backend(name)
+    reason = backend.refusal(plan, caches)
+    if reason is not None:
+        able = [other for other in BACKEND_MODULES if other != name and get_backend(other).refusal(plan, caches) is None]
+        hint = f"; backends that can: {', '.join(able)}" if able else ""
+        raise BackendUnavailableError(f"backend {name!r} cannot run this call: {reason}{hint}")
     return backend
 
 
-# "auto"'s pick per (device, key dtype, value dtype, cache mode) for contiguous caches, kept with
-# the AUTO_PREFERENCE and BACKEND_MODULES it was made under (a change to either is a miss). Only
-# picks that depend on nothing else are kept: every backend tried before the winner was refused
-# for being unavailable in this process or by a layout-only verdict, and the winner's own
-# verdict is layout-only (see Backend.verdict_is_cacheable).
-_auto_cache: dict[tuple, tuple[tuple[str, ...], dict[str, str], Backend]] = {}
+# id(backend) -> (backend, its unavailable_reason()): see Backend.unavailable.
+_availability: dict[int, tuple[Backend, str | None]] = {}
 
 
-def cached_backend(
-    name: str, device: torch.device, key_dtype: torch.dtype, value_dtype: torch.dtype, mode: object
-) -> Backend | None:
-    """The backend :func:`resolve_backend` picked before for ``name`` and contiguous caches of this
-    device, dtypes and cache mode, or ``None`` (not resolved yet, or not cacheable)."""
-    return _cached(_cache_key(name, device, key_dtype, value_dtype, mode))
+def clear_availability_cache() -> None:
+    """Ask every backend again whether it can run in this process (after installing a package, say)."""
+    _availability.clear()
 
 
-def _cache_key(
-    name: object, device: torch.device, key_dtype: torch.dtype, value_dtype: torch.dtype, mode: object
-) -> tuple | None:
-    """The resolution cache's key for this call (``auto`` and each backend name apart); ``None`` for
-    a name that is not a string (never cached: :func:`get_backend` words its error)."""
-    if type(name) is not str:
-        return None
-    return (device, key_dtype, value_dtype, mode) if name == AUTO else (name, device, key_dtype, value_dtype, mode)
-
-
-def _cached(key: tuple | None) -> Backend | None:
-    """The cached pick for ``key`` if it was made under today's AUTO_PREFERENCE and BACKEND_MODULES."""
-    hit = _auto_cache.get(key) if key is not None else None
-    if hit is not None and hit[0] == AUTO_PREFERENCE and hit[1] == BACKEND_MODULES:
-        return hit[2]
-    return None
-
-
-def clear_resolution_cache() -> None:
-    """Forget every cached ``auto`` pick (after a backend's availability changed in this process)."""
-    _auto_cache.clear()
-
-
-def _resolve_auto(plan: GatherPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[Backend, bool]:
-    """The first backend of AUTO_PREFERENCE that can run the call, and whether the pick may be cached."""
-    cacheable = True
+def _resolve_auto(plan: GatherPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
+    """The first backend of AUTO_PREFERENCE that can run the call."""
     reasons = []
     for candidate in AUTO_PREFERENCE:
         if candidate not in BACKEND_MODULES:
             continue
-        backend = get_backend(candidate)
-        unavailable = backend.unavailable_reason()
-        reason = unavailable or backend.refusal(plan, caches)
-        if unavailable is None and not backend.verdict_is_cacheable:
-            cacheable = False  # refused or picked for this plan's sizes/values: decide again next call
+        reason = get_backend(candidate).refusal(plan, caches)
         if reason is None:
-            return backend, cacheable
+            return get_backend(candidate)
         reasons.append(f"{candidate}: {reason}")
     raise BackendUnavailableError("no backend can run this call: " + "; ".join(reasons))

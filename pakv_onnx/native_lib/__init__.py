@@ -10,10 +10,11 @@ ORT dlopen's the same real path, so it gets the same loaded library (and the sam
 When the library loads, its ABI version and struct sizes are checked against the ctypes mirrors
 below; a stale build is refused with a message saying how to rebuild.
 
-Layout of the C sources (this directory): ``pakv_core.[ch]`` the copy core (no ORT, no Python),
-``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge, ``pakv_dtypes.h`` the cache
-dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a test), ``ort_abi.h`` the
-ORT ABI subset.
+Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's validator (every
+rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
+core (no ORT, no Python), ``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge,
+``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
+test), ``ort_abi.h`` the ORT ABI subset.
 """
 
 from __future__ import annotations
@@ -27,9 +28,11 @@ import threading
 from pathlib import Path
 
 LIBRARY_NAME = "libpakv_ort.dylib" if sys.platform == "darwin" else "libpakv_ort.so"
-ABI_VERSION = 2  # PAKV_ABI_VERSION in pakv_core.h
-MAX_RANK = 16  # PAKV_MAX_RANK in pakv_bridge.h
+ABI_VERSION = 3  # PAKV_ABI_VERSION in pakv_core.h
+MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
+DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
+ERR_VALUE, ERR_TYPE = 1, 2  # PAKV_ERR_* in pakv_core.h: what the validator's answer raises
 NUM_INPUTS = 5  # PAKV_NUM_INPUTS
 LAYOUT_NORM, LAYOUT_NZ = 0, 1  # PAKV_LAYOUT_*
 # Session config entry the library writes on the SessionOptions it is registered on (pakv_ort.c).
@@ -60,7 +63,7 @@ def library_path() -> str:
 
 
 class Plan(ctypes.Structure):
-    """``pakv_plan`` (pakv_core.h): one gather in bytes, handed to ``pakv_gather``."""
+    """``pakv_plan`` (pakv_core.h): one gather in bytes, made by the validator, run by ``pakv_gather``."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
@@ -80,26 +83,50 @@ class Plan(ctypes.Structure):
         ("num_seqs", ctypes.c_int64),
         ("table_cols", ctypes.c_int64),
         ("block_tables", ctypes.c_void_p),
+        ("table_row_stride", ctypes.c_int64),
+        ("table_col_stride", ctypes.c_int64),
         ("seq_lengths", ctypes.c_void_p),
         ("out_starts", ctypes.c_void_p),
         ("col_starts", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int64),
+        ("out_rank", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("key_out_dims", ctypes.c_int64 * 3),
+        ("value_out_dims", ctypes.c_int64 * 3),
     ]
 
     def __init__(self, **fields):
         super().__init__(abi_version=ABI_VERSION, struct_size=ctypes.sizeof(Plan), **fields)
 
 
+# pakv_plan as one struct format (native byte order and alignment; the library checks sizeof at load).
+PLAN_FORMAT = "@IIiiqqPPqqqqPPqqPqqPPPqii3q3q"
+# Position of each Plan field in PLAN_FORMAT's unpacked tuple (an array field: its first element).
+PLAN_FIELD_AT: dict[str, int] = {}
+for _name, _ctype in Plan._fields_:
+    PLAN_FIELD_AT[_name] = sum(getattr(t, "_length_", 1) for n, t in Plan._fields_[: len(PLAN_FIELD_AT)])
+del _name, _ctype
+
+
+def plan_dims(fields: tuple[int, ...], name: str, rank: int) -> tuple[int, ...]:
+    """``key_out_dims`` / ``value_out_dims`` of an unpacked plan, ``rank`` of them."""
+    at = PLAN_FIELD_AT[name]
+    return fields[at : at + rank]
+
+
 class Tensor(ctypes.Structure):
-    """``pakv_tensor`` (pakv_bridge.h): one input as ORT hands it to the kernel."""
+    """``pakv_tensor`` (pakv_contract.h): one tensor as the validator sees it."""
 
     _fields_ = [
         ("data", ctypes.c_void_p),
+        ("host_data", ctypes.c_void_p),
         ("present", ctypes.c_int32),
         ("elem_type", ctypes.c_int32),
         ("ndim", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
+        ("device", ctypes.c_char * DEVICE_LEN),
         ("dims", ctypes.c_int64 * MAX_RANK),
+        ("strides", ctypes.c_int64 * MAX_RANK),
     ]
 
 
@@ -123,17 +150,20 @@ CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Request))
 _SIGNATURES = {
     "pakv_abi_version": ([], ctypes.c_int),
     "pakv_plan_size": ([], ctypes.c_size_t),
+    "pakv_tensor_size": ([], ctypes.c_size_t),
     "pakv_request_size": ([], ctypes.c_size_t),
-    "pakv_gather": ([ctypes.POINTER(Plan), ctypes.c_char_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_plan_gather": (
+        [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+         ctypes.c_void_p, ctypes.c_size_t],
+        ctypes.c_int,
+    ),
+    "pakv_check_gather_outputs": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_gather": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
-    "pakv_request_output": (
-        [ctypes.POINTER(Request), ctypes.c_int, ctypes.POINTER(ctypes.c_int64), ctypes.c_int],
-        ctypes.c_void_p,
-    ),
+    "pakv_request_output": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p),
     "pakv_request_set_error": ([ctypes.POINTER(Request), ctypes.c_char_p], None),
-    "pakv_gather_raw": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
 }
 
 
@@ -142,6 +172,7 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
     found = {
         "ABI version": (lib.pakv_abi_version(), ABI_VERSION),
         "sizeof(pakv_plan)": (lib.pakv_plan_size(), ctypes.sizeof(Plan)),
+        "sizeof(pakv_tensor)": (lib.pakv_tensor_size(), ctypes.sizeof(Tensor)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]
@@ -174,109 +205,77 @@ def load() -> ctypes.CDLL:
 
 
 class _Scratch(threading.local):
-    """Per-thread reusable ctypes objects for the hot path: a Plan to fill and an error buffer.
-
-    One Plan per thread (calls on several threads never share one); filling it with one
-    ``struct.pack_into`` costs a fraction of building a Structure from 21 keyword arguments.
-    """
+    """Per-thread reusable buffers for the hot path: a plan to run and an error buffer."""
 
     def __init__(self) -> None:
         self.plan = Plan()
+        self.plan_address = ctypes.addressof(self.plan)
         self.plan_bytes = memoryview(self.plan).cast("B")
         self.error = ctypes.create_string_buffer(ERROR_LEN)
-        self.tensors = (Tensor * (NUM_INPUTS + 2))()
-        self.tensor_bytes = memoryview(self.tensors).cast("B")
+        self.error_address = ctypes.addressof(self.error)
 
 
 _scratch = _Scratch()
-# pakv_plan in field order, native byte order and alignment (the library checks sizeof at load).
-_PLAN_PACKING = struct.Struct("@IIiiqqPPqqqqPPqqPPPPq")
-if _PLAN_PACKING.size != ctypes.sizeof(Plan):  # pragma: no cover - a platform with other padding
-    _PLAN_PACKING = None
+if struct.calcsize(PLAN_FORMAT) != ctypes.sizeof(Plan):  # pragma: no cover - a platform with other padding
+    raise LibraryABIError("PLAN_FORMAT does not match the Plan mirror on this platform")
+
+# pakv_tensor: {void* data, host_data; int32 present, elem_type, ndim, reserved; char device[24];
+# int64 dims[MAX_RANK], strides[MAX_RANK]}. One Struct per kept rank, the unused dims left zero.
+_TENSOR_HEAD = f"@PPiiii{DEVICE_LEN}s"
+_TENSOR_PACKINGS: dict[int, struct.Struct] = {}
 
 
-def fill_plan(*values: int) -> Plan:
-    """This thread's scratch :class:`Plan`, set to ``values`` (every field after ``struct_size``,
-    in :attr:`Plan._fields_` order). Valid until this thread's next call."""
-    plan = _scratch.plan
-    if _PLAN_PACKING is not None:
-        _PLAN_PACKING.pack_into(_scratch.plan_bytes, 0, ABI_VERSION, ctypes.sizeof(Plan), *values)
-    else:  # pragma: no cover
-        for (name, _), value in zip(Plan._fields_[2:], values):
-            setattr(plan, name, value)
-    return plan
-
-
-@functools.cache
-def _raw_gather():
-    """``pakv_gather`` taking plain addresses (no per-call pointer conversion of a Structure)."""
-    fn = load()["pakv_gather"]  # a separate function object: the declared one keeps its argtypes
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-# pakv_tensor is {void* data; int32 present, elem_type, ndim, reserved; int64 dims[MAX_RANK]}.
-_TENSOR_HEAD = "Piiii"
-_TENSOR_PACKINGS: dict[tuple[int, ...], struct.Struct] = {}
-
-
-def _tensor_packing(ranks: tuple[int, ...]) -> struct.Struct:
-    """One Struct writing len(ranks) pakv_tensor records (dims past each rank left as padding)."""
-    packing = _TENSOR_PACKINGS.get(ranks)
+def tensor_record(rank: int) -> struct.Struct:
+    """The Struct writing one pakv_tensor record of ``rank`` (<= MAX_RANK) dims and strides:
+    ``data, host_data, present, elem_type, ndim, reserved, device, *dims, *strides``."""
+    packing = _TENSOR_PACKINGS.get(rank)
     if packing is None:
-        fmt = "@" + "".join(f"{_TENSOR_HEAD}{rank}q{(MAX_RANK - rank) * 8}x" for rank in ranks)
-        packing = struct.Struct(fmt)
-        if packing.size != ctypes.sizeof(Tensor) * len(ranks):  # pragma: no cover - other padding rules
+        pad = (MAX_RANK - rank) * 8
+        packing = struct.Struct(f"{_TENSOR_HEAD}{rank}q{pad}x{rank}q{pad}x")
+        if packing.size != ctypes.sizeof(Tensor):  # pragma: no cover - other padding rules
             raise LibraryABIError("pakv_tensor packing does not match its ctypes mirror")
-        _TENSOR_PACKINGS[ranks] = packing
+        _TENSOR_PACKINGS[rank] = packing
     return packing
 
 
-# One pakv_tensor record with every dim field (how the ORT bridge's request lists its inputs).
-TENSOR_RECORD = _tensor_packing((MAX_RANK,))
-
-RAW_DONE, RAW_DECLINED = 0, 1
-
-
-def gather_raw(ranks: tuple[int, ...], fields: list[int], nz: bool, cumsum: bool) -> int:
-    """``pakv_gather_raw`` over 7 tensor records (5 inputs, 2 outputs) of the given ranks.
-
-    ``fields`` holds, per record, ``data, present, elem_type (ONNX), ndim, 0, *dims``. Returns
-    :data:`RAW_DONE` or :data:`RAW_DECLINED` (nothing written; the caller takes the full path);
-    ``ValueError`` with the core's message if the copy itself failed.
-    """
-    scratch = _scratch
-    _tensor_packing(ranks).pack_into(scratch.tensor_bytes, 0, *fields)
-    error = scratch.error
-    rc = _raw_gather_inputs()(ctypes.addressof(scratch.tensors), nz, cumsum, ctypes.addressof(error), ERROR_LEN)
-    if rc < 0:
-        raise ValueError(error.value.decode(errors="replace"))
-    return rc
+# The record of an absent input or an output not given (present = 0, every field zero).
+TENSOR_RECORD_ABSENT = struct.Struct(f"{ctypes.sizeof(Tensor)}x")
+# One full record, every dim and stride (how the ORT bridge's request lists its inputs).
+TENSOR_RECORD = tensor_record(MAX_RANK)
 
 
 @functools.cache
-def _raw_gather_inputs():
-    return load().pakv_gather_raw
+def _function(name: str):
+    return getattr(load(), name)
 
 
-@functools.cache
-def _request_output():
-    """``pakv_request_output`` taking plain addresses (a separate function object of the library)."""
-    fn = load()["pakv_request_output"]
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
-    fn.restype = ctypes.c_void_p
-    return fn
+def plan_gather_call(
+    records: int, nz: bool, cumsum: bool, plan: int, scratch: int, scratch_len: int, error: int
+) -> int:
+    """``pakv_plan_gather`` on addresses: 0, or :data:`ERR_VALUE` / :data:`ERR_TYPE` with the message at ``error``."""
+    return _function("pakv_plan_gather")(records, nz, cumsum, plan, scratch, scratch_len, error, ERROR_LEN)
+
+
+def check_gather_outputs_call(records: int, plan: int, error: int) -> int:
+    """``pakv_check_gather_outputs`` on addresses (see :func:`plan_gather_call`)."""
+    return _function("pakv_check_gather_outputs")(records, plan, error, ERROR_LEN)
 
 
 def request_output(request_address: int, index: int, dims_address: int, rank: int) -> int:
     """``pakv_request_output``: ORT's buffer for output ``index`` of the shape at ``dims_address``
     (``rank`` int64s), or 0 with the request's error set."""
-    return _request_output()(request_address, index, dims_address, rank) or 0
+    return _function("pakv_request_output")(request_address, index, dims_address, rank) or 0
 
 
-def gather(plan: Plan) -> None:
-    """Run ``plan`` in the copy core; ``ValueError`` with the core's message if it is refused."""
-    error = _scratch.error
-    if _raw_gather()(ctypes.addressof(plan), ctypes.addressof(error), ERROR_LEN) != 0:
-        raise ValueError(error.value.decode(errors="replace"))
+_OUT_OFFSETS = (Plan.key_out.offset, Plan.value_out.offset)
+
+
+def run_gather(plan_address: int, key_out: int, value_out: int) -> None:
+    """Run the plan at ``plan_address`` (a validated pakv_plan) in the copy core, writing to the two
+    output addresses; ``ValueError`` with the core's message if it refuses. The plan is copied
+    into this thread's scratch first, so one plan may run on several threads at once."""
+    scratch = _scratch
+    ctypes.memmove(scratch.plan_address, plan_address, ctypes.sizeof(Plan))
+    struct.pack_into("@PP", scratch.plan_bytes, _OUT_OFFSETS[0], key_out, value_out)
+    if _function("pakv_gather")(scratch.plan_address, scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))

@@ -32,9 +32,6 @@ enum { PAKV_ORT_OK = 0, PAKV_ORT_FAIL = 1, PAKV_ORT_INVALID_ARGUMENT = 2 };
 /* OrtCustomOpInputOutputCharacteristic */
 enum { PAKV_ORT_REQUIRED = 0, PAKV_ORT_OPTIONAL = 1 };
 
-/* ONNXTensorElementDataType values are TensorProto.DataType values (0 = undefined). */
-enum { PAKV_ONNX_UNDEFINED = 0, PAKV_ONNX_INT32 = 6, PAKV_ONNX_INT64 = 7 };
-
 typedef struct OrtApiBase {
   const OrtApi* (*GetApi)(uint32_t version);
   const char* (*GetVersionString)(void);

@@ -1,7 +1,8 @@
 /* The Python bridge: backend names, the callback into Python, and the request it receives.
  *
  * The ORT glue (pakv_ort.c) binds each registration to a backend slot; slot 0 is the native C
- * kernel. A kernel of another slot hands its raw inputs to the Python callback as a
+ * kernel. A kernel of another slot hands its raw inputs (the validator's tensor records, which
+ * the Python side validates through the same C validator) to the Python callback as a
  * pakv_request (mirrored as a ctypes.Structure in pakv_onnx/native_lib/__init__.py; the
  * library checks its size at load time).
  */
@@ -11,23 +12,14 @@
 #include <stdint.h>
 
 #include "ort_abi.h"
+#include "pakv_contract.h"
 #include "pakv_core.h"
 
-#define PAKV_NUM_INPUTS 5
+#define PAKV_NUM_INPUTS PAKV_GATHER_INPUTS
 #define PAKV_NUM_OUTPUTS 2
-#define PAKV_MAX_RANK 16
 #define PAKV_MAX_BACKENDS 16
 #define PAKV_BACKEND_NAME_LEN 32
 #define PAKV_NATIVE_BACKEND 0
-
-typedef struct {
-  void* data; /* NULL with present == 0 for an absent optional input */
-  int32_t present;
-  int32_t elem_type;
-  int32_t ndim;
-  int32_t reserved;
-  int64_t dims[PAKV_MAX_RANK];
-} pakv_tensor;
 
 typedef struct pakv_request {
   const char* backend;    /* registry name, e.g. "golden" */

@@ -16,14 +16,25 @@ int pakv_fail(pakv_err* err, const char* fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
   va_end(ap);
+  err->kind = PAKV_ERR_VALUE;
+  return -1;
+}
+
+int pakv_fail_type(pakv_err* err, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
+  va_end(ap);
+  err->kind = PAKV_ERR_TYPE;
   return -1;
 }
 
 /* One read of a block-table entry. volatile: the compiler must not re-read the caller's memory
  * between the bounds check and the use (another thread may be writing it). */
-static inline int64_t table_entry(const pakv_plan* p, int64_t i) {
-  if (p->tables64) return ((const volatile int64_t*)p->block_tables)[i];
-  return (int64_t)((const volatile int32_t*)p->block_tables)[i];
+static inline int64_t table_entry(const pakv_plan* p, int64_t q, int64_t c) {
+  const char* at = (const char*)p->block_tables + q * p->table_row_stride + c * p->table_col_stride;
+  if (p->tables64) return *(const volatile int64_t*)at;
+  return (int64_t) * (const volatile int32_t*)at;
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -32,59 +43,59 @@ static inline int64_t table_entry(const pakv_plan* p, int64_t i) {
 static int check_cache(const pakv_plan* p, const char* name, const void* base, int64_t stride, int64_t row,
                        pakv_err* err) {
   int64_t block_bytes, span;
-  if (row < 0) return pakv_fail(err, "%s: bytes per token must be >= 0, got %lld", name, (long long)row);
+  if (row < 0) return pakv_fail(err, "plan: %s bytes per token must be >= 0, got %lld", name, (long long)row);
   if (p->layout == PAKV_LAYOUT_NZ && row % PAKV_NZ_FRACTAL_BYTES)
-    return pakv_fail(err, "%s: PA_NZ bytes per token must be a multiple of 32, got %lld", name, (long long)row);
+    return pakv_fail(err, "plan: %s PA_NZ bytes per token must be a multiple of 32, got %lld", name, (long long)row);
   if (pakv_mul(row, p->block_size, &block_bytes))
-    return pakv_fail(err, "%s: block_size %lld x %lld bytes per token overflows int64", name,
+    return pakv_fail(err, "plan: %s block_size %lld x %lld bytes per token overflows int64", name,
                      (long long)p->block_size, (long long)row);
-  if (stride < block_bytes)
-    return pakv_fail(err, "%s: block stride %lld bytes is smaller than one block (%lld bytes)", name,
-                     (long long)stride, (long long)block_bytes);
-  if (pakv_mul(stride, p->num_blocks, &span))
-    return pakv_fail(err, "%s: %lld blocks of stride %lld bytes overflow int64", name, (long long)p->num_blocks,
+  /* Any stride >= 0 (blocks may overlap, as in an expanded pool): the copy reads inside
+   * (num_blocks - 1) * stride + one block. */
+  if (stride < 0) return pakv_fail(err, "plan: %s block stride %lld bytes is negative", name, (long long)stride);
+  if (p->num_blocks > 0 && (pakv_mul(stride, p->num_blocks - 1, &span) || pakv_add(span, block_bytes, &span)))
+    return pakv_fail(err, "plan: %s %lld blocks of stride %lld bytes overflow int64", name, (long long)p->num_blocks,
                      (long long)stride);
   if (row > 0 && p->num_tokens > 0 && !base)
-    return pakv_fail(err, "%s: a NULL cache pointer for a non-empty gather", name);
+    return pakv_fail(err, "plan: %s a NULL cache pointer for a non-empty gather", name);
   return 0;
 }
 
+/* Every (sequence, used block) the copy will read: inside the outputs and the table, and every
+ * block id read now in [0, num_blocks). The contract's own checks (pakv_contract.c) said all
+ * this before the plan was made, with their messages; these only keep a plan from elsewhere
+ * memory-safe, so they word it as the plan's fault. */
 static int check_sequences(const pakv_plan* p, pakv_err* err) {
   const int64_t bs = p->block_size, T = p->num_tokens, nb = p->num_blocks, cols = p->table_cols;
   for (int64_t q = 0; q < p->num_seqs; q++) {
     int64_t len = p->seq_lengths[q], start = p->out_starts[q], col = p->col_starts[q];
     if (len < 0 || start < 0 || start > T || len > T - start)
-      return pakv_fail(err, "seq_lens: sequence %lld covers output rows [%lld, +%lld) outside [0, %lld)", (long long)q,
+      return pakv_fail(err, "plan: sequence %lld covers output rows [%lld, +%lld) outside [0, %lld)", (long long)q,
                        (long long)start, (long long)len, (long long)T);
-    if (col < 0) return pakv_fail(err, "seq_offset[%lld] must be non-negative", (long long)q);
     int64_t need = len / bs + (len % bs != 0);
-    if (need > cols - col)
-      return pakv_fail(err,
-                       "block_tables row %lld is too short: sequence %lld has %lld tokens = %lld blocks of %lld "
-                       "starting at column %lld (seq_offset // block_size), but block_tables has %lld columns",
-                       (long long)q, (long long)q, (long long)len, (long long)need, (long long)bs, (long long)col,
-                       (long long)cols);
+    if (col < 0 || need > cols - col)
+      return pakv_fail(err, "plan: sequence %lld reads table columns [%lld, +%lld) outside [0, %lld)", (long long)q,
+                       (long long)col, (long long)need, (long long)cols);
     for (int64_t c = col; c < col + need; c++) {
-      int64_t b = table_entry(p, q * cols + c);
+      int64_t b = table_entry(p, q, c);
       if (b < 0 || b >= nb)
         return pakv_fail(err,
-                         "block_tables[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); it is "
-                         "used by sequence %lld",
-                         (long long)q, (long long)c, (long long)b, (long long)nb, (long long)q);
+                         "block_tables changed after validation (or the plan was not the validator's): entry "
+                         "(%lld, %lld) = %lld is outside [0, %lld) when the copy read it",
+                         (long long)q, (long long)c, (long long)b, (long long)nb);
     }
   }
   return 0;
 }
 
 int pakv_check_plan(const pakv_plan* p, pakv_err* err) {
-  int64_t row_sum, out_bytes, table_size;
+  int64_t row_sum, out_bytes, table_extent = 0, col_extent = 0;
   if (!p) return pakv_fail(err, "NULL plan");
   if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_plan))
     return pakv_fail(err, "plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
                      p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_plan));
   if (p->layout != PAKV_LAYOUT_NORM && p->layout != PAKV_LAYOUT_NZ)
     return pakv_fail(err, "plan layout must be 0 (Norm) or 1 (PA_NZ), got %d", p->layout);
-  if (p->block_size < 1) return pakv_fail(err, "block_size must be >= 1, got %lld", (long long)p->block_size);
+  if (p->block_size < 1) return pakv_fail(err, "plan: block_size must be >= 1, got %lld", (long long)p->block_size);
   if (p->num_blocks < 0 || p->num_tokens < 0 || p->num_seqs < 0 || p->table_cols < 0)
     return pakv_fail(err, "plan sizes must be >= 0 (num_blocks %lld, num_tokens %lld, num_seqs %lld, cols %lld)",
                      (long long)p->num_blocks, (long long)p->num_tokens, (long long)p->num_seqs,
@@ -92,15 +103,22 @@ int pakv_check_plan(const pakv_plan* p, pakv_err* err) {
   if (check_cache(p, "key_cache", p->key_cache, p->key_block_stride, p->key_row_bytes, err)) return -1;
   if (check_cache(p, "value_cache", p->value_cache, p->value_block_stride, p->value_row_bytes, err))
     return -1;
-  if (pakv_mul(p->num_seqs, p->table_cols, &table_size))
-    return pakv_fail(err, "block_tables of %lld x %lld entries overflows int64", (long long)p->num_seqs,
+  /* The table is read at q*row_stride + c*col_stride for q < Q, c < cols: that must fit. */
+  if (p->table_row_stride < 0 || p->table_col_stride < 0)
+    return pakv_fail(err, "plan: block_tables strides must be >= 0, got %lld / %lld bytes",
+                     (long long)p->table_row_stride, (long long)p->table_col_stride);
+  if (p->num_seqs > 0 && p->table_cols > 0 &&
+      (pakv_mul(p->num_seqs - 1, p->table_row_stride, &table_extent) ||
+       pakv_mul(p->table_cols - 1, p->table_col_stride, &col_extent) ||
+       pakv_add(table_extent, col_extent, &table_extent)))
+    return pakv_fail(err, "plan: block_tables of %lld x %lld entries overflows int64 offsets", (long long)p->num_seqs,
                      (long long)p->table_cols);
-  if (p->num_seqs > 0 && (!p->seq_lengths || !p->out_starts || !p->col_starts || (table_size > 0 && !p->block_tables)))
+  if (p->num_seqs > 0 &&
+      (!p->seq_lengths || !p->out_starts || !p->col_starts || (p->table_cols > 0 && !p->block_tables)))
     return pakv_fail(err, "NULL index array in a plan with %lld sequences", (long long)p->num_seqs);
-  if (check_sequences(p, err)) return -1; /* block tables before output sizes, as the contract does */
+  if (check_sequences(p, err)) return -1;
   if (pakv_add(p->key_row_bytes, p->value_row_bytes, &row_sum) || pakv_mul(p->num_tokens, row_sum, &out_bytes))
-    return pakv_fail(err, "key/value output of %lld tokens overflows int64 byte offsets (seq_lens)",
-                     (long long)p->num_tokens);
+    return pakv_fail(err, "plan: outputs of %lld tokens overflow int64 byte offsets", (long long)p->num_tokens);
   return 0;
 }
 
@@ -141,7 +159,7 @@ static void copy_rows(const pakv_range* r) {
       int64_t slot = t % bs;
       int64_t n = bs - slot;
       if (n > t_end - t) n = t_end - t;
-      int64_t block = table_entry(p, q * p->table_cols + p->col_starts[q] + t / bs);
+      int64_t block = table_entry(p, q, p->col_starts[q] + t / bs);
       if (block < 0 || block >= p->num_blocks) {
         atomic_store(r->bad, 1); /* changed since pakv_check_plan: skip, report after the copy */
       } else if (p->layout == PAKV_LAYOUT_NORM) {

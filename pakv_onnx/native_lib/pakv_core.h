@@ -25,13 +25,18 @@
 #define PAKV_EXPORT
 #endif
 
-#define PAKV_ABI_VERSION 2
+#define PAKV_ABI_VERSION 3
 #define PAKV_ERR_LEN 1024
 #define PAKV_NZ_FRACTAL_BYTES 32
 #define PAKV_LAYOUT_NORM 0
 #define PAKV_LAYOUT_NZ 1
 
+/* Error kinds: what a Python caller raises (ValueError / TypeError); an ORT status says it too. */
+#define PAKV_ERR_VALUE 1
+#define PAKV_ERR_TYPE 2
+
 typedef struct {
+  int kind; /* PAKV_ERR_VALUE or PAKV_ERR_TYPE */
   char msg[PAKV_ERR_LEN];
 } pakv_err;
 
@@ -44,26 +49,37 @@ typedef struct pakv_plan {
   int64_t block_size;
   const void* key_cache;
   const void* value_cache;
-  int64_t key_block_stride;   /* bytes from one block to the next (a pool view may leave gaps) */
+  int64_t key_block_stride;   /* bytes from one block to the next, >= 0 (a pool view may leave gaps;
+                                 an expanded pool's blocks may overlap: stride 0 reads one block) */
   int64_t value_block_stride;
   int64_t key_row_bytes;      /* bytes of one output row (token) of each output */
   int64_t value_row_bytes;
   void* key_out;              /* [num_tokens, key_row_bytes] dense */
   void* value_out;
   int64_t num_seqs;           /* Q */
-  int64_t table_cols;         /* block_tables is [Q, table_cols] row-major */
-  const void* block_tables;
+  int64_t table_cols;         /* block_tables is [Q, table_cols] */
+  const void* block_tables;   /* entry (q, c) at block_tables + q*table_row_stride + c*table_col_stride */
+  int64_t table_row_stride;   /* bytes */
+  int64_t table_col_stride;   /* bytes */
   const int64_t* seq_lengths; /* [Q] tokens of each sequence */
   const int64_t* out_starts;  /* [Q] first output row of each sequence */
   const int64_t* col_starts;  /* [Q] first block-table column of each sequence (seq_offset // bs) */
   int64_t num_tokens;         /* T */
+  /* The outputs' shapes (the contract's, for the caller that allocates them; the copy reads
+   * only num_tokens and the row bytes): Norm [T, H, D] (rank 3), PA_NZ [T, H*D] (rank 2). */
+  int32_t out_rank;
+  int32_t reserved;
+  int64_t key_out_dims[3];
+  int64_t value_out_dims[3];
 } pakv_plan;
 
 /* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */
 static inline int pakv_mul(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out) ? -1 : 0; }
 static inline int pakv_add(int64_t a, int64_t b, int64_t* out) { return __builtin_add_overflow(a, b, out) ? -1 : 0; }
 
+/* Set err (kind PAKV_ERR_VALUE / PAKV_ERR_TYPE) and return -1. */
 int pakv_fail(pakv_err* err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+int pakv_fail_type(pakv_err* err, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* Every check the copy needs to stay inside the caches, the tables and the outputs. */
 int pakv_check_plan(const pakv_plan* p, pakv_err* err);

@@ -7,6 +7,10 @@
 #ifndef PAKV_DTYPES_H
 #define PAKV_DTYPES_H
 
+/* ONNX element types (TensorProto.DataType, which ORT's ONNXTensorElementDataType equals) of the
+ * index tensors (spec.INDEX_DTYPES), and 0 = undefined. */
+enum { PAKV_ONNX_UNDEFINED = 0, PAKV_ONNX_INT32 = 6, PAKV_ONNX_INT64 = 7 };
+
 typedef struct {
   int onnx_type;
   int itemsize;

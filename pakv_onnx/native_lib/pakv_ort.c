@@ -4,11 +4,12 @@
  * SessionOptions.register_custom_ops_library(path) (Python) / RegisterCustomOpsLibrary (C API).
  * No ORT header, no libonnxruntime, no Python: see ort_abi.h for the ABI subset used.
  *
- * This file: registration (one domain per backend, reused), the ops (one per (key dtype, value
- * dtype) pair of the contract, so a dtype outside it has no kernel and the session is refused at
- * creation), strict attributes, and the raw ORT inputs -> pakv_plan step (the checks the copy
- * needs to stay memory-safe, each refusal an ORT error naming the input). The copy itself is in
- * pakv_core.c; Python backends are reached through pakv_bridge.c.
+ * This file is ORT glue only: registration (one domain per backend, reused), the ops (one per
+ * (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel and the
+ * session is refused at creation), strict attributes, and compute: ORT's tensors become the
+ * validator's records (pakv_contract.c: every rule of the contract, with its message), the
+ * outputs ORT hands back are validated too, and the copy core (pakv_core.c) runs the plan.
+ * Python backends are reached through pakv_bridge.c.
  *
  * The contract (names, layouts, dtypes) is defined in pakv_onnx/spec.py.
  */
@@ -20,6 +21,7 @@
 
 #include "ort_abi.h"
 #include "pakv_bridge.h"
+#include "pakv_contract.h"
 #include "pakv_core.h"
 #include "pakv_dtypes.h"
 
@@ -196,170 +198,10 @@ static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, co
 static void kernel_destroy(void* kernel) { free(kernel); }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Raw ORT inputs -> pakv_plan                                                                 */
+/* Compute: ORT's tensors -> the validator's records -> the copy core (or a Python backend)    */
 /* ------------------------------------------------------------------------------------------- */
-typedef struct {
-  pakv_plan plan;
-  int64_t k_out_dims[3], v_out_dims[3];
-  int out_ndim;
-  int64_t* scratch; /* lengths, out_starts, col_starts: 3 * Q int64 (a snapshot of seq_lens/seq_offset) */
-} pakv_prepared;
-
-static int is_index_type(int t) { return t == PAKV_ONNX_INT32 || t == PAKV_ONNX_INT64; }
-
-static int require_index(const pakv_tensor* t, const char* name, int rank, pakv_err* err) {
-  if (!is_index_type(t->elem_type))
-    return pakv_fail(err, "%s must be int32 or int64, got ONNX element type %d", name, t->elem_type);
-  if (t->ndim != rank) return pakv_fail(err, "%s must have rank %d, got rank %d", name, rank, t->ndim);
-  return 0;
-}
-
-static inline int64_t idx_at(const void* p, int is64, int64_t i) {
-  return is64 ? ((const int64_t*)p)[i] : (int64_t)((const int32_t*)p)[i];
-}
-
-/* One rank-4 cache: (num_blocks, block_size, bytes per token, output token dims). Products are
- * checked: a cache with a zero dim holds no data, so its other dims can be anything. */
-static int cache_geometry(const pakv_tensor* t, const char* name, int nz, int itemsize, int64_t* nb, int64_t* bs,
-                          int64_t* row_bytes, int64_t* tok_dims, pakv_err* err) {
-  const char* layout =
-      nz ? "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]" : "Norm: [num_blocks, block_size, heads, head_dim]";
-  if (t->ndim != 4) return pakv_fail(err, "%s must have rank 4 (%s), got rank %d", name, layout, t->ndim);
-  *nb = t->dims[0];
-  if (!nz) {
-    int64_t e = 0;
-    *bs = t->dims[1];
-    tok_dims[0] = t->dims[2];
-    tok_dims[1] = t->dims[3];
-    if (pakv_mul(t->dims[2], t->dims[3], &e) || pakv_mul(e, itemsize, row_bytes))
-      return pakv_fail(err, "%s: bytes per token (%lld x %lld x %d) overflow int64", name, (long long)t->dims[2],
-                       (long long)t->dims[3], itemsize);
-  } else {
-    int64_t e = PAKV_NZ_FRACTAL_BYTES / itemsize;
-    if (t->dims[3] != e)
-      return pakv_fail(err, "%s: PA_NZ last dim must be 32 bytes / element size = %lld, got %lld", name, (long long)e,
-                       (long long)t->dims[3]);
-    *bs = t->dims[2];
-    if (pakv_mul(t->dims[1], t->dims[3], &tok_dims[0]) || pakv_mul(tok_dims[0], itemsize, row_bytes))
-      return pakv_fail(err, "%s: bytes per token (%lld x %lld x %d) overflow int64", name, (long long)t->dims[1],
-                       (long long)t->dims[3], itemsize);
-  }
-  return 0;
-}
-
-static int read_lengths(const pakv_tensor* sl, int cumsum, int64_t Q, int64_t* lengths, int64_t* starts,
-                        int64_t* total_out, pakv_err* err) {
-  int sl64 = sl->elem_type == PAKV_ONNX_INT64;
-  int64_t total = 0;
-  if (cumsum) {
-    int64_t first = idx_at(sl->data, sl64, 0);
-    if (first != 0) return pakv_fail(err, "seq_lens (cumsum) must start at 0, got seq_lens[0] = %lld", (long long)first);
-    int64_t a = 0;
-    for (int64_t q = 0; q < Q; q++) {
-      int64_t b = idx_at(sl->data, sl64, q + 1); /* each entry read once: a snapshot */
-      if (b < a)
-        return pakv_fail(err,
-                         "seq_lens (cumsum) must be non-decreasing, got seq_lens[%lld] = %lld < seq_lens[%lld] = %lld",
-                         (long long)(q + 1), (long long)b, (long long)q, (long long)a);
-      lengths[q] = b - a; /* 0 <= a <= b: no overflow */
-      starts[q] = a;
-      a = b;
-    }
-    total = a;
-  } else {
-    for (int64_t q = 0; q < Q; q++) {
-      int64_t n = idx_at(sl->data, sl64, q);
-      if (n < 0)
-        return pakv_fail(err, "seq_lens (lengths) must be non-negative, got seq_lens[%lld] = %lld", (long long)q,
-                         (long long)n);
-      if (n > INT64_MAX - total)
-        return pakv_fail(err, "seq_lens (lengths): the total token count overflows int64 at seq_lens[%lld]",
-                         (long long)q);
-      lengths[q] = n;
-      starts[q] = total;
-      total += n;
-    }
-  }
-  *total_out = total;
-  return 0;
-}
-
-static int prepare(const pakv_tensor in[PAKV_NUM_INPUTS], int nz, int cumsum, pakv_prepared* p, pakv_err* err) {
-  const pakv_tensor *kc = &in[0], *vc = &in[1], *bt = &in[2], *sl = &in[3], *so = &in[4];
-  memset(p, 0, sizeof(*p));
-  int kd = pakv_dtype_index(kc->elem_type), vd = pakv_dtype_index(vc->elem_type);
-  if (kd < 0) return pakv_fail(err, "key_cache ONNX element type %d is not in the contract", kc->elem_type);
-  if (vd < 0) return pakv_fail(err, "value_cache ONNX element type %d is not in the contract", vc->elem_type);
-  int64_t nb, bs, vnb, vbs, k_row, v_row, ktok[2] = {0, 0}, vtok[2] = {0, 0};
-  if (cache_geometry(kc, "key_cache", nz, PAKV_CACHE_DTYPES[kd].itemsize, &nb, &bs, &k_row, ktok, err)) return -1;
-  if (cache_geometry(vc, "value_cache", nz, PAKV_CACHE_DTYPES[vd].itemsize, &vnb, &vbs, &v_row, vtok, err)) return -1;
-  if (vnb != nb || vbs != bs)
-    return pakv_fail(err, "value_cache num_blocks/block_size (%lld, %lld) must equal key_cache's (%lld, %lld)",
-                     (long long)vnb, (long long)vbs, (long long)nb, (long long)bs);
-  if (bs < 1) return pakv_fail(err, "key_cache block_size must be >= 1, got %lld", (long long)bs);
-
-  if (require_index(bt, "block_tables", 2, err)) return -1;
-  int64_t Q = bt->dims[0], cols = bt->dims[1], expected = Q, scratch_bytes;
-  if (require_index(sl, "seq_lens", 1, err)) return -1;
-  if (cumsum && pakv_add(Q, 1, &expected))
-    return pakv_fail(err, "block_tables has %lld rows: Q+1 (seq_lens entries) overflows int64", (long long)Q);
-  if (sl->dims[0] != expected)
-    return pakv_fail(err, "seq_lens must have %s = %lld entries for block_tables with Q = %lld rows, got %lld",
-                     cumsum ? "Q+1 (cumsum)" : "Q (lengths)", (long long)expected, (long long)Q,
-                     (long long)sl->dims[0]);
-  if (so->present) {
-    if (require_index(so, "seq_offset", 1, err)) return -1;
-    if (so->dims[0] != Q)
-      return pakv_fail(err, "seq_offset must have Q = %lld entries, got %lld", (long long)Q, (long long)so->dims[0]);
-  }
-  if (pakv_mul(Q > 0 ? Q : 1, 3 * (int64_t)sizeof(int64_t), &scratch_bytes))
-    return pakv_fail(err, "out of memory for %lld sequences", (long long)Q);
-  p->scratch = (int64_t*)malloc((size_t)scratch_bytes);
-  if (!p->scratch) return pakv_fail(err, "out of memory for %lld sequences", (long long)Q);
-  int64_t *lengths = p->scratch, *starts = p->scratch + Q, *cols0 = p->scratch + 2 * Q, total = 0;
-  if (read_lengths(sl, cumsum, Q, lengths, starts, &total, err)) return -1;
-  int so64 = so->present && so->elem_type == PAKV_ONNX_INT64;
-  for (int64_t q = 0; q < Q; q++) {
-    int64_t off = so->present ? idx_at(so->data, so64, q) : 0;
-    if (off < 0)
-      return pakv_fail(err, "seq_offset must be non-negative, got seq_offset[%lld] = %lld", (long long)q,
-                       (long long)off);
-    cols0[q] = off / bs; /* the floor rule: any offset, first column seq_offset // block_size */
-  }
-
-  pakv_plan* j = &p->plan;
-  j->abi_version = PAKV_ABI_VERSION;
-  j->struct_size = sizeof(pakv_plan);
-  j->layout = nz ? PAKV_LAYOUT_NZ : PAKV_LAYOUT_NORM;
-  j->tables64 = bt->elem_type == PAKV_ONNX_INT64;
-  j->num_blocks = nb;
-  j->block_size = bs;
-  j->key_cache = kc->data;
-  j->value_cache = vc->data;
-  if (pakv_mul(k_row, bs, &j->key_block_stride) || pakv_mul(v_row, bs, &j->value_block_stride))
-    return pakv_fail(err, "key_cache/value_cache: one block of %lld tokens overflows int64 bytes", (long long)bs);
-  j->key_row_bytes = k_row;
-  j->value_row_bytes = v_row;
-  j->num_seqs = Q;
-  j->table_cols = cols;
-  j->block_tables = bt->data;
-  j->seq_lengths = lengths;
-  j->out_starts = starts;
-  j->col_starts = cols0;
-  j->num_tokens = total;
-  if (pakv_check_plan(j, err)) return -1;
-  p->out_ndim = nz ? 2 : 3;
-  p->k_out_dims[0] = p->v_out_dims[0] = total;
-  p->k_out_dims[1] = ktok[0];
-  p->v_out_dims[1] = vtok[0];
-  p->k_out_dims[2] = ktok[1];
-  p->v_out_dims[2] = vtok[1];
-  return 0;
-}
-
-/* ------------------------------------------------------------------------------------------- */
-/* Compute                                                                                     */
-/* ------------------------------------------------------------------------------------------- */
+/* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
+ * are dense; on the CPU execution provider every input is host memory. */
 static int read_input(const OrtApi* api, OrtKernelContext* ctx, size_t count, size_t i, pakv_tensor* t,
                       pakv_err* err) {
   memset(t, 0, sizeof(*t));
@@ -373,21 +215,17 @@ static int read_input(const OrtApi* api, OrtKernelContext* ctx, size_t count, si
   if (take_status(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what)) return -1;
   int type = 0;
   size_t nd = 0;
+  int64_t dims[PAKV_MAX_RANK] = {0};
   int rc = take_status(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what);
   if (!rc) rc = take_status(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what);
-  if (!rc && nd > PAKV_MAX_RANK)
-    rc = pakv_fail(err, "%s has rank %zu, more than %d", INPUT_NAMES[i], nd, PAKV_MAX_RANK);
-  if (!rc) rc = take_status(api, PAKV_API(api, GetDimensions)(info, t->dims, nd), err, what);
+  /* A rank past the record's is kept as a rank alone: the validator refuses it by name. */
+  if (!rc && nd <= PAKV_MAX_RANK) rc = take_status(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what);
   PAKV_API(api, ReleaseTensorTypeAndShapeInfo)(info);
   if (rc) return -1;
   void* data = NULL;
   if (take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
-  t->present = 1;
-  t->data = data;
-  t->elem_type = type;
-  t->ndim = (int32_t)nd;
-  for (size_t d = 0; d < nd; d++)
-    if (t->dims[d] < 0) return pakv_fail(err, "%s has a negative dimension", INPUT_NAMES[i]);
+  pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
+  t->host_data = data;
   return 0;
 }
 
@@ -408,84 +246,66 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
   return data;
 }
 
-static int run_native(const pakv_kernel* k, OrtKernelContext* ctx, const pakv_tensor* inputs, pakv_err* err) {
-  pakv_prepared p;
-  int rc = prepare(inputs, k->nz, (int)k->cumsum, &p, err);
-  if (!rc) {
-    p.plan.key_out = pakv_ort_output(k->api, ctx, 0, p.k_out_dims, p.out_ndim, err);
-    p.plan.value_out = p.plan.key_out ? pakv_ort_output(k->api, ctx, 1, p.v_out_dims, p.out_ndim, err) : NULL;
-    rc = p.plan.key_out && p.plan.value_out ? pakv_run_plan(&p.plan, err) : -1;
+/* Validate, take ORT's outputs (a host may have bound them to any buffer: they are validated
+ * too, before anything is written), copy. */
+static int run_native(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
+  pakv_plan plan;
+  /* Scratch for the plan's index arrays; when it cannot be had the validator still checks the
+   * call's shapes first and then says there is no room, so every refusal keeps its order. */
+  int64_t len = pakv_gather_scratch_len(records), bytes = 0;
+  int64_t* scratch = NULL;
+  if (len >= 0 && !pakv_mul(len > 0 ? len : 1, (int64_t)sizeof(int64_t), &bytes)) scratch = (int64_t*)malloc((size_t)bytes);
+  if (!scratch) len = -1;
+  int rc = pakv_validate_gather(records, k->nz, (int)k->cumsum, &plan, scratch, len, err);
+  for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
+    const int64_t* dims = i == 0 ? plan.key_out_dims : plan.value_out_dims;
+    void* data = pakv_ort_output(k->api, ctx, i, dims, plan.out_rank, err);
+    if (!data) rc = -1;
+    else
+      pakv_dense_record(&records[PAKV_GATHER_KEY_OUT + i], data, records[i].elem_type, plan.out_rank, dims, "cpu");
   }
-  free(p.scratch);
+  if (!rc) rc = pakv_validate_gather_outputs(records, &plan, err);
+  if (!rc) {
+    plan.key_out = (void*)records[PAKV_GATHER_KEY_OUT].data;
+    plan.value_out = (void*)records[PAKV_GATHER_VALUE_OUT].data;
+    rc = pakv_run_plan(&plan, err);
+  }
+  free(scratch);
   return rc;
 }
 
-/* The native Python backend's fast path (pakv_onnx.kernels.native.gather_raw): the raw inputs as
- * the ORT kernel reads them plus two caller outputs, t[0..4] = key_cache, value_cache,
- * block_tables, seq_lens, seq_offset (present = 0 when absent), t[5..6] = key_out, value_out, all
- * dense (the caller checked that, and that nothing overlaps). Runs the kernel's own checks
- * (prepare: the same rules the ORT kernel applies) and the outputs' types and shapes.
- * Returns 0 when gathered; 1 when declined before anything was written (some check failed: the
- * caller then runs the contract's checks in Python, which word the error); -1 when the copy
- * itself failed (err_out says why). Safe for any input: ranks are bounded, every read is sized
- * by the dims given. */
-PAKV_EXPORT int pakv_gather_raw(const pakv_tensor* t, int nz, int cumsum, char* err_out, size_t err_len) {
-  pakv_prepared p;
-  pakv_err err;
-  err.msg[0] = 0;
-  if (!t) return 1;
-  for (int i = 0; i < PAKV_NUM_INPUTS + PAKV_NUM_OUTPUTS; i++) {
-    if (t[i].ndim < 0 || t[i].ndim > PAKV_MAX_RANK) return 1;
-    if (i != 4 && !t[i].present) return 1;
-    for (int d = 0; d < t[i].ndim; d++)
-      if (t[i].dims[d] < 0) return 1;
-  }
-  if (prepare(t, nz != 0, cumsum != 0, &p, &err)) {
-    free(p.scratch);
-    return 1;
-  }
-  const pakv_tensor *ko = &t[5], *vo = &t[6];
-  int ok = ko->elem_type == t[0].elem_type && vo->elem_type == t[1].elem_type && ko->ndim == p.out_ndim &&
-           vo->ndim == p.out_ndim;
-  for (int d = 0; ok && d < p.out_ndim; d++) ok = ko->dims[d] == p.k_out_dims[d] && vo->dims[d] == p.v_out_dims[d];
-  if (!ok) {
-    free(p.scratch);
-    return 1;
-  }
-  p.plan.key_out = ko->data;
-  p.plan.value_out = vo->data;
-  int rc = pakv_run_plan(&p.plan, &err);
-  free(p.scratch);
-  if (rc) {
-    if (err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
-    return -1;
-  }
-  return 0;
+/* The status of a failed call: the validator's kind leads the message, as the Python front raises it. */
+static OrtStatus* call_error(const OrtApi* api, const pakv_err* err) {
+  char msg[PAKV_ERR_LEN + 16];
+  snprintf(msg, sizeof(msg), "%s: %s", err->kind == PAKV_ERR_TYPE ? "TypeError" : "ValueError", err->msg);
+  return make_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
 }
 
 static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   const pakv_kernel* k = (const pakv_kernel*)kernel;
   const OrtApi* api = k->api;
   pakv_request* req = (pakv_request*)calloc(1, sizeof(pakv_request));
-  if (!req) return make_status(api, PAKV_ORT_FAIL, "GatherPaKvCache: out of memory");
-  pakv_err err;
-  size_t count = 0;
-  int rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
-                       "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, count, i, &req->inputs[i], &err);
-  for (size_t i = 0; !rc && i < 4; i++)
-    if (!req->inputs[i].present) rc = pakv_fail(&err, "%s is required", INPUT_NAMES[i]);
+  pakv_tensor* records = (pakv_tensor*)calloc(PAKV_GATHER_RECORDS, sizeof(pakv_tensor));
   OrtStatus* result = NULL;
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  size_t count = 0;
+  int rc = !req || !records ? pakv_fail(&err, "GatherPaKvCache: out of memory") : 0;
+  if (!rc)
+    rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
+                     "counting inputs");
+  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
+    memcpy(req->inputs, records, sizeof(req->inputs));
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
     req->is_seq_lens_cumsum = k->cumsum;
     req->ctx = ctx;
     req->api = api;
     if (pakv_call_python(k->backend, req)) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
   } else if (!rc) {
-    rc = run_native(k, ctx, req->inputs, &err);
+    rc = run_native(k, ctx, records, &err);
   }
-  if (rc) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, err.msg);
+  if (rc) result = call_error(api, &err);
+  free(records);
   free(req);
   return result;
 }

@@ -89,7 +89,8 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Run one request in this process (the subprocess body; tests call it for injected kernels)."""
     from pakv_onnx.pypto import adapter, cases, host
     from pakv_onnx.pypto.tiles import Tiles
-    from pakv_onnx.spec import GatherTensors, plan_gather
+    from pakv_onnx.spec import GatherTensors
+    from pakv_onnx.validator import plan_gather
 
     mode = request["mode"]
     adapter.check_version()
@@ -187,7 +188,8 @@ def write_result(path: str, payload: dict[str, Any]) -> None:
 def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     """One pypto-cpu call: load the inputs, plan, run the kernel through the interpreter, save the outputs."""
     from pakv_onnx.pypto import adapter, host
-    from pakv_onnx.spec import GatherTensors, plan_gather
+    from pakv_onnx.spec import GatherTensors
+    from pakv_onnx.validator import plan_gather
 
     inputs = torch.load(request["inputs"], weights_only=True)
     plan = plan_gather(*inputs["tensors"], **inputs["attributes"])

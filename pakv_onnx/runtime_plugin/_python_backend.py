@@ -2,7 +2,7 @@
 
 A kernel registered for a Python backend (golden, torch, pypto, auto) hands the raw input
 tensors to :func:`_serve`; it views them as torch tensors (no copy), validates them with
-:func:`pakv_onnx.spec.plan_gather`, picks the backend with :func:`pakv_onnx.kernels.resolve_backend`
+:func:`pakv_onnx.validator.plan_gather`, picks the backend with :func:`pakv_onnx.kernels.resolve_backend`
 (exactly what :func:`pakv_onnx.gather_pa_kv_cache` does), asks ORT for the outputs and lets the
 backend write into them. Any exception becomes the kernel's ORT error, message kept.
 """
@@ -56,14 +56,20 @@ _INPUTS_BYTES = ctypes.sizeof(native_lib.Tensor) * native_lib.NUM_INPUTS
 _INPUTS_BLOCK = ctypes.c_char * _INPUTS_BYTES
 
 
+# A record unpacked: data, host_data, present, elem_type, ndim, reserved, device, dims, strides.
+_DIMS_AT = 7
+
+
 def _input(name: str, record: tuple[int, ...]):
-    data, present, elem_type, ndim = record[:4]
+    data, _host, present, elem_type, ndim = record[:5]
     if not present:
         return None
     dtype = ONNX_TO_TORCH.get(elem_type)
     if dtype is None:
         raise TypeError(f"{name} has ONNX element type {elem_type}, which is outside the contract")
-    return _view(data or 0, record[5 : 5 + max(ndim, 0)], dtype)
+    if not 0 <= ndim <= native_lib.MAX_RANK:
+        raise ValueError(f"{name} has rank {ndim}, more than {native_lib.MAX_RANK}")
+    return _view(data or 0, record[_DIMS_AT : _DIMS_AT + ndim], dtype)
 
 
 class _Dims(threading.local):

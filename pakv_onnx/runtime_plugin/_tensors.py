@@ -10,7 +10,7 @@ import torch
 from pakv_onnx.spec import CACHE_DTYPES, INDEX_DTYPES
 
 # ONNX TensorProto.DataType -> torch dtype: the contract's types first, then the other plain types
-# (so a wrong-typed input still reaches spec.plan_gather and is refused there, by name).
+# (so a wrong-typed input still reaches the validator and is refused there, by name).
 ONNX_TO_TORCH: dict[int, torch.dtype] = {d.onnx_type: d.torch_dtype for d in (*CACHE_DTYPES, *INDEX_DTYPES)}
 ONNX_TO_TORCH.update({9: torch.bool, 11: torch.float64, 13: torch.uint64})
 TORCH_TO_ONNX: dict[torch.dtype, int] = {v: k for k, v in ONNX_TO_TORCH.items()}

@@ -132,9 +132,9 @@ static int check_direct(void* lib) {
   for (size_t i = 0; i < sizeof(pool); i++) pool[i] = (char)i;
   /* pool [nb=2, 2 (k/v), bs=2, row=8 bytes]: key blocks at 0 and 32, value blocks at 16 and 48. */
   pakv_plan p = {PAKV_ABI_VERSION, sizeof(pakv_plan), PAKV_LAYOUT_NORM, 1, 2, 2, pool, pool + 16, 32, 32, 8, 8,
-                 out_k, out_v, 1, 2, table, lens, starts, colst, 4};
+                 out_k, out_v, 1, 2, table, 16, 8, lens, starts, colst, 4, 2, 0, {4, 8, 0}, {4, 8, 0}};
   int wrong = 0;
-  if (gather(&p, err, sizeof err) == 0 || !strstr(err, "block_tables[0, 1] = 5")) { fprintf(stderr, "bad plan accepted: %s\n", err); wrong++; }
+  if (gather(&p, err, sizeof err) == 0 || !strstr(err, "entry (0, 1) = 5")) { fprintf(stderr, "bad plan accepted: %s\n", err); wrong++; }
   table[1] = 1;
   if (gather(&p, err, sizeof err) != 0) { fprintf(stderr, "strided plan refused: %s\n", err); wrong++; }
   else for (int t = 0; t < 4; t++)

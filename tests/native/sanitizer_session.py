@@ -8,7 +8,9 @@ Covers: random valid and invalid calls checked against a per-token numpy referen
 both seq_lens forms, mixed key/value dtypes, any seq_offset), strict attributes, extreme shapes
 ORT accepts (Q+1, bytes per token, T * i in the thread split), a writer thread changing the block
 table during runs, a second registration on the same options, and the copy core through ctypes
-(strided pool views, bad plans).
+(strided pool views, overlapping blocks, bad plans), the validator through ctypes (records of
+valid and invalid calls: exact or refused with nothing written) and outputs a host bound over
+each other or over an input (refused before any copy: an overlapping memcpy would be reported).
 """
 
 from __future__ import annotations
@@ -224,8 +226,9 @@ def core():
         fields = dict(layout=0, tables64=1, num_blocks=6, block_size=4, key_cache=pool.ctypes.data,
                       value_cache=pool.ctypes.data + 64, key_block_stride=128, value_block_stride=128,
                       key_row_bytes=16, value_row_bytes=16, key_out=out_k.ctypes.data, value_out=out_v.ctypes.data,
-                      num_seqs=1, table_cols=3, block_tables=table.ctypes.data, seq_lengths=lengths.ctypes.data,
-                      out_starts=starts.ctypes.data, col_starts=cols.ctypes.data, num_tokens=10)  # fmt: skip
+                      num_seqs=1, table_cols=3, block_tables=table.ctypes.data, table_row_stride=24,
+                      table_col_stride=8, seq_lengths=lengths.ctypes.data, out_starts=starts.ctypes.data,
+                      col_starts=cols.ctypes.data, num_tokens=10)  # fmt: skip
         fields.update(changes)
         return loader.Plan(**fields)
     error = ctypes.create_string_buffer(1024)
@@ -233,13 +236,18 @@ def core():
     for t in range(10):
         b, s = table[0, t // 4], t % 4
         assert np.array_equal(out_k[t], pool[b, 0, s]) and np.array_equal(out_v[t], pool[b, 1, s])
-    for bad in (dict(num_blocks=5), dict(key_block_stride=32), dict(num_tokens=2**62), dict(block_size=0),
-                dict(key_row_bytes=2**62, value_row_bytes=2**62), dict(table_cols=2)):  # fmt: skip
+    # Block stride 0 (an expanded pool: every block id reads the one block at the base).
+    assert lib.pakv_gather(ctypes.byref(plan(key_block_stride=0)), error, 1024) == 0, error.value
+    assert all(np.array_equal(out_k[t], pool[0, 0, t % 4]) for t in range(10))
+    for bad in (dict(num_blocks=5), dict(key_block_stride=-8), dict(num_tokens=2**62), dict(block_size=0),
+                dict(key_row_bytes=2**62, value_row_bytes=2**62), dict(table_cols=2),
+                dict(table_row_stride=-8), dict(key_block_stride=2**62)):  # fmt: skip
         assert lib.pakv_gather(ctypes.byref(plan(**bad)), error, 1024) != 0, bad
 
 
-def raw():
-    """pakv_gather_raw (the native backend's one-call path): valid calls exact, malformed ones declined."""
+def validator():
+    """pakv_plan_gather (the validator, as the Python front calls it) then pakv_gather: valid calls
+    exact, malformed ones refused before anything is written."""
     spec = importlib.util.spec_from_file_location("native_lib", LOADER)
     loader = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loader)
@@ -253,22 +261,35 @@ def raw():
         for i, (array, elem) in enumerate(zip(arrays, types)):
             if array is None:
                 continue
-            shape = array.shape
-            tensors[i].data, tensors[i].present, tensors[i].elem_type = array.ctypes.data, 1, elem
-            tensors[i].ndim = len(shape)
-            for d, n in enumerate(shape):
-                tensors[i].dims[d] = n
+            t = tensors[i]
+            t.data, t.host_data, t.present, t.elem_type = array.ctypes.data, array.ctypes.data, 1, elem
+            t.ndim, t.device = array.ndim, b"cpu"
+            for d, (n, stride) in enumerate(zip(array.shape, array.strides)):
+                t.dims[d], t.strides[d] = n, stride // array.itemsize
         return tensors
 
     def call(arrays, types, nz=0, cumsum=1):
-        error = ctypes.create_string_buffer(512)
-        return lib.pakv_gather_raw(ctypes.byref(records(arrays, types)), nz, cumsum, error, 512)
+        error = ctypes.create_string_buffer(1024)
+        plan = loader.Plan()
+        scratch = np.zeros(3 * len(bt), np.int64)
+        tensors = records(arrays, types)
+        kind = lib.pakv_plan_gather(ctypes.addressof(tensors), nz, cumsum, ctypes.addressof(plan),
+                                    scratch.ctypes.data, scratch.size, error, 1024)  # fmt: skip
+        if kind:
+            return kind
+        assert lib.pakv_gather(ctypes.addressof(plan), error, 1024) == 0, error.value
+        return 0
 
     types = [2, 2, 6, 6, 6, 2, 2]
     ko, vo = np.zeros((13, 2, 8), np.uint8), np.zeros((13, 1, 8), np.uint8)
     assert call([kc, vc, bt, sl, so, ko, vo], types) == 0
     want_k, want_v = reference(kc, vc, bt, sl, so, False, 1)
     assert np.array_equal(ko, want_k) and np.array_equal(vo, want_v)
+    # A strided block table (every other column of a wider one) is read in place.
+    wide = np.zeros((2, 6), np.int32)
+    wide[:, ::2] = bt
+    ko[:] = 0
+    assert call([kc, vc, wide[:, ::2], sl, so, ko, vo], types) == 0 and np.array_equal(ko, want_k)
     short_k, wide_v = np.zeros((12, 2, 8), np.uint8), np.zeros((13, 2, 8), np.uint8)
     for label, arrays in (
         ("used block id out of range", [kc, vc, np.array([[6, 0, 3], [1, 2, 4]], np.int32), sl, so, ko, vo]),
@@ -277,12 +298,35 @@ def raw():
         ("table too short", [kc, vc, bt[:, :2].copy(), sl, so, ko, vo]),
         ("key output one row short", [kc, vc, bt, sl, so, short_k, vo]),
         ("value output of the wrong width", [kc, vc, bt, sl, so, ko, wide_v]),
+        ("key output over key_cache", [kc, vc, bt, sl, so, kc.reshape(-1)[: ko.size].reshape(ko.shape), vo]),
     ):
         for out in (ko, vo, short_k, wide_v):
             out[:] = 0
+        before = kc.copy()
         assert call(arrays, types) == 1, label
         assert not any(o.any() for o in (ko, vo, short_k, wide_v)), label  # nothing written
-    assert call([kc, vc, bt, sl, so, ko, vo], [2, 3, 6, 6, 6, 2, 2]) == 1  # value_cache dtype differs from its output
+        assert np.array_equal(kc, before), label
+    assert call([kc, vc, bt, sl, so, ko, vo], [2, 3, 6, 6, 6, 2, 2]) == 2  # value_cache's dtype differs from its output
+
+
+def bound_outputs_over_inputs():
+    """Outputs a host bound over each other or over a cache are refused (never an overlapping copy)."""
+    f16, i32 = TensorProto.FLOAT16, TensorProto.INT32
+    s = session(model([f16, f16, i32, i32, None]))
+    kc = rng.integers(0, 100, (4, 4, 2, 8)).astype(np.float16)
+    vc = kc.copy()
+    bt, sl = np.array([[0, 1, 2, 3]], np.int32), np.array([0, 16], np.int32)
+    shared = np.zeros((16, 2, 8), np.float16)
+    for key_out, value_out, text in ((shared, shared, "key_out and value_out overlap"),
+                                     (kc.reshape(16, 2, 8), np.zeros_like(shared), "key_out overlaps key_cache")):  # fmt: skip
+        before = kc.copy()
+        binding = s.io_binding()
+        for name, array in (("key_cache", kc), ("value_cache", vc), ("block_tables", bt), ("seq_lens", sl)):
+            binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        for name, array in (("key", key_out), ("value", value_out)):
+            binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+        expect_error(lambda: s.run_with_iobinding(binding), text)
+        assert np.array_equal(kc, before)
 
 
 counts = {"ok": 0, "refused": 0}
@@ -294,5 +338,6 @@ raced = race()
 assert raced["refused"] > 0, raced
 attributes_and_registration()
 core()
-raw()
+validator()
+bound_outputs_over_inputs()
 print("clean", counts, raced, flush=True)

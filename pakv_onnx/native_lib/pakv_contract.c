@@ -1,0 +1,463 @@
+/* The contract's validator (see pakv_contract.h for the rules and their order). Every message a
+ * caller of the op can see for a broken contract is formatted here, once. */
+#include "pakv_contract.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "pakv_dtypes.h"
+
+static const char* const GATHER_NAMES[PAKV_GATHER_RECORDS] = {
+    "key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset", "key_out", "value_out"};
+
+/* ------------------------------------------------------------------------------------------- */
+/* Records                                                                                     */
+/* ------------------------------------------------------------------------------------------- */
+/* ONNX TensorProto element type names (onnx.proto3 numbering), spelled as torch spells them. */
+static const char* const ONNX_TYPE_NAMES[] = {
+    "undefined", "float32",  "uint8",         "int8",          "uint16",      "int16",
+    "int32",     "int64",    "string",        "bool",          "float16",     "float64",
+    "uint32",    "uint64",   "complex64",     "complex128",    "bfloat16",    "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "uint4", "int4", "float4_e2m1"};
+
+static const char* type_name(int onnx_type) {
+  int count = (int)(sizeof(ONNX_TYPE_NAMES) / sizeof(ONNX_TYPE_NAMES[0]));
+  if (onnx_type <= 0 || onnx_type >= count) return "(a type with no ONNX element type)";
+  return ONNX_TYPE_NAMES[onnx_type];
+}
+
+static int is_index_type(int t) { return t == PAKV_ONNX_INT32 || t == PAKV_ONNX_INT64; }
+
+static int index_itemsize(int t) { return t == PAKV_ONNX_INT64 ? 8 : 4; }
+
+/* "[6, 4, 16]" (or "rank N" past PAKV_MAX_RANK), into buf. */
+static const char* format_list(const int64_t* values, int32_t n, char* buf, size_t size) {
+  if (n < 0 || n > PAKV_MAX_RANK) {
+    snprintf(buf, size, "rank %d", (int)n);
+    return buf;
+  }
+  size_t at = (size_t)snprintf(buf, size, "[");
+  for (int32_t i = 0; i < n && at < size; i++)
+    at += (size_t)snprintf(buf + at, size - at, i ? ", %lld" : "%lld", (long long)values[i]);
+  if (at < size) snprintf(buf + at, size - at, "]");
+  return buf;
+}
+
+#define SHAPE(t, buf) format_list((t)->dims, (t)->ndim, buf, sizeof(buf))
+#define STRIDES(t, buf) format_list((t)->strides, (t)->ndim, buf, sizeof(buf))
+
+static int require_rank(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err) {
+  char shape[160];
+  if (t->ndim == rank) return 0;
+  return pakv_fail(err, "%s must have rank %d (%s), got shape %s", name, rank, form, SHAPE(t, shape));
+}
+
+static int record_ok(const pakv_tensor* t, const char* name, pakv_err* err) {
+  int32_t kept = t->ndim < PAKV_MAX_RANK ? t->ndim : PAKV_MAX_RANK;
+  if (t->ndim < 0) return pakv_fail(err, "%s has a negative rank %d", name, (int)t->ndim);
+  for (int32_t d = 0; d < kept; d++) {
+    if (t->dims[d] < 0) return pakv_fail(err, "%s has a negative dimension %lld", name, (long long)t->dims[d]);
+    if (t->strides[d] < 0) return pakv_fail(err, "%s has a negative stride %lld", name, (long long)t->strides[d]);
+  }
+  return 0;
+}
+
+static int has_elements(const pakv_tensor* t) {
+  for (int32_t d = 0; d < t->ndim && d < PAKV_MAX_RANK; d++)
+    if (t->dims[d] == 0) return 0;
+  return 1;
+}
+
+/* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
+static int byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end) {
+  int64_t span = 0, term;
+  if (!t->present || t->ndim > PAKV_MAX_RANK || !has_elements(t)) return 0;
+  for (int32_t d = 0; d < t->ndim; d++)
+    if (pakv_mul(t->dims[d] - 1, t->strides[d], &term) || pakv_add(span, term, &span)) return 0;
+  if (pakv_add(span, 1, &span) || pakv_mul(span, itemsize, &span)) return 0;
+  *first = (uintptr_t)t->data;
+  *end = *first + (uintptr_t)span;
+  return 1;
+}
+
+static int element_size(int onnx_type) {
+  int d = pakv_dtype_index(onnx_type);
+  if (d >= 0) return PAKV_CACHE_DTYPES[d].itemsize;
+  return is_index_type(onnx_type) ? index_itemsize(onnx_type) : 1;
+}
+
+/* Entry i of a vector record readable on the host. */
+static inline int64_t vector_at(const pakv_tensor* t, int64_t i) {
+  const char* at = (const char*)t->host_data + i * t->strides[0] * index_itemsize(t->elem_type);
+  return t->elem_type == PAKV_ONNX_INT64 ? *(const int64_t*)at : (int64_t) * (const int32_t*)at;
+}
+
+void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim, const int64_t* dims,
+                       const char* device) {
+  memset(t, 0, sizeof(*t));
+  t->data = data;
+  t->present = 1;
+  t->elem_type = elem_type;
+  t->ndim = ndim;
+  snprintf(t->device, sizeof(t->device), "%s", device);
+  int64_t stride = 1;
+  for (int d = (ndim < PAKV_MAX_RANK ? ndim : PAKV_MAX_RANK) - 1; d >= 0; d--) {
+    t->dims[d] = dims[d];
+    t->strides[d] = stride;
+    /* A tensor with elements fits memory, so its strides fit int64; a zero-element one's strides
+     * are never used (saturate instead of overflowing). */
+    if (dims[d] > 1 && pakv_mul(stride, dims[d], &stride)) stride = INT64_MAX;
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Caches                                                                                      */
+/* ------------------------------------------------------------------------------------------- */
+typedef struct {
+  int itemsize;
+  int64_t num_blocks, block_size, row_bytes, block_bytes, block_stride;
+  int64_t token_dims[2]; /* Norm (H, D); PA_NZ (H*D, unused) */
+} cache_geometry;
+
+static int require_present(const pakv_tensor* t, const char* name, pakv_err* err) {
+  return t->present ? 0 : pakv_fail(err, "%s is required", name);
+}
+
+static int cache_dtype(const pakv_tensor* t, const char* name, pakv_err* err) {
+  if (require_present(t, name, err)) return -1;
+  if (pakv_dtype_index(t->elem_type) >= 0) return 0;
+  char allowed[256];
+  size_t at = 0;
+  for (int i = 0; i < PAKV_NUM_DTYPES && at < sizeof(allowed); i++)
+    at += (size_t)snprintf(allowed + at, sizeof(allowed) - at, i ? ", %s" : "%s", PAKV_CACHE_DTYPES[i].name);
+  return pakv_fail_type(err, "%s dtype %s is not in the contract (allowed: %s)", name, type_name(t->elem_type),
+                        allowed);
+}
+
+static int cache_shape(const pakv_tensor* t, const char* name, int nz, cache_geometry* g, pakv_err* err) {
+  char shape[160];
+  const char* layout =
+      nz ? "PA_NZ: [num_blocks, heads*head_dim // E, block_size, E]" : "Norm: [num_blocks, block_size, heads, head_dim]";
+  if (require_rank(t, name, 4, layout, err)) return -1;
+  g->itemsize = PAKV_CACHE_DTYPES[pakv_dtype_index(t->elem_type)].itemsize;
+  g->num_blocks = t->dims[0];
+  /* One token's row: Norm dims 2 x 3 (H x D), PA_NZ dims 1 x 3 (H*D/E fractals x E). */
+  int row_dim = nz ? 1 : 2;
+  if (nz) {
+    int64_t e = PAKV_NZ_FRACTAL_BYTES / g->itemsize;
+    if (t->dims[3] != e)
+      return pakv_fail(err, "%s: PA_NZ last dim must be 32 bytes / element size = %lld for %s, got %lld (shape %s)",
+                       name, (long long)e, type_name(t->elem_type), (long long)t->dims[3], SHAPE(t, shape));
+  }
+  g->block_size = t->dims[nz ? 2 : 1];
+  int64_t elements;
+  if (pakv_mul(t->dims[row_dim], t->dims[3], &elements) || pakv_mul(elements, g->itemsize, &g->row_bytes))
+    return pakv_fail(err, "%s: bytes per token (%lld x %lld x %d) overflow int64", name, (long long)t->dims[row_dim],
+                     (long long)t->dims[3], g->itemsize);
+  g->token_dims[0] = nz ? elements : t->dims[2];
+  g->token_dims[1] = nz ? 0 : t->dims[3];
+  if (pakv_mul(g->row_bytes, g->block_size, &g->block_bytes))
+    return pakv_fail(err, "%s: one block of %lld tokens x %lld bytes overflows int64", name,
+                     (long long)g->block_size, (long long)g->row_bytes);
+  return 0;
+}
+
+/* Each block row-major contiguous (dims 1..3; size-1 dims may have any stride); the block axis
+ * any stride >= 0 whose extent (num_blocks - 1) * stride + one block fits int64. */
+static int cache_layout(const pakv_tensor* t, const char* name, cache_geometry* g, pakv_err* err) {
+  char shape[160], strides[160];
+  g->block_stride = g->block_bytes;
+  if (!has_elements(t)) return 0;
+  int64_t expected = 1;
+  for (int d = 3; d >= 1; d--) {
+    if (t->dims[d] != 1 && t->strides[d] != expected)
+      return pakv_fail(err,
+                       "%s must be row-major contiguous within each block (only dim 0, the block axis, may be "
+                       "strided, as in pool[:, 0] of a [num_blocks, 2, ...] pool); got strides %s for shape %s: "
+                       "pass %s.contiguous() (a copy of the whole cache)",
+                       name, STRIDES(t, strides), SHAPE(t, shape), name);
+    expected *= t->dims[d];
+  }
+  if (g->num_blocks <= 1) return 0; /* one block: its stride is never used */
+  int64_t extent;
+  if (pakv_mul(t->strides[0], g->itemsize, &g->block_stride) ||
+      pakv_mul(g->block_stride, g->num_blocks - 1, &extent) || pakv_add(extent, g->block_bytes, &extent))
+    return pakv_fail(err, "%s: %lld blocks of stride %lld elements overflow int64 byte offsets", name,
+                     (long long)g->num_blocks, (long long)t->strides[0]);
+  return 0;
+}
+
+static int check_caches(const pakv_tensor* t, int nz, cache_geometry* k, cache_geometry* v, pakv_err* err) {
+  const pakv_tensor *kc = &t[PAKV_GATHER_KEY_CACHE], *vc = &t[PAKV_GATHER_VALUE_CACHE];
+  if (cache_dtype(kc, "key_cache", err) || cache_dtype(vc, "value_cache", err)) return -1;
+  if (strncmp(kc->device, vc->device, PAKV_DEVICE_LEN) != 0)
+    return pakv_fail(err, "value_cache is on %.24s but key_cache is on %.24s", vc->device, kc->device);
+  if (cache_shape(kc, "key_cache", nz, k, err) || cache_shape(vc, "value_cache", nz, v, err)) return -1;
+  if (v->num_blocks != k->num_blocks || v->block_size != k->block_size)
+    return pakv_fail(err, "value_cache num_blocks/block_size (%lld, %lld) must equal key_cache's (%lld, %lld)",
+                     (long long)v->num_blocks, (long long)v->block_size, (long long)k->num_blocks,
+                     (long long)k->block_size);
+  if (k->block_size < 1) return pakv_fail(err, "key_cache block_size must be >= 1, got %lld", (long long)k->block_size);
+  if (cache_layout(kc, "key_cache", k, err) || cache_layout(vc, "value_cache", v, err)) return -1;
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Index tensors                                                                               */
+/* ------------------------------------------------------------------------------------------- */
+static int index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err) {
+  if (require_present(t, name, err)) return -1;
+  if (!is_index_type(t->elem_type))
+    return pakv_fail_type(err, "%s must be int32 or int64, got %s", name, type_name(t->elem_type));
+  if (require_rank(t, name, rank, form, err)) return -1;
+  if (has_elements(t) && !t->host_data)
+    return pakv_fail(err, "%s: its data is not readable on the host (index tensors are read there)", name);
+  return 0;
+}
+
+static int check_indices(const pakv_tensor* t, int cumsum, pakv_err* err) {
+  const pakv_tensor *bt = &t[PAKV_GATHER_BLOCK_TABLES], *sl = &t[PAKV_GATHER_SEQ_LENS], *so = &t[PAKV_GATHER_SEQ_OFFSET];
+  char shape[160];
+  if (index_record(bt, "block_tables", 2, "[Q, max_blocks_per_seq]", err)) return -1;
+  if (index_record(sl, "seq_lens", 1, "a vector", err)) return -1;
+  int64_t Q = bt->dims[0], expected = Q;
+  if (cumsum && pakv_add(Q, 1, &expected))
+    return pakv_fail(err, "block_tables has %lld rows: Q+1 (seq_lens entries) overflows int64", (long long)Q);
+  if (sl->dims[0] != expected)
+    return pakv_fail(err, "seq_lens must have %s = %lld entries for block_tables with Q = %lld rows, got shape %s",
+                     cumsum ? "Q+1 (cumsum)" : "Q (lengths)", (long long)expected, (long long)Q, SHAPE(sl, shape));
+  if (so->present) {
+    if (index_record(so, "seq_offset", 1, "a vector", err)) return -1;
+    if (so->dims[0] != Q)
+      return pakv_fail(err, "seq_offset must have Q = %lld entries, got shape %s", (long long)Q, SHAPE(so, shape));
+  }
+  return 0;
+}
+
+/* Per-sequence lengths and output starts from seq_lens (each entry read once: a snapshot). */
+static int read_lengths(const pakv_tensor* sl, int cumsum, int64_t Q, int64_t* lengths, int64_t* starts,
+                        int64_t* total_out, pakv_err* err) {
+  int64_t total = 0;
+  if (cumsum) {
+    int64_t a = vector_at(sl, 0);
+    if (a != 0) return pakv_fail(err, "seq_lens (cumsum) must start at 0, got seq_lens[0] = %lld", (long long)a);
+    for (int64_t q = 0; q < Q; q++) {
+      int64_t b = vector_at(sl, q + 1);
+      if (b < a)
+        return pakv_fail(err,
+                         "seq_lens (cumsum) must be non-decreasing, got seq_lens[%lld] = %lld < seq_lens[%lld] = %lld",
+                         (long long)(q + 1), (long long)b, (long long)q, (long long)a);
+      lengths[q] = b - a; /* 0 <= a <= b: no overflow */
+      starts[q] = a;
+      a = b;
+    }
+    total = a;
+  } else {
+    for (int64_t q = 0; q < Q; q++) {
+      int64_t n = vector_at(sl, q);
+      if (n < 0)
+        return pakv_fail(err, "seq_lens (lengths) must be non-negative, got seq_lens[%lld] = %lld", (long long)q,
+                         (long long)n);
+      if (n > INT64_MAX - total)
+        return pakv_fail(err, "seq_lens (lengths): the total token count overflows int64 at seq_lens[%lld]",
+                         (long long)q);
+      lengths[q] = n;
+      starts[q] = total;
+      total += n;
+    }
+  }
+  *total_out = total;
+  return 0;
+}
+
+/* First block-table column of each sequence: the FLOOR RULE, seq_offset[q] // block_size. */
+static int read_col_starts(const pakv_tensor* so, int64_t Q, int64_t bs, int64_t* cols0, pakv_err* err) {
+  for (int64_t q = 0; q < Q; q++) {
+    int64_t off = so->present ? vector_at(so, q) : 0;
+    if (off < 0)
+      return pakv_fail(err, "seq_offset must be non-negative, got seq_offset[%lld] = %lld", (long long)q,
+                       (long long)off);
+    cols0[q] = off / bs; /* any offset; the remainder is ignored */
+  }
+  return 0;
+}
+
+static inline int64_t table_at(const pakv_tensor* bt, int64_t q, int64_t c) {
+  const char* at = (const char*)bt->host_data + (q * bt->strides[0] + c * bt->strides[1]) * index_itemsize(bt->elem_type);
+  return bt->elem_type == PAKV_ONNX_INT64 ? *(const int64_t*)at : (int64_t) * (const int32_t*)at;
+}
+
+/* Every row long enough for its sequence (all rows first), then every used id in range. */
+static int check_tables(const pakv_tensor* bt, int64_t Q, int64_t bs, int64_t nb, const int64_t* lengths,
+                        const int64_t* cols0, pakv_err* err) {
+  int64_t cols = bt->dims[1];
+  for (int64_t q = 0; q < Q; q++) {
+    int64_t need = lengths[q] / bs + (lengths[q] % bs != 0); /* ceil without forming len + bs - 1 */
+    if (need > cols - cols0[q])
+      return pakv_fail(err,
+                       "block_tables row %lld is too short: sequence %lld has %lld tokens = %lld blocks of %lld "
+                       "starting at column %lld (seq_offset), but block_tables has %lld columns",
+                       (long long)q, (long long)q, (long long)lengths[q], (long long)need, (long long)bs,
+                       (long long)cols0[q], (long long)cols);
+  }
+  for (int64_t q = 0; q < Q; q++) {
+    int64_t need = lengths[q] / bs + (lengths[q] % bs != 0);
+    for (int64_t c = cols0[q]; c < cols0[q] + need; c++) {
+      int64_t b = table_at(bt, q, c);
+      if (b < 0 || b >= nb)
+        return pakv_fail(err,
+                         "block_tables[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); it is "
+                         "used by sequence %lld",
+                         (long long)q, (long long)c, (long long)b, (long long)nb, (long long)q);
+    }
+  }
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Outputs                                                                                     */
+/* ------------------------------------------------------------------------------------------- */
+static int output_record(const pakv_tensor* t, int which, const pakv_tensor* cache, const int64_t* dims,
+                         int32_t rank, pakv_err* err) {
+  const char* name = GATHER_NAMES[which];
+  char want[160], got[160], strides[160];
+  int same = t->ndim == rank;
+  for (int32_t d = 0; same && d < rank; d++) same = t->dims[d] == dims[d];
+  if (!same)
+    return pakv_fail(err, "%s must have shape %s, got %s", name, format_list(dims, rank, want, sizeof(want)),
+                     SHAPE(t, got));
+  if (t->elem_type != cache->elem_type)
+    return pakv_fail_type(err, "%s must have %s's dtype %s, got %s", name,
+                          GATHER_NAMES[which - PAKV_GATHER_KEY_OUT], type_name(cache->elem_type),
+                          type_name(t->elem_type));
+  if (strncmp(t->device, cache->device, PAKV_DEVICE_LEN) != 0)
+    return pakv_fail(err, "%s must be on the caches' device %.24s, got %.24s", name, cache->device, t->device);
+  int64_t expected = 1;
+  for (int32_t d = rank - 1; d >= 0 && has_elements(t); d--) {
+    if (t->dims[d] != 1 && t->strides[d] != expected)
+      return pakv_fail(err, "%s must be contiguous (row-major); got strides %s for shape %s: pass %s.contiguous()",
+                       name, STRIDES(t, strides), SHAPE(t, got), name);
+    expected *= t->dims[d];
+  }
+  return 0;
+}
+
+static int overlaps(const pakv_tensor* a, const pakv_tensor* b) {
+  uintptr_t a0, a1, b0, b1;
+  if (!byte_extent(a, element_size(a->elem_type), &a0, &a1) || !byte_extent(b, element_size(b->elem_type), &b0, &b1))
+    return 0;
+  return a0 < b1 && b0 < a1 && strncmp(a->device, b->device, PAKV_DEVICE_LEN) == 0;
+}
+
+int pakv_validate_gather_outputs(const pakv_tensor t[PAKV_GATHER_RECORDS], const pakv_plan* plan, pakv_err* err) {
+  for (int which = PAKV_GATHER_KEY_OUT; which <= PAKV_GATHER_VALUE_OUT; which++) {
+    const pakv_tensor* out = &t[which];
+    if (!out->present) continue;
+    if (record_ok(out, GATHER_NAMES[which], err)) return -1;
+    const int64_t* dims = which == PAKV_GATHER_KEY_OUT ? plan->key_out_dims : plan->value_out_dims;
+    if (output_record(out, which, &t[which - PAKV_GATHER_KEY_OUT], dims, plan->out_rank, err)) return -1;
+  }
+  if (t[PAKV_GATHER_KEY_OUT].present && overlaps(&t[PAKV_GATHER_KEY_OUT], &t[PAKV_GATHER_VALUE_OUT]))
+    return pakv_fail(err, "key_out and value_out overlap in memory; pass two separate tensors");
+  for (int which = PAKV_GATHER_KEY_OUT; which <= PAKV_GATHER_VALUE_OUT; which++)
+    for (int in = 0; in < PAKV_GATHER_INPUTS; in++)
+      if (t[which].present && overlaps(&t[which], &t[in]))
+        return pakv_fail(err, "%s overlaps %s in memory: an output must not share bytes with any input",
+                         GATHER_NAMES[which], GATHER_NAMES[in]);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The gather                                                                                  */
+/* ------------------------------------------------------------------------------------------- */
+int64_t pakv_gather_scratch_len(const pakv_tensor t[PAKV_GATHER_RECORDS]) {
+  const pakv_tensor* bt = &t[PAKV_GATHER_BLOCK_TABLES];
+  int64_t len;
+  if (!bt->present || bt->ndim != 2 || bt->dims[0] < 0) return 0;
+  return pakv_mul(bt->dims[0], 3, &len) ? -1 : len;
+}
+
+int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int cumsum, pakv_plan* plan,
+                         int64_t* scratch, int64_t scratch_len, pakv_err* err) {
+  cache_geometry k, v;
+  for (int i = 0; i < PAKV_GATHER_INPUTS; i++)
+    if (t[i].present && record_ok(&t[i], GATHER_NAMES[i], err)) return -1;
+  if (check_caches(t, nz, &k, &v, err) || check_indices(t, cumsum, err)) return -1;
+  const pakv_tensor* bt = &t[PAKV_GATHER_BLOCK_TABLES];
+  int64_t Q = bt->dims[0], total = 0, needed = pakv_gather_scratch_len(t);
+  if (needed < 0 || scratch_len < needed || (needed > 0 && !scratch))
+    return pakv_fail(err, "block_tables has %lld rows: no memory for the plan's 3 x %lld index entries",
+                     (long long)Q, (long long)Q);
+  int64_t *lengths = scratch, *starts = scratch + Q, *cols0 = scratch + 2 * Q;
+  if (read_lengths(&t[PAKV_GATHER_SEQ_LENS], cumsum, Q, lengths, starts, &total, err)) return -1;
+  if (read_col_starts(&t[PAKV_GATHER_SEQ_OFFSET], Q, k.block_size, cols0, err)) return -1;
+  if (check_tables(bt, Q, k.block_size, k.num_blocks, lengths, cols0, err)) return -1;
+  int64_t key_bytes, value_bytes, both;
+  for (int which = 0; which < 2; which++) {
+    int64_t row = which ? v.row_bytes : k.row_bytes;
+    if (pakv_mul(total, row, which ? &value_bytes : &key_bytes))
+      return pakv_fail(err, "%s output of %lld tokens x %lld bytes overflows int64 byte offsets",
+                       which ? "value" : "key", (long long)total, (long long)row);
+  }
+  if (pakv_add(key_bytes, value_bytes, &both))
+    return pakv_fail(err, "key and value outputs of %lld tokens (%lld + %lld bytes) overflow int64 byte offsets",
+                     (long long)total, (long long)key_bytes, (long long)value_bytes);
+
+  memset(plan, 0, sizeof(*plan));
+  plan->abi_version = PAKV_ABI_VERSION;
+  plan->struct_size = sizeof(pakv_plan);
+  plan->layout = nz ? PAKV_LAYOUT_NZ : PAKV_LAYOUT_NORM;
+  plan->tables64 = bt->elem_type == PAKV_ONNX_INT64;
+  plan->num_blocks = k.num_blocks;
+  plan->block_size = k.block_size;
+  plan->key_cache = t[PAKV_GATHER_KEY_CACHE].data;
+  plan->value_cache = t[PAKV_GATHER_VALUE_CACHE].data;
+  plan->key_block_stride = k.block_stride;
+  plan->value_block_stride = v.block_stride;
+  plan->key_row_bytes = k.row_bytes;
+  plan->value_row_bytes = v.row_bytes;
+  plan->num_seqs = Q;
+  plan->table_cols = bt->dims[1];
+  plan->block_tables = bt->host_data;
+  plan->table_row_stride = bt->strides[0] * index_itemsize(bt->elem_type);
+  plan->table_col_stride = bt->strides[1] * index_itemsize(bt->elem_type);
+  plan->seq_lengths = lengths;
+  plan->out_starts = starts;
+  plan->col_starts = cols0;
+  plan->num_tokens = total;
+  plan->out_rank = nz ? 2 : 3;
+  plan->key_out_dims[0] = plan->value_out_dims[0] = total;
+  plan->key_out_dims[1] = k.token_dims[0];
+  plan->key_out_dims[2] = k.token_dims[1];
+  plan->value_out_dims[1] = v.token_dims[0];
+  plan->value_out_dims[2] = v.token_dims[1];
+  if (pakv_validate_gather_outputs(t, plan, err)) return -1;
+  plan->key_out = t[PAKV_GATHER_KEY_OUT].present ? (void*)t[PAKV_GATHER_KEY_OUT].data : NULL;
+  plan->value_out = t[PAKV_GATHER_VALUE_OUT].present ? (void*)t[PAKV_GATHER_VALUE_OUT].data : NULL;
+  return pakv_check_plan(plan, err); /* the copy core's memory-safety view of the same plan */
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Exported entry points (pakv_onnx/validator.py): 0, or the error's kind with its message     */
+/* ------------------------------------------------------------------------------------------- */
+static int report(int rc, const pakv_err* err, char* err_out, size_t err_len) {
+  if (!rc) return 0;
+  if (err_out && err_len) snprintf(err_out, err_len, "%s", err->msg);
+  return err->kind == PAKV_ERR_TYPE ? PAKV_ERR_TYPE : PAKV_ERR_VALUE;
+}
+
+PAKV_EXPORT int pakv_plan_gather(const pakv_tensor* t, int nz, int cumsum, pakv_plan* plan, int64_t* scratch,
+                                 int64_t scratch_len, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  if (!t || !plan) return report(pakv_fail(&err, "NULL records or plan"), &err, err_out, err_len);
+  return report(pakv_validate_gather(t, nz != 0, cumsum != 0, plan, scratch, scratch_len, &err), &err, err_out,
+                err_len);
+}
+
+PAKV_EXPORT int pakv_check_gather_outputs(const pakv_tensor* t, const pakv_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  if (!t || !plan) return report(pakv_fail(&err, "NULL records or plan"), &err, err_out, err_len);
+  return report(pakv_validate_gather_outputs(t, plan, &err), &err, err_out, err_len);
+}
+
+PAKV_EXPORT size_t pakv_tensor_size(void) { return sizeof(pakv_tensor); }

@@ -1,0 +1,78 @@
+/* The contract's validator: every rule of pakv::GatherPaKvCache, written once, with its message.
+ *
+ * Every path calls it: the ORT kernels (pakv_ort.c), the Python front for every backend and the
+ * plugin's Python callback (through pakv_onnx/validator.py). It reads tensor records (element
+ * type, rank, dims, strides and a host pointer to each index tensor's data) and returns either
+ * a pakv_plan the copy core can run, or one error saying which input, index and value broke
+ * which rule, and whether that is a type error or a value error. It never reads a cache or an
+ * output: their records contribute metadata and addresses only (so they may live on a device).
+ *
+ * Rules, in the order they are checked (each failure stops the check):
+ *   caches     element type in the contract (TYPE); one device; rank 4 with the layout's shape
+ *              (PA_NZ: last dim 32 bytes / element size); same num_blocks and block_size; block_size
+ *              >= 1; each block row-major contiguous, block stride >= 0, extent fits int64
+ *   indices    int32/int64 (TYPE); block_tables [Q, cols], seq_lens [Q+1] (cumsum) or [Q]
+ *              (lengths), seq_offset [Q] (optional); readable on the host
+ *   values     seq_lens: cumsum starts at 0 and never decreases, lengths are >= 0 and sum within
+ *              int64; seq_offset >= 0 (the FLOOR RULE: first column seq_offset // block_size);
+ *              every used table row long enough; every used block id in [0, num_blocks)
+ *   outputs    T x bytes per token fits int64; given outputs: the contract's shape, their cache's
+ *              element type (TYPE), the caches' device, contiguous, overlapping neither each other
+ *              nor any input
+ */
+#ifndef PAKV_CONTRACT_H
+#define PAKV_CONTRACT_H
+
+#include <stdint.h>
+
+#include "pakv_core.h"
+
+#define PAKV_MAX_RANK 8
+#define PAKV_DEVICE_LEN 24
+
+/* One tensor as the validator sees it. Dims and strides past PAKV_MAX_RANK are not kept (no
+ * contract tensor has that rank: only ndim is then read, to refuse it). */
+typedef struct {
+  const void* data;      /* first element, on any device: extents, overlap, the copy (never read here) */
+  const void* host_data; /* the same elements readable on this host (index tensors), else NULL */
+  int32_t present;       /* 0: an absent optional input, or an output the caller did not give */
+  int32_t elem_type;     /* ONNX TensorProto element type; 0: a type ONNX has no name for */
+  int32_t ndim;
+  int32_t reserved;
+  char device[PAKV_DEVICE_LEN]; /* "cpu", "cuda:0", ...: tensors on different devices never overlap */
+  int64_t dims[PAKV_MAX_RANK];
+  int64_t strides[PAKV_MAX_RANK]; /* in elements, as torch reports them; dense for ORT tensors */
+} pakv_tensor;
+
+/* The records of one gather call, in this order (the op's inputs, then the caller's outputs). */
+enum {
+  PAKV_GATHER_KEY_CACHE = 0,
+  PAKV_GATHER_VALUE_CACHE,
+  PAKV_GATHER_BLOCK_TABLES,
+  PAKV_GATHER_SEQ_LENS,
+  PAKV_GATHER_SEQ_OFFSET,
+  PAKV_GATHER_KEY_OUT,
+  PAKV_GATHER_VALUE_OUT,
+  PAKV_GATHER_RECORDS
+};
+#define PAKV_GATHER_INPUTS 5
+
+/* Entries of int64 scratch a gather's plan needs: 3 x Q (lengths, output starts, first columns),
+ * Q read from block_tables' record (0 when it is not a matrix: the validator refuses it first). */
+int64_t pakv_gather_scratch_len(const pakv_tensor t[PAKV_GATHER_RECORDS]);
+
+/* Validate a gather and fill `plan` (index arrays in `scratch`, which must stay alive as long as
+ * the plan). Outputs whose records are present are checked too (pakv_validate_gather_outputs) and
+ * set in the plan. Returns 0, or -1 with err set (nothing else written). */
+int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int cumsum, pakv_plan* plan,
+                         int64_t* scratch, int64_t scratch_len, pakv_err* err);
+
+/* The output rules alone, for outputs obtained after planning (ORT's, a Python allocator's):
+ * records t[PAKV_GATHER_KEY_OUT], t[PAKV_GATHER_VALUE_OUT] against the plan made from t[0..4]. */
+int pakv_validate_gather_outputs(const pakv_tensor t[PAKV_GATHER_RECORDS], const pakv_plan* plan, pakv_err* err);
+
+/* A dense record of `ndim` dims (strides row-major), for tensors that are dense by construction. */
+void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim, const int64_t* dims,
+                       const char* device);
+
+#endif /* PAKV_CONTRACT_H */
