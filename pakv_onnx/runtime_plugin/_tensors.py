@@ -7,13 +7,12 @@ import math
 
 import torch
 
-from pakv_onnx.spec import CACHE_DTYPES, INDEX_DTYPES
+from pakv_onnx.spec import ONNX_ELEMENT_TYPE_OF
 
-# ONNX TensorProto.DataType -> torch dtype: the contract's types first, then the other plain types
+# torch dtype <-> ONNX TensorProto.DataType: the contract's types and the other types both have
 # (so a wrong-typed input still reaches the validator and is refused there, by name).
-ONNX_TO_TORCH: dict[int, torch.dtype] = {d.onnx_type: d.torch_dtype for d in (*CACHE_DTYPES, *INDEX_DTYPES)}
-ONNX_TO_TORCH.update({9: torch.bool, 11: torch.float64, 13: torch.uint64})
-TORCH_TO_ONNX: dict[torch.dtype, int] = {v: k for k, v in ONNX_TO_TORCH.items()}
+TORCH_TO_ONNX: dict[torch.dtype, int] = dict(ONNX_ELEMENT_TYPE_OF)
+ONNX_TO_TORCH: dict[int, torch.dtype] = {v: k for k, v in TORCH_TO_ONNX.items()}
 
 # OrtValue.data_type() strings -> torch dtype.
 _ORT_NAMES = {
