@@ -7,6 +7,7 @@ the onnxruntime-only example really needs nothing but onnxruntime, numpy and onn
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -52,8 +53,15 @@ def test_python_block_runs(page: str, line: int, source: str, tmp_path: Path) ->
     prelude = NO_TORCH_PRELUDE if "no torch" in source.splitlines()[0] else ""
     script = tmp_path / f"{Path(page).stem}_line{line}.py"
     script.write_text(prelude + source)
+    # The checkout under test, not whatever copy of pakv_onnx the interpreter would find from tmp_path.
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, script.name], cwd=tmp_path, capture_output=True, text=True, timeout=600
+        [sys.executable, script.name],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, f"{page} block at line {line} failed:\n{result.stderr[-4000:]}"
 
