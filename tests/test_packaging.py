@@ -94,6 +94,9 @@ def test_sdist_ships_the_test_helpers_and_its_tests_collect(clean_tree: Path, tm
         assert needed in names, f"the sdist lacks {needed}"
     shipped_tests = {n for n in names if n.startswith("tests/test_") and n.endswith(".py")}
     assert shipped_tests == {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")}
+    # tests/test_readme.py runs the python blocks of every docs page, test_architecture.py reads one
+    shipped_docs = {n for n in names if n.startswith("docs/") and n.endswith(".md")}
+    assert shipped_docs == {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")}
     assert not any(n.endswith(".so") for n in names)
 
     unpacked = tmp_path / "x" / top
