@@ -267,8 +267,9 @@ class GatherPlan:
         key_dtype, value_dtype: element type of key_cache / value_cache (and of the
             key / value output); they may differ.
         key_row_bytes, value_row_bytes: bytes of one output row (0 for an empty token shape).
-        index: int64 ``3 * Q``: per-sequence lengths, output starts and first block-table
-            columns (``seq_offset // bs``, floored: the module doc's FLOOR RULE), as validated.
+        index: ``3 * Q`` int64 (a buffer: the validator's scratch): per-sequence lengths, output
+            starts and first block-table columns (``seq_offset // bs``, floored: the module doc's
+            FLOOR RULE), as validated.
         tables: the caller's ``block_tables`` on the host, int32/int64 ``[Q, cols]`` as given
             (only the entries sequences use were validated).
         native: the validator's C plan and its records (``kernels.native`` runs it), or ``None``.
@@ -286,7 +287,7 @@ class GatherPlan:
     value_dtype: torch.dtype
     key_row_bytes: int
     value_row_bytes: int
-    index: array.array = dataclasses.field(repr=False)
+    index: Sequence[int] = dataclasses.field(repr=False)
     tables: torch.Tensor = dataclasses.field(repr=False)
     native: Any = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -36,16 +36,25 @@ from pakv_onnx.spec import (
 
 # The records of one gather, in the validator's order (pakv_contract.h).
 RECORD_NAMES = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset", "key_out", "value_out")
-_INDEX_RECORDS = frozenset({2, 3, 4})
-_NUM_INPUTS = 5
+# Each record's (name, may be None, is an index tensor) in a gather call and in its outputs alone.
+_GATHER_ROLES = tuple((name, i >= 4, 2 <= i <= 4) for i, name in enumerate(RECORD_NAMES))
+_OUTPUT_ROLES = (("key_out", False, False), ("value_out", False, False))
 
-_PLAN_SIZE = ctypes.sizeof(native_lib.Plan)
+# One int64 array per call: the pakv_gather_call (plan, records, attributes), then the plan's
+# 3 x Q index entries (its scratch). It stays with the plan: the C plan points into it.
+_CALL_SIZE = ctypes.sizeof(native_lib.GatherCall)
+_CALL_WORDS = _CALL_SIZE // 8
+_RECORDS_AT = native_lib.GatherCall.records.offset
 _RECORD_SIZE = ctypes.sizeof(native_lib.Tensor)
-_RECORDS_SIZE = _RECORD_SIZE * len(RECORD_NAMES)
-# One int64 array per plan: the C plan, then the seven records it was made from.
-_NATIVE_WORDS = (_PLAN_SIZE + _RECORDS_SIZE) // 8
+_TAIL_AT = native_lib.GatherCall.nz.offset
+_TAIL = struct.Struct("@iiqPP")  # nz, cumsum, scratch_len, scratch, error
 _PLAN_FIELDS = struct.Struct(native_lib.PLAN_FORMAT)
-_FIELD = {name: i for i, (name, _) in enumerate(native_lib.Plan._fields_)}
+_AT = native_lib.PLAN_FIELD_AT
+_NUM_BLOCKS, _BLOCK_SIZE, _NUM_SEQS, _NUM_TOKENS = (_AT[n] for n in ("num_blocks", "block_size", "num_seqs", "num_tokens"))
+_KEY_ROW, _VALUE_ROW, _OUT_RANK = _AT["key_row_bytes"], _AT["value_row_bytes"], _AT["out_rank"]
+_KEY_DIMS, _VALUE_DIMS = _AT["key_out_dims"], _AT["value_out_dims"]
+_MAX_RANK = native_lib.MAX_RANK
+_CPU = b"cpu"
 
 
 class _Errors(threading.local):
@@ -70,37 +79,63 @@ def _require_tensor(name: str, value: object) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _host_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the tensor the record describes, its readable host copy): an index tensor on a device is
-    made contiguous there (so one stride serves both) and copied to the host."""
-    if tensor.is_cpu:
-        return tensor, tensor
+def _on_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the tensor a record describes, its readable host copy) of an index tensor on a device: made
+    contiguous there (so one stride serves both) and copied to the host."""
     dense = tensor.contiguous()
     return dense, dense.cpu()
 
 
-def _pack(buffer: array.array, offset: int, index: int, tensor: torch.Tensor | None, host: Any) -> None:
-    """Write record ``index`` of ``buffer`` (byte ``offset`` of the records) for ``tensor``."""
-    at = offset + index * _RECORD_SIZE
-    if tensor is None:
-        native_lib.TENSOR_RECORD_ABSENT.pack_into(buffer, at)
-        return
-    shape = tensor.shape
-    rank = len(shape)
-    kept = min(rank, native_lib.MAX_RANK)
-    native_lib.tensor_record(kept).pack_into(
-        buffer,
-        at,
-        tensor.data_ptr(),
-        host.data_ptr() if host is not None else 0,
-        1,
-        ONNX_ELEMENT_TYPE_OF.get(tensor.dtype, 0),
-        rank,
-        0,
-        _device_name(tensor.device),
-        *shape[:kept],
-        *tensor.stride()[:kept],
-    )
+_Tensor = torch.Tensor
+
+
+def _describe(
+    tensors: tuple[Any, ...], roles: tuple[tuple[str, bool, bool], ...]
+) -> tuple[tuple[int, ...], list[Any], list[Any]]:
+    """(kept ranks, the values, the host tensors (then any device copies made)) of the records of ``tensors`` for
+    native_lib.records_packing; ``roles`` gives each position's (name, may be None, is an index
+    tensor: read on the host, copied there from a device). A decode step pays this for seven
+    tensors: one pass, each attribute read once."""
+    ranks: list[int] = []
+    values: list[Any] = []
+    hosts: list[Any] = [None] * len(tensors)
+    add_rank, add = ranks.append, values.extend
+    types = ONNX_ELEMENT_TYPE_OF
+    for index, (tensor, (name, optional, is_index)) in enumerate(zip(tensors, roles)):
+        if type(tensor) is not _Tensor:
+            if tensor is None and optional:
+                add_rank(-1)
+                continue
+            _require_tensor(name, tensor)
+        if tensor.is_cpu:
+            data = tensor.data_ptr()
+            device = _CPU
+            if is_index:
+                hosts[index] = tensor
+                host_data = data
+            else:
+                host_data = 0
+        else:
+            if is_index:
+                tensor, hosts[index] = _on_host(tensor)
+                hosts.append(tensor)  # the record holds its address: it must outlive the plan's checks
+                host_data = hosts[index].data_ptr()
+            else:
+                host_data = 0
+            data = tensor.data_ptr()
+            device = _device_name(tensor.device)
+        shape = tensor.shape
+        rank = len(shape)
+        add((data, host_data, 1, types.get(tensor.dtype, 0), rank, 0, device))
+        if rank <= _MAX_RANK:
+            add_rank(rank)
+            add(shape)
+            add(tensor.stride())
+        else:  # only the rank is kept: the validator refuses it by name
+            add_rank(_MAX_RANK)
+            add(shape[:_MAX_RANK])
+            add(tensor.stride()[:_MAX_RANK])
+    return tuple(ranks), values, hosts
 
 
 def _raise(kind: int) -> None:
@@ -142,49 +177,35 @@ def plan_gather(
     """
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
-    tensors = [key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out]
-    for index, tensor in enumerate(tensors):
-        if type(tensor) is not torch.Tensor and (tensor is not None or index < 4):
-            _require_tensor(RECORD_NAMES[index], tensor)
-    hosts: list[Any] = [None] * len(tensors)
-    for index in _INDEX_RECORDS:
-        tensor = tensors[index]
-        if tensor is not None:
-            tensors[index], hosts[index] = _host_copy(tensor)
-    native = array.array("q", bytes(_PLAN_SIZE + _RECORDS_SIZE))
-    for index, tensor in enumerate(tensors):
-        _pack(native, _PLAN_SIZE, index, tensor, hosts[index])
-    tables = tensors[2]
+    ranks, values, hosts = _describe((key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out), _GATHER_ROLES)
+    tables = hosts[2]
     num_seqs = tables.shape[0] if tables.dim() == 2 else 0
-    scratch = array.array("q", bytes(24 * num_seqs))
-    base = native.buffer_info()[0]
-    kind = native_lib.plan_gather_call(
-        base + _PLAN_SIZE, mode is CacheMode.PA_NZ, is_cumsum, base, scratch.buffer_info()[0], len(scratch),
-        _errors.address,
-    )
+    call = array.array("q", bytes(_CALL_SIZE + 24 * num_seqs))
+    base = call.buffer_info()[0]
+    native_lib.records_packing(ranks).pack_into(call, _RECORDS_AT, *values)
+    _TAIL.pack_into(call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, 3 * num_seqs, base + _CALL_SIZE, _errors.address)
+    kind = native_lib.plan_gather_call(base)
     if kind:
         _raise(kind)
-    fields = _PLAN_FIELDS.unpack_from(native, 0)
-    rank = fields[_FIELD["out_rank"]]
-    key_dims = native_lib.plan_dims(fields, "key_out_dims", rank)
-    value_dims = native_lib.plan_dims(fields, "value_out_dims", rank)
+    fields = _PLAN_FIELDS.unpack_from(call, 0)
+    rank = fields[_OUT_RANK]
     plan = object.__new__(GatherPlan)  # a frozen dataclass, filled without 15 __setattr__ calls
     plan.__dict__.update(
         cache_mode=mode,
         is_seq_lens_cumsum=is_cumsum,
-        num_blocks=fields[_FIELD["num_blocks"]],
-        block_size=fields[_FIELD["block_size"]],
-        num_seqs=fields[_FIELD["num_seqs"]],
-        num_tokens=fields[_FIELD["num_tokens"]],
-        key_token_shape=key_dims[1:],
-        value_token_shape=value_dims[1:],
+        num_blocks=fields[_NUM_BLOCKS],
+        block_size=fields[_BLOCK_SIZE],
+        num_seqs=fields[_NUM_SEQS],
+        num_tokens=fields[_NUM_TOKENS],
+        key_token_shape=fields[_KEY_DIMS + 1 : _KEY_DIMS + rank],
+        value_token_shape=fields[_VALUE_DIMS + 1 : _VALUE_DIMS + rank],
         key_dtype=key_cache.dtype,
         value_dtype=value_cache.dtype,
-        key_row_bytes=fields[_FIELD["key_row_bytes"]],
-        value_row_bytes=fields[_FIELD["value_row_bytes"]],
-        index=scratch,
+        key_row_bytes=fields[_KEY_ROW],
+        value_row_bytes=fields[_VALUE_ROW],
+        index=memoryview(call)[_CALL_WORDS:],
         tables=hosts[2],
-        native=(native, hosts),  # the host copies stay alive as long as the C plan points at them
+        native=(call, hosts),  # the host copies stay alive as long as the C plan points at them
     )
     return plan
 
@@ -192,15 +213,14 @@ def plan_gather(
 def check_outputs(plan: GatherPlan, key_out: torch.Tensor, value_out: torch.Tensor) -> None:
     """The validator's output rules for outputs obtained after ``plan`` was made (ORT's buffers, an
     allocator's): the plan's shapes, their caches' dtypes and device, contiguous, no overlap with
-    each other or any input. Raises what the validator said."""
-    for name, tensor in (("key_out", key_out), ("value_out", value_out)):
-        if type(tensor) is not torch.Tensor:
-            _require_tensor(name, tensor)
-    native, _hosts = plan.native
-    records = array.array("q", bytes(_RECORDS_SIZE))
-    ctypes.memmove(records.buffer_info()[0], native.buffer_info()[0] + _PLAN_SIZE, _RECORD_SIZE * _NUM_INPUTS)
-    _pack(records, 0, 5, key_out, None)
-    _pack(records, 0, 6, value_out, None)
-    kind = native_lib.check_gather_outputs_call(records.buffer_info()[0], native.buffer_info()[0], _errors.address)
+    each other or any input. Raises what the validator said; on success the plan runs into them."""
+    call = plan.native[0]
+    ranks, values, _hosts = _describe((key_out, value_out), _OUTPUT_ROLES)
+    native_lib.records_packing(ranks).pack_into(call, _RECORDS_AT + 5 * _RECORD_SIZE, *values)
+    kind = native_lib.check_gather_outputs_call(call.buffer_info()[0])
     if kind:
         _raise(kind)
+    _OUTPUTS.pack_into(call, native_lib.Plan.key_out.offset, key_out.data_ptr(), value_out.data_ptr())
+
+
+_OUTPUTS = struct.Struct("@PP")  # the plan's key_out, value_out: validated outputs it may write

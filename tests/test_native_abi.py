@@ -43,6 +43,7 @@ def test_struct_sizes_and_abi_version_match_the_library() -> None:
     c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+)(?:\[\w+\])?;", header[header.index("typedef struct pakv_plan") :], re.M)
     assert [name for name, _ in native_lib.Plan._fields_] == c_fields[: len(native_lib.Plan._fields_)]
     assert lib.pakv_tensor_size() == ctypes.sizeof(native_lib.Tensor)
+    assert lib.pakv_gather_call_size() == ctypes.sizeof(native_lib.GatherCall)
     contract = (SOURCES / "pakv_contract.h").read_text()
     record = contract[contract.index("typedef struct {") : contract.index("} pakv_tensor;")]
     c_fields = re.findall(r"^\s+[a-z0-9_ *]+?\b(\w+)(?:\[\w+\])?;", record, re.M)
@@ -64,6 +65,9 @@ def test_loader_refuses_a_library_with_another_abi() -> None:
 
         def pakv_tensor_size(self):
             return ctypes.sizeof(native_lib.Tensor)
+
+        def pakv_gather_call_size(self):
+            return ctypes.sizeof(native_lib.GatherCall)
 
     stale = rf"ABI version is {native_lib.ABI_VERSION - 1} in the library, {native_lib.ABI_VERSION} here.*rebuild"
     with pytest.raises(native_lib.LibraryABIError, match=stale):

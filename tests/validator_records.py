@@ -37,13 +37,13 @@ def index_record(tensor: torch.Tensor) -> dict:
 
 def validate(records: dict[str, dict], *, nz: bool = False, cumsum: bool = True):
     """The validator's answer for these records (absent names are absent records)."""
-    packed = (native_lib.Tensor * len(RECORD_NAMES))()
+    call = native_lib.GatherCall()
     keep = []
     for i, name in enumerate(RECORD_NAMES):
         spec = records.get(name)
         if spec is None:
             continue
-        rec = packed[i]
+        rec = call.records[i]
         rec.data, rec.present, rec.elem_type, rec.ndim = spec["data"], 1, spec["elem_type"], len(spec["dims"])
         rec.host_data = spec["host"].data_ptr() if spec["host"] is not None else 0
         rec.device = spec["device"].encode()
@@ -52,13 +52,11 @@ def validate(records: dict[str, dict], *, nz: bool = False, cumsum: bool = True)
         keep.append(spec["host"])
     tables = records.get("block_tables")
     q = tables["dims"][0] if tables and len(tables["dims"]) == 2 else 0
-    plan = native_lib.Plan()
     scratch = array.array("q", bytes(24 * q))
     error = ctypes.create_string_buffer(native_lib.ERROR_LEN)
-    kind = native_lib.plan_gather_call(
-        ctypes.addressof(packed), nz, cumsum, ctypes.addressof(plan), scratch.buffer_info()[0], len(scratch),
-        ctypes.addressof(error),
-    )
+    call.nz, call.cumsum, call.scratch_len = nz, cumsum, 3 * q
+    call.scratch, call.error = scratch.buffer_info()[0], ctypes.addressof(error)
+    kind = native_lib.plan_gather_call(ctypes.addressof(call))
     if not kind:
         return None
     return (TypeError if kind == native_lib.ERR_TYPE else ValueError), error.value.decode()

@@ -16,8 +16,8 @@ from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
 from pakv_onnx.spec import GatherPlan, GatherTensors
 
-# int64 words of a C plan (native_lib.Plan) holding the cache addresses.
-_CACHE_WORDS = (native_lib.Plan.key_cache.offset // 8, native_lib.Plan.value_cache.offset // 8)
+# int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
+_WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))
 
 
 def _unavailable() -> str | None:
@@ -53,13 +53,19 @@ def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
     if plan.native is None:
         raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_gather")
     key_cache, value_cache, key_out, value_out = tensors
-    native, _hosts = plan.native
-    planned = (native[_CACHE_WORDS[0]], native[_CACHE_WORDS[1]])
-    if (key_cache.data_ptr(), value_cache.data_ptr()) != planned and (key_cache.numel() or value_cache.numel()):
+    call = plan.native[0]
+    key_at, value_at, key_out_at, value_out_at = _WORDS
+    if (key_cache.data_ptr(), value_cache.data_ptr()) != (call[key_at], call[value_at]) and (
+        key_cache.numel() or value_cache.numel()
+    ):
         raise ValueError("native backend: key_cache/value_cache are not the tensors this plan was made for")
+    key_address, value_address = key_out.data_ptr(), value_out.data_ptr()
+    if key_address and (key_address, value_address) == (call[key_out_at], call[value_out_at]):
+        native_lib.run_plan(call.buffer_info()[0])  # the outputs the validator checked
+        return
     _require_output("key_out", key_out, plan.key_out_shape, plan.key_dtype)
     _require_output("value_out", value_out, plan.value_out_shape, plan.value_dtype)
-    native_lib.run_gather(native.buffer_info()[0], key_out.data_ptr(), value_out.data_ptr())
+    native_lib.run_gather(call.buffer_info()[0], key_address, value_address)
 
 
 BACKEND = Backend(

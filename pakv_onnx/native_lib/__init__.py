@@ -130,6 +130,20 @@ class Tensor(ctypes.Structure):
     ]
 
 
+class GatherCall(ctypes.Structure):
+    """``pakv_gather_call`` (pakv_contract.h): one validation handed over in one piece."""
+
+    _fields_ = [
+        ("plan", Plan),
+        ("records", Tensor * 7),
+        ("nz", ctypes.c_int32),
+        ("cumsum", ctypes.c_int32),
+        ("scratch_len", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("error", ctypes.c_void_p),
+    ]
+
+
 class Request(ctypes.Structure):
     """``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend."""
 
@@ -152,12 +166,9 @@ _SIGNATURES = {
     "pakv_plan_size": ([], ctypes.c_size_t),
     "pakv_tensor_size": ([], ctypes.c_size_t),
     "pakv_request_size": ([], ctypes.c_size_t),
-    "pakv_plan_gather": (
-        [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-         ctypes.c_void_p, ctypes.c_size_t],
-        ctypes.c_int,
-    ),
-    "pakv_check_gather_outputs": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_gather_call_size": ([], ctypes.c_size_t),
+    "pakv_plan_gather": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_check_gather_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_gather": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
@@ -173,6 +184,7 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
         "ABI version": (lib.pakv_abi_version(), ABI_VERSION),
         "sizeof(pakv_plan)": (lib.pakv_plan_size(), ctypes.sizeof(Plan)),
         "sizeof(pakv_tensor)": (lib.pakv_tensor_size(), ctypes.sizeof(Tensor)),
+        "sizeof(pakv_gather_call)": (lib.pakv_gather_call_size(), ctypes.sizeof(GatherCall)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]
@@ -219,29 +231,27 @@ _scratch = _Scratch()
 if struct.calcsize(PLAN_FORMAT) != ctypes.sizeof(Plan):  # pragma: no cover - a platform with other padding
     raise LibraryABIError("PLAN_FORMAT does not match the Plan mirror on this platform")
 
-# pakv_tensor: {void* data, host_data; int32 present, elem_type, ndim, reserved; char device[24];
-# int64 dims[MAX_RANK], strides[MAX_RANK]}. One Struct per kept rank, the unused dims left zero.
-_TENSOR_HEAD = f"@PPiiii{DEVICE_LEN}s"
-_TENSOR_PACKINGS: dict[int, struct.Struct] = {}
+_RECORD_PACKINGS: dict[tuple[int, ...], struct.Struct] = {}
 
 
-def tensor_record(rank: int) -> struct.Struct:
-    """The Struct writing one pakv_tensor record of ``rank`` (<= MAX_RANK) dims and strides:
-    ``data, host_data, present, elem_type, ndim, reserved, device, *dims, *strides``."""
-    packing = _TENSOR_PACKINGS.get(rank)
+def records_packing(ranks: tuple[int, ...]) -> struct.Struct:
+    """The Struct writing consecutive pakv_tensor records of these kept ranks (-1: an absent record,
+    all zero), each ``data, host_data, present, elem_type, ndim, reserved, device, *dims, *strides``."""
+    packing = _RECORD_PACKINGS.get(ranks)
     if packing is None:
-        pad = (MAX_RANK - rank) * 8
-        packing = struct.Struct(f"{_TENSOR_HEAD}{rank}q{pad}x{rank}q{pad}x")
-        if packing.size != ctypes.sizeof(Tensor):  # pragma: no cover - other padding rules
+        parts = []
+        for rank in ranks:
+            pad = (MAX_RANK - rank) * 8
+            parts.append(f"{ctypes.sizeof(Tensor)}x" if rank < 0 else f"PPiiii{DEVICE_LEN}s{rank}q{pad}x{rank}q{pad}x")
+        packing = struct.Struct("@" + "".join(parts))
+        if packing.size != ctypes.sizeof(Tensor) * len(ranks):  # pragma: no cover - other padding rules
             raise LibraryABIError("pakv_tensor packing does not match its ctypes mirror")
-        _TENSOR_PACKINGS[rank] = packing
+        _RECORD_PACKINGS[ranks] = packing
     return packing
 
 
-# The record of an absent input or an output not given (present = 0, every field zero).
-TENSOR_RECORD_ABSENT = struct.Struct(f"{ctypes.sizeof(Tensor)}x")
 # One full record, every dim and stride (how the ORT bridge's request lists its inputs).
-TENSOR_RECORD = tensor_record(MAX_RANK)
+TENSOR_RECORD = records_packing((MAX_RANK,))
 
 
 @functools.cache
@@ -249,16 +259,15 @@ def _function(name: str):
     return getattr(load(), name)
 
 
-def plan_gather_call(
-    records: int, nz: bool, cumsum: bool, plan: int, scratch: int, scratch_len: int, error: int
-) -> int:
-    """``pakv_plan_gather`` on addresses: 0, or :data:`ERR_VALUE` / :data:`ERR_TYPE` with the message at ``error``."""
-    return _function("pakv_plan_gather")(records, nz, cumsum, plan, scratch, scratch_len, error, ERROR_LEN)
+def plan_gather_call(call: int) -> int:
+    """``pakv_plan_gather`` on the GatherCall at ``call``: 0, or :data:`ERR_VALUE` / :data:`ERR_TYPE`
+    with the message at the call's ``error``."""
+    return _function("pakv_plan_gather")(call)
 
 
-def check_gather_outputs_call(records: int, plan: int, error: int) -> int:
-    """``pakv_check_gather_outputs`` on addresses (see :func:`plan_gather_call`)."""
-    return _function("pakv_check_gather_outputs")(records, plan, error, ERROR_LEN)
+def check_gather_outputs_call(call: int) -> int:
+    """``pakv_check_gather_outputs`` on the GatherCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_check_gather_outputs")(call)
 
 
 def request_output(request_address: int, index: int, dims_address: int, rank: int) -> int:
@@ -277,5 +286,11 @@ def run_gather(plan_address: int, key_out: int, value_out: int) -> None:
     scratch = _scratch
     ctypes.memmove(scratch.plan_address, plan_address, ctypes.sizeof(Plan))
     struct.pack_into("@PP", scratch.plan_bytes, _OUT_OFFSETS[0], key_out, value_out)
-    if _function("pakv_gather")(scratch.plan_address, scratch.error_address, ERROR_LEN) != 0:
-        raise ValueError(scratch.error.value.decode(errors="replace"))
+    run_plan(scratch.plan_address)
+
+
+def run_plan(plan_address: int) -> None:
+    """Run the validated pakv_plan at ``plan_address`` as it is (its own output addresses)."""
+    error = _scratch.error_address
+    if _function("pakv_gather")(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))

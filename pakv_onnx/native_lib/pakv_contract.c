@@ -446,18 +446,21 @@ static int report(int rc, const pakv_err* err, char* err_out, size_t err_len) {
   return err->kind == PAKV_ERR_TYPE ? PAKV_ERR_TYPE : PAKV_ERR_VALUE;
 }
 
-PAKV_EXPORT int pakv_plan_gather(const pakv_tensor* t, int nz, int cumsum, pakv_plan* plan, int64_t* scratch,
-                                 int64_t scratch_len, char* err_out, size_t err_len) {
+PAKV_EXPORT int pakv_plan_gather(pakv_gather_call* call) {
   pakv_err err = {PAKV_ERR_VALUE, {0}};
-  if (!t || !plan) return report(pakv_fail(&err, "NULL records or plan"), &err, err_out, err_len);
-  return report(pakv_validate_gather(t, nz != 0, cumsum != 0, plan, scratch, scratch_len, &err), &err, err_out,
-                err_len);
+  if (!call) return PAKV_ERR_VALUE;
+  int rc = pakv_validate_gather(call->records, call->nz != 0, call->cumsum != 0, &call->plan, call->scratch,
+                                call->scratch_len, &err);
+  return report(rc, &err, call->error, call->error ? PAKV_ERR_LEN : 0);
 }
 
-PAKV_EXPORT int pakv_check_gather_outputs(const pakv_tensor* t, const pakv_plan* plan, char* err_out, size_t err_len) {
+PAKV_EXPORT int pakv_check_gather_outputs(const pakv_gather_call* call) {
   pakv_err err = {PAKV_ERR_VALUE, {0}};
-  if (!t || !plan) return report(pakv_fail(&err, "NULL records or plan"), &err, err_out, err_len);
-  return report(pakv_validate_gather_outputs(t, plan, &err), &err, err_out, err_len);
+  if (!call) return PAKV_ERR_VALUE;
+  return report(pakv_validate_gather_outputs(call->records, &call->plan, &err), &err, call->error,
+                call->error ? PAKV_ERR_LEN : 0);
 }
+
+PAKV_EXPORT size_t pakv_gather_call_size(void) { return sizeof(pakv_gather_call); }
 
 PAKV_EXPORT size_t pakv_tensor_size(void) { return sizeof(pakv_tensor); }

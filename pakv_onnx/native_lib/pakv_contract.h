@@ -71,6 +71,18 @@ int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int c
  * records t[PAKV_GATHER_KEY_OUT], t[PAKV_GATHER_VALUE_OUT] against the plan made from t[0..4]. */
 int pakv_validate_gather_outputs(const pakv_tensor t[PAKV_GATHER_RECORDS], const pakv_plan* plan, pakv_err* err);
 
+/* One gather validation as a caller outside C hands it over in one piece (pakv_onnx/validator.py):
+ * the records and attributes in, the plan out, the message (PAKV_ERR_LEN bytes) at `error`. */
+typedef struct {
+  pakv_plan plan;
+  pakv_tensor records[PAKV_GATHER_RECORDS];
+  int32_t nz;
+  int32_t cumsum;
+  int64_t scratch_len;
+  int64_t* scratch;
+  char* error;
+} pakv_gather_call;
+
 /* A dense record of `ndim` dims (strides row-major), for tensors that are dense by construction. */
 void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim, const int64_t* dims,
                        const char* device);

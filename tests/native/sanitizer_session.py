@@ -256,28 +256,24 @@ def validator():
     vc = rng.integers(0, 255, (6, 4, 1, 8)).astype(np.uint8)
     bt, sl, so = np.array([[5, 0, 3], [1, 2, 4]], np.int32), np.array([0, 10, 13], np.int32), np.array([0, 5], np.int32)
 
-    def records(arrays, types):
-        tensors = (loader.Tensor * 7)()
+    def call(arrays, types, nz=0, cumsum=1):
+        error = ctypes.create_string_buffer(1024)
+        request = loader.GatherCall()
         for i, (array, elem) in enumerate(zip(arrays, types)):
             if array is None:
                 continue
-            t = tensors[i]
+            t = request.records[i]
             t.data, t.host_data, t.present, t.elem_type = array.ctypes.data, array.ctypes.data, 1, elem
             t.ndim, t.device = array.ndim, b"cpu"
             for d, (n, stride) in enumerate(zip(array.shape, array.strides)):
                 t.dims[d], t.strides[d] = n, stride // array.itemsize
-        return tensors
-
-    def call(arrays, types, nz=0, cumsum=1):
-        error = ctypes.create_string_buffer(1024)
-        plan = loader.Plan()
         scratch = np.zeros(3 * len(bt), np.int64)
-        tensors = records(arrays, types)
-        kind = lib.pakv_plan_gather(ctypes.addressof(tensors), nz, cumsum, ctypes.addressof(plan),
-                                    scratch.ctypes.data, scratch.size, error, 1024)  # fmt: skip
+        request.nz, request.cumsum, request.scratch_len = nz, cumsum, scratch.size
+        request.scratch, request.error = scratch.ctypes.data, ctypes.addressof(error)
+        kind = lib.pakv_plan_gather(ctypes.addressof(request))
         if kind:
             return kind
-        assert lib.pakv_gather(ctypes.addressof(plan), error, 1024) == 0, error.value
+        assert lib.pakv_gather(ctypes.addressof(request.plan), error, 1024) == 0, error.value
         return 0
 
     types = [2, 2, 6, 6, 6, 2, 2]
