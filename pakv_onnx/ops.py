@@ -52,14 +52,18 @@ def gather_pa_kv_cache(
         TypeError, ValueError: the inputs break the contract (see :mod:`pakv_onnx.spec`).
         BackendUnavailableError: the chosen backend cannot run here or cannot run this call.
     """
-    return gather_with(
-        (key_cache, value_cache, block_tables, seq_lens, seq_offset),
+    plan = plan_gather(
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        seq_offset,
         cache_mode=cache_mode,
         is_seq_lens_cumsum=is_seq_lens_cumsum,
-        backend=backend,
         key_out=key_out,
         value_out=value_out,
     )
+    return _run(plan, backend, key_cache, value_cache, key_out, value_out)
 
 
 def _empty(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,10 +97,25 @@ def gather_with(
     plan = plan_gather(
         *inputs, cache_mode=cache_mode, is_seq_lens_cumsum=is_seq_lens_cumsum, key_out=key_out, value_out=value_out
     )
+    if allocate is None:
+        return _run(plan, backend, key_cache, value_cache, key_out, value_out)
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
-    if allocate is not None:
-        key_out, value_out = allocate(plan)
-        check_outputs(plan, key_out, value_out)
+    key_out, value_out = allocate(plan)
+    check_outputs(plan, key_out, value_out)
+    chosen.gather(plan, GatherTensors(key_cache, value_cache, key_out, value_out))
+    return key_out, value_out
+
+
+def _run(
+    plan: GatherPlan,
+    backend: str,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key_out: torch.Tensor | None,
+    value_out: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the backend, allocate the outputs not given (each in its cache's dtype), gather."""
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
     if key_out is None:
         key_out = _empty("key", plan.key_out_shape, plan.key_dtype, key_cache.device)
     if value_out is None:

@@ -369,12 +369,26 @@ class GatherPlan:
             ValueError: T above :data:`MAX_LISTED_INDICES` (see :meth:`runs`).
         """
         _require_listable("token_slots()", self.num_tokens, "tokens")
+        if self.num_tokens <= SMALL_TOKEN_SLOTS:  # a decode step: two lists beat a dozen torch ops
+            return self._token_slots_listed()
         runs = self.runs()
         physical, rows, out_row = runs[:, 0], runs[:, 1], runs[:, 2]
         token_block = torch.repeat_interleave(physical, rows)
         run_first_token = torch.repeat_interleave(out_row, rows)
         slot = torch.arange(self.num_tokens) - run_first_token
         return token_block, slot
+
+    def _token_slots_listed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`token_slots` built over Python lists (the same values, in output order)."""
+        bs = self.block_size
+        blocks: list[int] = [0] * self.num_tokens
+        slots: list[int] = [0] * self.num_tokens
+        for row, length, start, col in zip(self.block_table_rows(), *self.index_lists()):
+            for token in range(0, length, bs):
+                rows = min(bs, length - token)
+                blocks[start + token : start + token + rows] = [row[col + token // bs]] * rows
+                slots[start + token : start + token + rows] = range(rows)
+        return int64_tensor(blocks), int64_tensor(slots)
 
     def token_rows(self, rows_per_block: int) -> torch.Tensor:
         """int64 ``[T]``: ``block * rows_per_block + slot`` of each output row (see :meth:`token_slots`):
@@ -408,6 +422,9 @@ def int64_tensor(values: list[int]) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64)
     return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
+
+# Plans of at most this many tokens list their token slots in plain Python (GatherPlan.token_slots).
+SMALL_TOKEN_SLOTS = 4096
 
 # Per-run / per-token index tensors above this many entries are refused rather than built:
 # 2**36 int64 entries are 512 GiB, far past any output a backend could hold, and the number
