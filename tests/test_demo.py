@@ -14,6 +14,7 @@ from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH
 from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
 
 
+@pytest.mark.slow  # the demo exports and runs every graph: 20-80 s on a busy machine
 def test_demo_passes_end_to_end(tmp_path) -> None:
     result = subprocess.run(
         ["pakv-onnx", "demo", "--tokens", "96", "--repeats", "1", "--out", str(tmp_path)],
@@ -55,6 +56,7 @@ def check_saved_sample_data(out_dir, name: str) -> None:
     assert expected["output"].shape == inputs["hidden_states"].shape
 
 
+@pytest.mark.slow  # the demo exports and runs every graph: 20-80 s on a busy machine
 def test_demo_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(kernels.BACKEND_MODULES, "broken", "broken_backend")
     assert cli.main(["demo", "--model", "gqa", "--tokens", "64", "--repeats", "1", "--backend", "native,broken"]) == 1
@@ -65,6 +67,7 @@ def test_demo_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypat
     assert out.rstrip().endswith("FAIL")
 
 
+@pytest.mark.slow  # the demo exports and runs every graph: 20-80 s on a busy machine
 def test_demo_skips_a_pypto_cpu_that_refuses_the_graph(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,7 @@ from pakv_onnx.pypto import runs
 pytestmark = pytest.mark.usefixtures("temp_cache")
 
 
+@pytest.mark.slow  # 18 interpreter runs
 def test_verify_kernel_passes_each_layout_dtype_and_index_form(capsys):
     # Norm bf16 seed cases (64 heads x 128 included), PA_NZ int8 and fp32, Norm uint16, lengths mode,
     # random kernel cases (PA_NZ uint16, Norm fp32)

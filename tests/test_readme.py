@@ -46,8 +46,16 @@ def test_readme_and_docs_have_the_documented_python_blocks() -> None:
     assert no_torch, "no ```python block starts with `no torch`"  # the onnxruntime-only example
 
 
+# Pages whose blocks export and run whole models (tens of seconds each): run with -m slow.
+SLOW_PAGES = {"docs/decoders.md"}
+
+
 @pytest.mark.parametrize(
-    ("page", "line", "source"), all_blocks(), ids=[f"{path}:{line}" for path, line, _ in all_blocks()]
+    ("page", "line", "source"),
+    [
+        pytest.param(path, line, source, id=f"{path}:{line}", marks=[pytest.mark.slow] if path in SLOW_PAGES else [])
+        for path, line, source in all_blocks()
+    ],
 )
 def test_python_block_runs(page: str, line: int, source: str, tmp_path: Path) -> None:
     prelude = NO_TORCH_PRELUDE if "no torch" in source.splitlines()[0] else ""
