@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors
+from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 
 def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
@@ -46,3 +46,28 @@ def gather_golden(plan: GatherPlan, tensors: GatherTensors) -> None:
             start = out_start + token
             key_out.narrow(0, start, rows).copy_(_block_rows(key_cache, mode, block, rows))  # key_out[start:+rows]
             value_out.narrow(0, start, rows).copy_(_block_rows(value_cache, mode, block, rows))
+
+
+def _token_rows(cache: torch.Tensor, mode: CacheMode, block: int, slot: int) -> torch.Tensor:
+    """One token's row of one block, written through (a view): Norm ``[H, D]``, PA_NZ ``[HD/E, E]``."""
+    if mode is CacheMode.NORM:
+        return cache[block, slot]
+    return cache[block, :, slot, :]
+
+
+def scatter_golden(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    """Write every token with a slot into its cache row, in place; padding tokens (slot < 0) are skipped.
+
+    Args:
+        plan: a validated scatter for these tensors.
+        tensors: ``key`` / ``value`` ``[T, H, D]`` and the caches (any block stride), written in place.
+    """
+    key, value, key_cache, value_cache = tensors
+    bs, mode = plan.block_size, plan.cache_mode
+    for token, slot in enumerate(plan.slots.tolist()):
+        if slot < 0:
+            continue
+        block, row = divmod(slot, bs)
+        for src, cache in ((key, key_cache), (value, value_cache)):
+            dst = _token_rows(cache, mode, block, row)
+            dst.copy_(src[token].reshape(dst.shape))

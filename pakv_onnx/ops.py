@@ -1,4 +1,4 @@
-"""The public Python front: ``gather_pa_kv_cache``, a thin typed wrapper over the backends."""
+"""The public Python front: ``gather_pa_kv_cache`` and ``scatter_pa_kv_cache``, thin typed wrappers over the backends."""
 
 from __future__ import annotations
 
@@ -7,8 +7,15 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode, GatherPlan, GatherTensors
-from pakv_onnx.validator import check_outputs, plan_gather
+from pakv_onnx.spec import (
+    DEFAULT_CACHE_MODE,
+    DEFAULT_IS_SEQ_LENS_CUMSUM,
+    CacheMode,
+    GatherPlan,
+    GatherTensors,
+    ScatterTensors,
+)
+from pakv_onnx.validator import check_outputs, plan_gather, plan_scatter
 
 
 def gather_pa_kv_cache(
@@ -121,4 +128,65 @@ def _run(
     if value_out is None:
         value_out = _empty("value", plan.value_out_shape, plan.value_dtype, key_cache.device)
     chosen.gather(plan, GatherTensors(key_cache, value_cache, key_out, value_out))
+    return key_out, value_out
+
+
+def scatter_pa_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
+    backend: str = kernels.AUTO,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write a step's key/value rows into their slots of the paged caches, in place.
+
+    Args:
+        key: ``[T, Hk, Dk]`` of key_cache's dtype (any token stride, e.g. a slice of a fused QKV).
+        value: ``[T, Hv, Dv]`` of value_cache's dtype.
+        key_cache: ``[num_blocks, block_size, Hk, Dk]`` (Norm) or ``[num_blocks, Hk*Dk // E, block_size, E]``
+            (PA_NZ, E = 32 bytes / itemsize); pool views (strided on dim 0) are written in place.
+        value_cache: same layout, num_blocks and block_size.
+        slot_mapping: int32/int64 ``[T]``: token t goes to block ``s // block_size``, row
+            ``s % block_size`` of ``s = slot_mapping[t]``; a negative slot is padding (skipped);
+            every slot below ``num_blocks * block_size``, none twice.
+        cache_mode: ``"Norm"`` or ``"PA_NZ"``.
+        backend: a backend with a scatter kernel, or ``"auto"``.
+
+    Returns:
+        ``(key_cache, value_cache)``, the same tensors, updated.
+
+    Raises:
+        TypeError, ValueError: the inputs break the contract (nothing is written).
+        BackendUnavailableError: the chosen backend cannot run here or has no scatter kernel.
+    """
+    plan = plan_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode=cache_mode)
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    chosen.scatter(plan, ScatterTensors(key, value, key_cache, value_cache))
+    return key_cache, value_cache
+
+
+def scatter_with(
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    cache_mode: str | CacheMode,
+    backend: str,
+    allocate: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ORT plugin callback's scatter: the updated caches go to the buffers ``allocate()`` returns
+    (ORT's outputs: the input caches themselves when ORT aliased them or the host bound them so,
+    written in place; else each cache is copied there first and the rows are written there)."""
+    key, value, key_cache, value_cache, slot_mapping = inputs
+    plan = plan_scatter(*inputs, cache_mode=cache_mode)
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    key_out, value_out = allocate()
+    plan_scatter(*inputs, cache_mode=cache_mode, key_cache_out=key_out, value_cache_out=value_out)  # checks them
+    if key_out.data_ptr() != key_cache.data_ptr() or value_out.data_ptr() != value_cache.data_ptr():
+        for out, cache in ((key_out, key_cache), (value_out, value_cache)):
+            if out.data_ptr() != cache.data_ptr():
+                out.copy_(cache)
+        plan = plan_scatter(key, value, key_out, value_out, slot_mapping, cache_mode=cache_mode)
+    chosen.scatter(plan, ScatterTensors(key, value, key_out, value_out))
     return key_out, value_out

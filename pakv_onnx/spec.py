@@ -75,39 +75,69 @@ class CacheMode(str, enum.Enum):
 DEFAULT_CACHE_MODE = CacheMode.NORM
 DEFAULT_IS_SEQ_LENS_CUMSUM = True
 
-# The op's signature, in order: the tensor inputs (INPUT_NAMES; OPTIONAL_INPUTS may be None),
-# then the attributes with their defaults. The torch op's schema, its fake and eager
-# implementations, the ONNX translations, the OpSchema and the builder derive theirs from this.
-ATTRIBUTE_DEFAULTS: dict[str, str | bool] = {
-    ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value,
-    ATTR_IS_SEQ_LENS_CUMSUM: DEFAULT_IS_SEQ_LENS_CUMSUM,
-}
-PARAMETER_NAMES: tuple[str, ...] = (*INPUT_NAMES, *ATTRIBUTE_DEFAULTS)
+@dataclasses.dataclass(frozen=True)
+class OpSignature:
+    """One op's signature: the tensor inputs in order (optional ones may be None), then the
+    attributes with their defaults, and the outputs. The torch op's schema, its fake and eager
+    implementations, the ONNX translations, the OpSchema and the builder derive theirs from this."""
+
+    op_type: str
+    input_names: tuple[str, ...]
+    optional_inputs: frozenset[str]
+    output_names: tuple[str, ...]
+    attribute_defaults: dict[str, str | bool]
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        return (*self.input_names, *self.attribute_defaults)
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """Positional/keyword arguments as ``{name: value}`` in signature order, defaults filled.
+
+        Raises:
+            TypeError: too many arguments, an unknown or repeated name, or a missing required input.
+        """
+        names = self.parameter_names
+        if len(args) > len(names):
+            raise TypeError(f"{self.op_type} takes at most {len(names)} arguments, got {len(args)}")
+        bound = dict(zip(names, args))
+        for name, value in kwargs.items():
+            if name not in names:
+                raise TypeError(f"{self.op_type} got an unknown argument {name!r} (arguments: {', '.join(names)})")
+            if name in bound:
+                raise TypeError(f"{self.op_type} got {name!r} twice")
+            bound[name] = value
+        for name in self.input_names:
+            if name not in bound:
+                if name not in self.optional_inputs:
+                    raise TypeError(f"{self.op_type} is missing the required input {name!r}")
+                bound[name] = None
+        for name, default in self.attribute_defaults.items():
+            bound.setdefault(name, default)
+        return {name: bound[name] for name in names}
 
 
-def bind_arguments(args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The op's positional/keyword arguments as ``{name: value}`` in contract order, defaults filled.
-
-    Raises:
-        TypeError: too many arguments, an unknown or repeated name, or a missing required input.
-    """
-    if len(args) > len(PARAMETER_NAMES):
-        raise TypeError(f"{OP_TYPE} takes at most {len(PARAMETER_NAMES)} arguments, got {len(args)}")
-    bound = dict(zip(PARAMETER_NAMES, args))
-    for name, value in kwargs.items():
-        if name not in PARAMETER_NAMES:
-            raise TypeError(f"{OP_TYPE} got an unknown argument {name!r} (arguments: {', '.join(PARAMETER_NAMES)})")
-        if name in bound:
-            raise TypeError(f"{OP_TYPE} got {name!r} twice")
-        bound[name] = value
-    for name in INPUT_NAMES:
-        if name not in bound:
-            if name not in OPTIONAL_INPUTS:
-                raise TypeError(f"{OP_TYPE} is missing the required input {name!r}")
-            bound[name] = None
-    for name, default in ATTRIBUTE_DEFAULTS.items():
-        bound.setdefault(name, default)
-    return {name: bound[name] for name in PARAMETER_NAMES}
+GATHER = OpSignature(
+    OP_TYPE,
+    INPUT_NAMES,
+    OPTIONAL_INPUTS,
+    OUTPUT_NAMES,
+    {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value, ATTR_IS_SEQ_LENS_CUMSUM: DEFAULT_IS_SEQ_LENS_CUMSUM},
+)
+# ScatterPaKvCache (AscendC's companion op): token t of key/value [T, H, D] goes to slot
+# s = slot_mapping[t] of its cache, block s // bs, row s % bs; a negative slot is padding.
+# The updated caches are its outputs (in place where ORT or the host lets them be the inputs).
+SCATTER = OpSignature(
+    "ScatterPaKvCache",
+    ("key", "value", "key_cache", "value_cache", "slot_mapping"),
+    frozenset(),
+    ("key_cache_out", "value_cache_out"),
+    {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value},
+)
+# The gather's signature under its historical names (most of the package reads these).
+ATTRIBUTE_DEFAULTS = GATHER.attribute_defaults
+PARAMETER_NAMES: tuple[str, ...] = GATHER.parameter_names
+bind_arguments = GATHER.bind
 
 # Bytes of one FRACTAL_NZ fractal row: the PA_NZ last dim is this / element size.
 NZ_FRACTAL_BYTES = 32
@@ -414,6 +444,59 @@ class GatherTensors(NamedTuple):
     value_cache: torch.Tensor
     key_out: torch.Tensor
     value_out: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class ScatterPlan:
+    """A validated ScatterPaKvCache: everything a backend needs besides the tensors themselves.
+
+    Made by :func:`pakv_onnx.validator.plan_scatter` from what the C validator returned.
+
+    Attributes:
+        cache_mode: layout of both caches.
+        num_blocks, block_size: cache geometry shared by key and value.
+        num_tokens: T, rows of ``key`` / ``value`` (and entries of ``slot_mapping``).
+        key_token_shape, value_token_shape: one token's row in its cache (``(H, D)`` Norm,
+            ``(H*D,)`` PA_NZ); ``key`` / ``value`` are ``[T, H, D]`` either way.
+        key_dtype, value_dtype: element types of key_cache / value_cache (and of key / value).
+        key_row_bytes, value_row_bytes: bytes of one token row.
+        slots: the caller's ``slot_mapping`` on the host, int32/int64 ``[T]`` as given: every
+            entry below ``num_blocks * block_size``, no two equal; negative ones are padding.
+        native: the validator's C plan and what it points at (``kernels.native`` runs it), or ``None``.
+    """
+
+    cache_mode: CacheMode
+    num_blocks: int
+    block_size: int
+    num_tokens: int
+    key_token_shape: tuple[int, ...]
+    value_token_shape: tuple[int, ...]
+    key_dtype: torch.dtype
+    value_dtype: torch.dtype
+    key_row_bytes: int
+    value_row_bytes: int
+    slots: torch.Tensor = dataclasses.field(repr=False)
+    native: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    def written(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 ``([N], [N])``: the tokens that are written (slot >= 0) and their slots, in token order."""
+        slots = self.slots.to(torch.int64)
+        tokens = torch.nonzero(slots >= 0).flatten()
+        return tokens, slots[tokens]
+
+
+class ScatterTensors(NamedTuple):
+    """The four tensors one scatter touches: the rows it reads and the caches it writes in place.
+
+    Attributes:
+        key, value: ``[T, H, D]`` rows of ``plan.key_dtype`` / ``plan.value_dtype``.
+        key_cache, value_cache: the paged caches (layout per ``plan.cache_mode``), written in place.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

@@ -29,7 +29,9 @@ from pakv_onnx.spec import (
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
     CacheMode,
+    SCATTER,
     GatherPlan,
+    ScatterPlan,
     parse_cache_mode,
     parse_cumsum_flag,
 )
@@ -39,6 +41,10 @@ RECORD_NAMES = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_off
 # Each record's (name, may be None, is an index tensor) in a gather call and in its outputs alone.
 _GATHER_ROLES = tuple((name, i >= 4, 2 <= i <= 4) for i, name in enumerate(RECORD_NAMES))
 _OUTPUT_ROLES = (("key_out", False, False), ("value_out", False, False))
+_SCATTER_ROLES = (
+    *((name, False, name == "slot_mapping") for name in SCATTER.input_names),
+    *((name, True, False) for name in SCATTER.output_names),
+)
 
 # One int64 array per call: the pakv_gather_call (plan, records, attributes), then the plan's
 # 3 x Q index entries (its scratch). It stays with the plan: the C plan points into it.
@@ -224,3 +230,75 @@ def check_outputs(plan: GatherPlan, key_out: torch.Tensor, value_out: torch.Tens
 
 
 _OUTPUTS = struct.Struct("@PP")  # the plan's key_out, value_out: validated outputs it may write
+
+
+_SCATTER_SIZE = ctypes.sizeof(native_lib.ScatterCall)
+_SCATTER_RECORDS_AT = native_lib.ScatterCall.records.offset
+_SCATTER_TAIL_AT = native_lib.ScatterCall.nz.offset
+_SCATTER_TAIL = struct.Struct("@iiqPP")  # nz, reserved, scratch_len, scratch, error
+_SCATTER_FIELDS = struct.Struct(native_lib.SCATTER_PLAN_FORMAT)
+_SAT = native_lib.SCATTER_PLAN_FIELD_AT
+
+
+def plan_scatter(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
+    key_cache_out: torch.Tensor | None = None,
+    value_cache_out: torch.Tensor | None = None,
+) -> ScatterPlan:
+    """Validate one ScatterPaKvCache call and return its plan.
+
+    Args:
+        key, value: ``[T, Hk, Dk]`` / ``[T, Hv, Dv]`` rows of their caches' dtypes (each token
+            row-major; any token stride, e.g. a slice of a fused QKV projection).
+        key_cache, value_cache: the gather's layouts (Norm ``[nb, bs, H, D]``, PA_NZ
+            ``[nb, H*D // E, bs, E]``), pool views included; written in place by a backend.
+        slot_mapping: int32/int64 ``[T]``: token t goes to block ``s // bs``, row ``s % bs`` of
+            ``s = slot_mapping[t]``; a negative slot is padding (skipped); no slot twice.
+        cache_mode: ``"Norm"`` or ``"PA_NZ"``.
+        key_cache_out, value_cache_out: where the updated caches go when not in place (an ORT
+            host's output buffers): each its cache's shape, dtype and device, contiguous, either
+            that cache itself or overlapping no input and not each other. The plan still writes
+            the input caches; a caller copies each cache to its output first and plans again there.
+
+    Raises:
+        TypeError: a non-tensor or a dtype outside the contract (or unlike its cache's).
+        ValueError: any other contract violation, named by the C validator.
+    """
+    mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
+    ranks, values, hosts = _describe(
+        (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out), _SCATTER_ROLES
+    )
+    num_tokens = key.shape[0] if key.dim() >= 1 else 0
+    call = array.array("q", bytes(_SCATTER_SIZE + 16 * num_tokens))
+    base = call.buffer_info()[0]
+    native_lib.records_packing(ranks).pack_into(call, _SCATTER_RECORDS_AT, *values)
+    _SCATTER_TAIL.pack_into(
+        call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, 2 * num_tokens, base + _SCATTER_SIZE, _errors.address
+    )
+    kind = native_lib.plan_scatter_call(base)
+    if kind:
+        _raise(kind)
+    fields = _SCATTER_FIELDS.unpack_from(call, 0)
+    token = {CacheMode.NORM: lambda c: (c.shape[2], c.shape[3]), CacheMode.PA_NZ: lambda c: (c.shape[1] * c.shape[3],)}
+    plan = object.__new__(ScatterPlan)
+    plan.__dict__.update(
+        cache_mode=mode,
+        num_blocks=fields[_SAT["num_blocks"]],
+        block_size=fields[_SAT["block_size"]],
+        num_tokens=fields[_SAT["num_tokens"]],
+        key_token_shape=tuple(token[mode](key_cache)),
+        value_token_shape=tuple(token[mode](value_cache)),
+        key_dtype=key_cache.dtype,
+        value_dtype=value_cache.dtype,
+        key_row_bytes=fields[_SAT["key_row_bytes"]],
+        value_row_bytes=fields[_SAT["value_row_bytes"]],
+        slots=hosts[4],
+        native=(call, hosts),
+    )
+    return plan

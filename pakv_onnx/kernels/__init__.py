@@ -16,10 +16,12 @@ from collections.abc import Callable
 
 import torch
 
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
 GatherFn = Callable[[GatherPlan, GatherTensors], None]
+# scatter(plan, tensors): reads tensors.key / value, writes their rows into tensors.key_cache / value_cache.
+ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
 
 
 def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
@@ -49,6 +51,10 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
+        scatter: ``scatter(plan, tensors)`` (a :class:`~pakv_onnx.spec.ScatterTensors`) for
+            ScatterPaKvCache, writing the caches in place; ``None``: the backend has no write op
+            (refused by name for a :class:`~pakv_onnx.spec.ScatterPlan`). Its
+            ``unsupported_reason`` is asked about both plan kinds.
     """
 
     name: str
@@ -58,6 +64,7 @@ class Backend:
     unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = _handles_every_call
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
+    scatter: ScatterFn | None = None
 
     def unavailable(self) -> str | None:
         """:attr:`unavailable_reason`, asked once per process (packages and devices don't come and go)."""
@@ -66,8 +73,10 @@ class Backend:
             known = _availability[id(self)] = (self, self.unavailable_reason())
         return known[1]
 
-    def refusal(self, plan: GatherPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
+    def refusal(self, plan: GatherPlan | ScatterPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
+        if self.scatter is None and type(plan) is ScatterPlan:
+            return "it has no ScatterPaKvCache kernel"
         reason = self.unavailable() or self.unsupported_reason(plan, caches[0])
         if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
             return (
@@ -120,13 +129,14 @@ def get_backend(name: str) -> Backend:
 
 
 def resolve_backend(
-    name: str, plan: GatherPlan, cache: torch.Tensor, value_cache: torch.Tensor | None = None
+    name: str, plan: GatherPlan | ScatterPlan, cache: torch.Tensor, value_cache: torch.Tensor | None = None
 ) -> Backend:
     """Pick the backend for one call; ``"auto"`` takes the first of :data:`AUTO_PREFERENCE` that can run it.
 
     Args:
         name: a registered name or ``"auto"``.
-        plan: the validated call.
+        plan: the validated call (a gather's or a scatter's: a backend without a scatter kernel
+            is refused a ScatterPlan by name).
         cache, value_cache: the key and value caches (``value_cache`` defaults to ``cache``).
 
     Raises:
@@ -155,7 +165,7 @@ def clear_availability_cache() -> None:
     _availability.clear()
 
 
-def _resolve_auto(plan: GatherPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
+def _resolve_auto(plan: GatherPlan | ScatterPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
     """The first backend of AUTO_PREFERENCE that can run the call."""
     reasons = []
     for candidate in AUTO_PREFERENCE:

@@ -14,7 +14,7 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
 _WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))
@@ -68,6 +68,23 @@ def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
     native_lib.run_gather(call.buffer_info()[0], key_address, value_address)
 
 
+_SCATTER_WORDS = tuple(
+    getattr(native_lib.ScatterPlan, f).offset // 8 for f in ("key", "value", "key_cache", "value_cache")
+)
+
+
+def scatter_native(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    """Scatter with the C core: the validator's plan, run on the tensors it was made for (one
+    memcpy per written token row, PA_NZ one per fractal; caches written in place, pool views too)."""
+    if plan.native is None:
+        raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_scatter")
+    call = plan.native[0]
+    planned = tuple(call[word] for word in _SCATTER_WORDS)
+    if tuple(t.data_ptr() for t in tensors) != planned and any(t.numel() for t in tensors):
+        raise ValueError("native backend: key/value/key_cache/value_cache are not the tensors this plan was made for")
+    native_lib.run_scatter(call.buffer_info()[0])
+
+
 BACKEND = Backend(
     name="native",
     description="C copy core: one memcpy per (sequence, block) run; strided pool views read in place (CPU)",
@@ -76,4 +93,5 @@ BACKEND = Backend(
     unsupported_reason=_unsupported,
     reads_pool_views=True,
     mixed_dtypes=True,
+    scatter=scatter_native,
 )

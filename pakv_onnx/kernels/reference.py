@@ -1,10 +1,11 @@
-"""The ``golden`` backend: :func:`pakv_onnx.golden.gather_golden`, the torch reference, as a backend.
+"""The ``golden`` backend: :func:`pakv_onnx.golden.gather_golden` / :func:`~pakv_onnx.golden.scatter_golden`,
+the torch reference, as a backend.
 
 (Named ``reference`` so that ``pakv_onnx.golden``, the public reference, is the only module
 called golden.)
 """
 
-from pakv_onnx.golden import gather_golden
+from pakv_onnx.golden import gather_golden, scatter_golden
 from pakv_onnx.kernels import Backend
 
 BACKEND = Backend(
@@ -13,4 +14,5 @@ BACKEND = Backend(
     gather=gather_golden,
     reads_pool_views=True,
     mixed_dtypes=True,
+    scatter=scatter_golden,
 )

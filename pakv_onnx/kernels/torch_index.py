@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, bits_view
+from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors, bits_view
 
 
 def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch.Tensor, int] | None:
@@ -98,10 +98,42 @@ def gather_torch(plan: GatherPlan, tensors: GatherTensors) -> None:
         _gather_one(plan, cache, out, slots, indices)
 
 
+def _scatter_one(plan: ScatterPlan, src: torch.Tensor, cache: torch.Tensor, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """``cache[slot // bs, slot % bs] = src[token]`` (per layout) for the written tokens, in place."""
+    rows_src = bits_view(src)
+    dst = bits_view(cache)
+    bs = plan.block_size
+    device = dst.device
+    block, slot = (slots // bs).to(device), (slots % bs).to(device)
+    picked = rows_src.index_select(0, tokens.to(rows_src.device)).to(device)
+    if plan.cache_mode is CacheMode.NORM:
+        view = _row_view(dst, cache.shape[2] * cache.shape[3], bs)  # the validator refused overlapping blocks
+        rows, per_block = view
+        rows.index_copy_(0, block * per_block + slot, picked.reshape(len(tokens), -1))
+        return
+    fractals, last = cache.shape[1], cache.shape[3]
+    rows, per_block = _row_view(dst, last, fractals * bs)
+    f = torch.arange(fractals, device=device)
+    index = (block[:, None] * per_block + f[None, :] * bs + slot[:, None]).reshape(-1)
+    rows.index_copy_(0, index, picked.reshape(len(tokens) * fractals, last))
+
+
+def scatter_torch(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    """Vectorised scatter: one ``index_copy_`` per cache over a row view of its own storage."""
+    key, value, key_cache, value_cache = tensors
+    tokens, slots = plan.written()
+    if len(tokens) == 0:
+        return
+    for src, cache, row_bytes in ((key, key_cache, plan.key_row_bytes), (value, value_cache, plan.value_row_bytes)):
+        if row_bytes > 0:
+            _scatter_one(plan, src, cache, tokens, slots)
+
+
 BACKEND = Backend(
     name="torch",
     description="vectorised torch index_select on a precomputed token index (any device, pool views)",
     gather=gather_torch,
     reads_pool_views=True,
     mixed_dtypes=True,
+    scatter=scatter_torch,
 )

@@ -2,7 +2,8 @@
 
 One shared library serves two callers, neither of which imports the other:
 
-* :mod:`pakv_onnx.kernels.native` calls the copy core directly (:func:`gather` with a :class:`Plan`);
+* :mod:`pakv_onnx.validator` hands calls to the C validator, :mod:`pakv_onnx.kernels.native` runs
+  its plans in the copy core (:func:`run_plan`, :func:`run_scatter`);
 * :mod:`pakv_onnx.runtime_plugin` hands the file to ONNX Runtime (``register_custom_ops_library``)
   and installs the Python callback for Python backends (:class:`Request`).
 
@@ -28,7 +29,7 @@ import threading
 from pathlib import Path
 
 LIBRARY_NAME = "libpakv_ort.dylib" if sys.platform == "darwin" else "libpakv_ort.so"
-ABI_VERSION = 3  # PAKV_ABI_VERSION in pakv_core.h
+ABI_VERSION = 4  # PAKV_ABI_VERSION in pakv_core.h
 MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
 DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
@@ -144,11 +145,52 @@ class GatherCall(ctypes.Structure):
     ]
 
 
+class ScatterPlan(ctypes.Structure):
+    """``pakv_scatter_plan`` (pakv_core.h): one scatter in bytes, made by the validator, run by ``pakv_scatter``."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("struct_size", ctypes.c_uint32),
+        ("layout", ctypes.c_int32),
+        ("slots64", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("key_block_stride", ctypes.c_int64),
+        ("value_block_stride", ctypes.c_int64),
+        ("key_row_bytes", ctypes.c_int64),
+        ("value_row_bytes", ctypes.c_int64),
+        ("key", ctypes.c_void_p),
+        ("value", ctypes.c_void_p),
+        ("key_token_stride", ctypes.c_int64),
+        ("value_token_stride", ctypes.c_int64),
+        ("num_tokens", ctypes.c_int64),
+        ("slot_mapping", ctypes.c_void_p),
+        ("slot_stride", ctypes.c_int64),
+    ]
+
+
+class ScatterCall(ctypes.Structure):
+    """``pakv_scatter_call`` (pakv_contract.h): one scatter validation handed over in one piece."""
+
+    _fields_ = [
+        ("plan", ScatterPlan),
+        ("records", Tensor * 7),
+        ("nz", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("scratch_len", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("error", ctypes.c_void_p),
+    ]
+
+
 class Request(ctypes.Structure):
     """``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend."""
 
     _fields_ = [
         ("backend", ctypes.c_char_p),
+        ("op", ctypes.c_char_p),
         ("cache_mode", ctypes.c_char_p),
         ("is_seq_lens_cumsum", ctypes.c_int64),
         ("inputs", Tensor * NUM_INPUTS),
@@ -170,6 +212,10 @@ _SIGNATURES = {
     "pakv_plan_gather": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_gather_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_gather": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_scatter_plan_size": ([], ctypes.c_size_t),
+    "pakv_scatter_call_size": ([], ctypes.c_size_t),
+    "pakv_plan_scatter": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_scatter": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
@@ -185,6 +231,8 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
         "sizeof(pakv_plan)": (lib.pakv_plan_size(), ctypes.sizeof(Plan)),
         "sizeof(pakv_tensor)": (lib.pakv_tensor_size(), ctypes.sizeof(Tensor)),
         "sizeof(pakv_gather_call)": (lib.pakv_gather_call_size(), ctypes.sizeof(GatherCall)),
+        "sizeof(pakv_scatter_plan)": (lib.pakv_scatter_plan_size(), ctypes.sizeof(ScatterPlan)),
+        "sizeof(pakv_scatter_call)": (lib.pakv_scatter_call_size(), ctypes.sizeof(ScatterCall)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]
@@ -265,6 +313,18 @@ def plan_gather_call(call: int) -> int:
     return _function("pakv_plan_gather")(call)
 
 
+def plan_scatter_call(call: int) -> int:
+    """``pakv_plan_scatter`` on the ScatterCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_plan_scatter")(call)
+
+
+def run_scatter(plan_address: int) -> None:
+    """Run the validated pakv_scatter_plan at ``plan_address`` (it writes its caches in place)."""
+    error = _scratch.error_address
+    if _function("pakv_scatter")(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
 def check_gather_outputs_call(call: int) -> int:
     """``pakv_check_gather_outputs`` on the GatherCall at ``call`` (see :func:`plan_gather_call`)."""
     return _function("pakv_check_gather_outputs")(call)
@@ -294,3 +354,10 @@ def run_plan(plan_address: int) -> None:
     error = _scratch.error_address
     if _function("pakv_gather")(plan_address, error, ERROR_LEN) != 0:
         raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
+# pakv_scatter_plan as one struct format, and each field's position in its unpacked tuple.
+SCATTER_PLAN_FORMAT = "@IIiiqqPPqqqqPPqqqPq"
+SCATTER_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(ScatterPlan._fields_)}
+if struct.calcsize(SCATTER_PLAN_FORMAT) != ctypes.sizeof(ScatterPlan):  # pragma: no cover
+    raise LibraryABIError("SCATTER_PLAN_FORMAT does not match the ScatterPlan mirror on this platform")

@@ -16,6 +16,8 @@
  * With a runtime of API >= 17 the ops also declare their opset range (pakv opset 1 only). */
 #define PAKV_ORT_API_VERSION 16
 #define PAKV_ORT_API_OPSET_RANGE 17
+/* With a runtime of API >= 18 the write op declares its cache inputs aliased to its outputs. */
+#define PAKV_ORT_API_ALIAS_MAP 18
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtApi OrtApi;
@@ -129,8 +131,11 @@ typedef struct PakvOrtCustomOp {
   void* InferOutputShapeFn;
   int (*GetStartVersion)(const struct PakvOrtCustomOp* op);
   int (*GetEndVersion)(const struct PakvOrtCustomOp* op);
-  /* API 18+: in-place / alias maps (never read: version stays <= 17). */
-  void* reserved_later_fields[4];
+  /* API 18+ (read by ORT only when version >= 18): in-place and alias maps. */
+  size_t (*GetMayInplace)(int** input_index, int** output_index);
+  void (*ReleaseMayInplace)(int* input_index, int* output_index);
+  size_t (*GetAliasMap)(int** input_index, int** output_index);
+  void (*ReleaseAliasMap)(int* input_index, int* output_index);
 } PakvOrtCustomOp;
 
 #endif /* PAKV_ORT_ABI_H */

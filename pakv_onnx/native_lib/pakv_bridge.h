@@ -23,8 +23,9 @@
 
 typedef struct pakv_request {
   const char* backend;    /* registry name, e.g. "golden" */
+  const char* op;         /* "GatherPaKvCache" / "ScatterPaKvCache" */
   const char* cache_mode; /* "Norm" / "PA_NZ" */
-  int64_t is_seq_lens_cumsum;
+  int64_t is_seq_lens_cumsum; /* the gather's */
   pakv_tensor inputs[PAKV_NUM_INPUTS];
   OrtKernelContext* ctx;
   const OrtApi* api;

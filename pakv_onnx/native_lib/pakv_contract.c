@@ -3,6 +3,7 @@
 #include "pakv_contract.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "pakv_dtypes.h"
@@ -187,8 +188,8 @@ static int cache_layout(const pakv_tensor* t, const char* name, cache_geometry* 
   return 0;
 }
 
-static int check_caches(const pakv_tensor* t, int nz, cache_geometry* k, cache_geometry* v, pakv_err* err) {
-  const pakv_tensor *kc = &t[PAKV_GATHER_KEY_CACHE], *vc = &t[PAKV_GATHER_VALUE_CACHE];
+static int check_caches(const pakv_tensor* kc, const pakv_tensor* vc, int nz, cache_geometry* k, cache_geometry* v,
+                        pakv_err* err) {
   if (cache_dtype(kc, "key_cache", err) || cache_dtype(vc, "value_cache", err)) return -1;
   if (strncmp(kc->device, vc->device, PAKV_DEVICE_LEN) != 0)
     return pakv_fail(err, "value_cache is on %.24s but key_cache is on %.24s", vc->device, kc->device);
@@ -317,21 +318,28 @@ static int check_tables(const pakv_tensor* bt, int64_t Q, int64_t bs, int64_t nb
 /* ------------------------------------------------------------------------------------------- */
 /* Outputs                                                                                     */
 /* ------------------------------------------------------------------------------------------- */
-static int output_record(const pakv_tensor* t, int which, const pakv_tensor* cache, const int64_t* dims,
-                         int32_t rank, pakv_err* err) {
-  const char* name = GATHER_NAMES[which];
+static int same_dtype(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,
+                      pakv_err* err) {
+  if (t->elem_type == cache->elem_type) return 0;
+  return pakv_fail_type(err, "%s must have %s's dtype %s, got %s", name, cache_name, type_name(cache->elem_type),
+                        type_name(t->elem_type));
+}
+
+static int same_device(const pakv_tensor* t, const char* name, const pakv_tensor* cache, pakv_err* err) {
+  if (strncmp(t->device, cache->device, PAKV_DEVICE_LEN) == 0) return 0;
+  return pakv_fail(err, "%s must be on the caches' device %.24s, got %.24s", name, cache->device, t->device);
+}
+
+/* An output (dense, of its cache's dtype and device) of the given dims. */
+static int output_record(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,
+                         const int64_t* dims, int32_t rank, pakv_err* err) {
   char want[160], got[160], strides[160];
   int same = t->ndim == rank;
   for (int32_t d = 0; same && d < rank; d++) same = t->dims[d] == dims[d];
   if (!same)
     return pakv_fail(err, "%s must have shape %s, got %s", name, format_list(dims, rank, want, sizeof(want)),
                      SHAPE(t, got));
-  if (t->elem_type != cache->elem_type)
-    return pakv_fail_type(err, "%s must have %s's dtype %s, got %s", name,
-                          GATHER_NAMES[which - PAKV_GATHER_KEY_OUT], type_name(cache->elem_type),
-                          type_name(t->elem_type));
-  if (strncmp(t->device, cache->device, PAKV_DEVICE_LEN) != 0)
-    return pakv_fail(err, "%s must be on the caches' device %.24s, got %.24s", name, cache->device, t->device);
+  if (same_dtype(t, name, cache, cache_name, err) || same_device(t, name, cache, err)) return -1;
   int64_t expected = 1;
   for (int32_t d = rank - 1; d >= 0 && has_elements(t); d--) {
     if (t->dims[d] != 1 && t->strides[d] != expected)
@@ -349,22 +357,40 @@ static int overlaps(const pakv_tensor* a, const pakv_tensor* b) {
   return a0 < b1 && b0 < a1 && strncmp(a->device, b->device, PAKV_DEVICE_LEN) == 0;
 }
 
+/* The two outputs t[inputs], t[inputs + 1] overlap neither each other nor any input, except that
+ * output i may be exactly its input in_place[i] (the same buffer: an in-place update). */
+static int outputs_apart(const pakv_tensor* t, const char* const* names, int inputs, const int* in_place,
+                         pakv_err* err) {
+  const pakv_tensor *first = &t[inputs], *second = &t[inputs + 1];
+  if (first->present && overlaps(first, second))
+    return pakv_fail(err, "%s and %s overlap in memory; pass two separate tensors", names[inputs], names[inputs + 1]);
+  for (int which = inputs; which <= inputs + 1; which++)
+    for (int in = 0; in < inputs; in++) {
+      if (!t[which].present || !overlaps(&t[which], &t[in])) continue;
+      if (in_place && in == in_place[which - inputs]) {
+        uintptr_t a0 = 0, a1 = 0, b0 = 1, b1 = 1; /* overlaps() said both have extents */
+        byte_extent(&t[which], element_size(t[which].elem_type), &a0, &a1);
+        byte_extent(&t[in], element_size(t[in].elem_type), &b0, &b1);
+        if (a0 == b0 && a1 == b1) continue; /* the input itself: updated in place */
+        return pakv_fail(err, "%s overlaps %s but is not the same buffer: pass %s itself (in place) or a separate tensor",
+                         names[which], names[in], names[in]);
+      }
+      return pakv_fail(err, "%s overlaps %s in memory: an output must not share bytes with any input", names[which],
+                       names[in]);
+    }
+  return 0;
+}
+
 int pakv_validate_gather_outputs(const pakv_tensor t[PAKV_GATHER_RECORDS], const pakv_plan* plan, pakv_err* err) {
   for (int which = PAKV_GATHER_KEY_OUT; which <= PAKV_GATHER_VALUE_OUT; which++) {
     const pakv_tensor* out = &t[which];
     if (!out->present) continue;
     if (record_ok(out, GATHER_NAMES[which], err)) return -1;
     const int64_t* dims = which == PAKV_GATHER_KEY_OUT ? plan->key_out_dims : plan->value_out_dims;
-    if (output_record(out, which, &t[which - PAKV_GATHER_KEY_OUT], dims, plan->out_rank, err)) return -1;
+    int cache = which - PAKV_GATHER_KEY_OUT;
+    if (output_record(out, GATHER_NAMES[which], &t[cache], GATHER_NAMES[cache], dims, plan->out_rank, err)) return -1;
   }
-  if (t[PAKV_GATHER_KEY_OUT].present && overlaps(&t[PAKV_GATHER_KEY_OUT], &t[PAKV_GATHER_VALUE_OUT]))
-    return pakv_fail(err, "key_out and value_out overlap in memory; pass two separate tensors");
-  for (int which = PAKV_GATHER_KEY_OUT; which <= PAKV_GATHER_VALUE_OUT; which++)
-    for (int in = 0; in < PAKV_GATHER_INPUTS; in++)
-      if (t[which].present && overlaps(&t[which], &t[in]))
-        return pakv_fail(err, "%s overlaps %s in memory: an output must not share bytes with any input",
-                         GATHER_NAMES[which], GATHER_NAMES[in]);
-  return 0;
+  return outputs_apart(t, GATHER_NAMES, PAKV_GATHER_INPUTS, NULL, err);
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -382,7 +408,9 @@ int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int c
   cache_geometry k, v;
   for (int i = 0; i < PAKV_GATHER_INPUTS; i++)
     if (t[i].present && record_ok(&t[i], GATHER_NAMES[i], err)) return -1;
-  if (check_caches(t, nz, &k, &v, err) || check_indices(t, cumsum, err)) return -1;
+  if (check_caches(&t[PAKV_GATHER_KEY_CACHE], &t[PAKV_GATHER_VALUE_CACHE], nz, &k, &v, err) ||
+      check_indices(t, cumsum, err))
+    return -1;
   const pakv_tensor* bt = &t[PAKV_GATHER_BLOCK_TABLES];
   int64_t Q = bt->dims[0], total = 0, needed = pakv_gather_scratch_len(t);
   if (needed < 0 || scratch_len < needed || (needed > 0 && !scratch))
@@ -438,6 +466,185 @@ int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int c
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* The scatter                                                                                 */
+/* ------------------------------------------------------------------------------------------- */
+static const char* const SCATTER_NAMES[PAKV_SCATTER_RECORDS] = {
+    "key", "value", "key_cache", "value_cache", "slot_mapping", "key_cache_out", "value_cache_out"};
+
+/* key / value: [T, H, D] of its cache's dtype and device, rows matching the cache's token row,
+ * each token row-major (any token stride >= 0: a slice of a fused QKV projection is fine). */
+static int scatter_source(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,
+                          const cache_geometry* g, int nz, int64_t* token_stride, pakv_err* err) {
+  char shape[160], cache_shape[160], strides[160];
+  if (require_present(t, name, err) || same_dtype(t, name, cache, cache_name, err) ||
+      same_device(t, name, cache, err) || require_rank(t, name, 3, "[T, heads, head_dim]", err))
+    return -1;
+  int64_t width;
+  if (pakv_mul(t->dims[1], t->dims[2], &width)) width = -1;
+  if (!nz && (t->dims[1] != g->token_dims[0] || t->dims[2] != g->token_dims[1]))
+    return pakv_fail(err, "%s must have shape [T, %lld, %lld] for %s of shape %s, got %s", name,
+                     (long long)g->token_dims[0], (long long)g->token_dims[1], cache_name, SHAPE(cache, cache_shape),
+                     SHAPE(t, shape));
+  if (nz && width != g->token_dims[0])
+    return pakv_fail(err, "%s rows must hold heads x head_dim = %lld elements for %s of shape %s, got shape %s",
+                     name, (long long)g->token_dims[0], cache_name, SHAPE(cache, cache_shape), SHAPE(t, shape));
+  if (has_elements(t) && ((t->dims[2] != 1 && t->strides[2] != 1) || (t->dims[1] != 1 && t->strides[1] != t->dims[2])))
+    return pakv_fail(err,
+                     "%s must be row-major contiguous within each token (only dim 0, the token axis, may be "
+                     "strided); got strides %s for shape %s: pass %s.contiguous()",
+                     name, STRIDES(t, strides), SHAPE(t, shape), name);
+  if (pakv_mul(t->strides[0], g->itemsize, token_stride))
+    return pakv_fail(err, "%s: a token stride of %lld elements overflows int64 byte offsets", name,
+                     (long long)t->strides[0]);
+  return 0;
+}
+
+/* Blocks of a cache a scatter writes never overlap each other (a stride below one block would
+ * make two slots one), the two caches share no bytes (pool views side by side in one pool are
+ * fine), and the rows read overlap neither cache. */
+static int scatter_targets_apart(const pakv_tensor* t, const cache_geometry* k, const cache_geometry* v,
+                                 pakv_err* err) {
+  const pakv_tensor *kc = &t[PAKV_SCATTER_KEY_CACHE], *vc = &t[PAKV_SCATTER_VALUE_CACHE];
+  const cache_geometry* g[2] = {k, v};
+  for (int i = 0; i < 2; i++)
+    if (g[i]->num_blocks > 1 && g[i]->block_stride < g[i]->block_bytes && g[i]->block_bytes > 0)
+      return pakv_fail(err,
+                       "%s: block stride %lld bytes is less than one block (%lld bytes): its blocks overlap, and a "
+                       "scatter would write one slot's bytes for another",
+                       SCATTER_NAMES[PAKV_SCATTER_KEY_CACHE + i], (long long)g[i]->block_stride,
+                       (long long)g[i]->block_bytes);
+  int apart = !overlaps(kc, vc);
+  if (!apart && k->block_stride == v->block_stride && k->num_blocks > 1) {
+    /* Interleaved views of one pool: apart when value's blocks sit in the gaps between key's. */
+    uintptr_t kb = (uintptr_t)kc->data, vb = (uintptr_t)vc->data, stride = (uintptr_t)k->block_stride;
+    uintptr_t d = (vb >= kb ? vb - kb : stride - (kb - vb) % stride) % stride;
+    apart = d >= (uintptr_t)k->block_bytes && stride - d >= (uintptr_t)v->block_bytes;
+  }
+  if (!apart && k->row_bytes > 0 && v->row_bytes > 0)
+    return pakv_fail(err, "key_cache and value_cache share bytes: a scatter would write one into the other");
+  for (int src = PAKV_SCATTER_KEY; src <= PAKV_SCATTER_VALUE; src++)
+    for (int cache = PAKV_SCATTER_KEY_CACHE; cache <= PAKV_SCATTER_VALUE_CACHE; cache++)
+      if (overlaps(&t[src], &t[cache]))
+        return pakv_fail(err, "%s overlaps %s in memory: the rows a scatter reads must not share bytes with a cache",
+                         SCATTER_NAMES[src], SCATTER_NAMES[cache]);
+  return 0;
+}
+
+typedef struct {
+  int64_t slot, token;
+} slot_entry;
+
+static int by_slot_then_token(const void* a, const void* b) {
+  const slot_entry *x = (const slot_entry*)a, *y = (const slot_entry*)b;
+  if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
+  return x->token < y->token ? -1 : x->token > y->token;
+}
+
+/* Every slot < capacity (negative: padding), no slot twice: the first token (in token order) that
+ * repeats an earlier token's slot is named. `pairs` holds T entries. */
+static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, slot_entry* pairs, pakv_err* err) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < T; t++) {
+    int64_t s = vector_at(sm, t);
+    if (s >= capacity)
+      return pakv_fail(err,
+                       "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; a "
+                       "negative slot is padding)",
+                       (long long)t, (long long)s, (long long)capacity);
+    if (s >= 0) pairs[n++] = (slot_entry){s, t};
+  }
+  qsort(pairs, (size_t)n, sizeof(slot_entry), by_slot_then_token);
+  /* Sorted by (slot, token): in each run of one slot the first two entries are its earliest token
+   * and the first token repeating it; the repeat with the smallest token is the one named. */
+  int64_t repeat = -1, first = -1;
+  for (int64_t i = 1; i < n; i++)
+    if (pairs[i].slot == pairs[i - 1].slot && (i < 2 || pairs[i - 2].slot != pairs[i].slot) &&
+        (repeat < 0 || pairs[i].token < repeat)) {
+      repeat = pairs[i].token;
+      first = pairs[i - 1].token;
+    }
+  if (repeat >= 0)
+    return pakv_fail(err, "slot_mapping[%lld] = %lld repeats slot_mapping[%lld]: two tokens cannot write one slot",
+                     (long long)repeat, (long long)vector_at(sm, repeat), (long long)first);
+  return 0;
+}
+
+int pakv_validate_scatter_outputs(const pakv_tensor t[PAKV_SCATTER_RECORDS], pakv_err* err) {
+  static const int in_place[2] = {PAKV_SCATTER_KEY_CACHE, PAKV_SCATTER_VALUE_CACHE};
+  for (int i = 0; i < 2; i++) {
+    const pakv_tensor *out = &t[PAKV_SCATTER_KEY_CACHE_OUT + i], *cache = &t[in_place[i]];
+    if (!out->present) continue;
+    if (record_ok(out, SCATTER_NAMES[PAKV_SCATTER_KEY_CACHE_OUT + i], err) ||
+        output_record(out, SCATTER_NAMES[PAKV_SCATTER_KEY_CACHE_OUT + i], cache, SCATTER_NAMES[in_place[i]],
+                      cache->dims, 4, err))
+      return -1;
+  }
+  return outputs_apart(t, SCATTER_NAMES, PAKV_SCATTER_INPUTS, in_place, err);
+}
+
+int64_t pakv_scatter_scratch_len(const pakv_tensor t[PAKV_SCATTER_RECORDS]) {
+  const pakv_tensor* key = &t[PAKV_SCATTER_KEY];
+  int64_t len;
+  if (!key->present || key->ndim < 1 || key->ndim > PAKV_MAX_RANK || key->dims[0] < 0) return 0;
+  return pakv_mul(key->dims[0], 2, &len) ? -1 : len;
+}
+
+int pakv_validate_scatter(const pakv_tensor t[PAKV_SCATTER_RECORDS], int nz, pakv_scatter_plan* plan,
+                          int64_t* scratch, int64_t scratch_len, pakv_err* err) {
+  cache_geometry k, v;
+  char shape[160];
+  for (int i = 0; i < PAKV_SCATTER_RECORDS; i++)
+    if (t[i].present && record_ok(&t[i], SCATTER_NAMES[i], err)) return -1;
+  const pakv_tensor *kc = &t[PAKV_SCATTER_KEY_CACHE], *vc = &t[PAKV_SCATTER_VALUE_CACHE];
+  if (check_caches(kc, vc, nz, &k, &v, err)) return -1;
+  int64_t key_stride, value_stride, capacity;
+  if (scatter_source(&t[PAKV_SCATTER_KEY], "key", kc, "key_cache", &k, nz, &key_stride, err) ||
+      scatter_source(&t[PAKV_SCATTER_VALUE], "value", vc, "value_cache", &v, nz, &value_stride, err))
+    return -1;
+  if (scatter_targets_apart(t, &k, &v, err)) return -1;
+  int64_t T = t[PAKV_SCATTER_KEY].dims[0];
+  if (t[PAKV_SCATTER_VALUE].dims[0] != T)
+    return pakv_fail(err, "value must have T = %lld rows (key's), got shape %s", (long long)T,
+                     SHAPE(&t[PAKV_SCATTER_VALUE], shape));
+  const pakv_tensor* sm = &t[PAKV_SCATTER_SLOT_MAPPING];
+  if (index_record(sm, "slot_mapping", 1, "a vector", err)) return -1;
+  if (sm->dims[0] != T)
+    return pakv_fail(err, "slot_mapping must have T = %lld entries (key's rows), got shape %s", (long long)T,
+                     SHAPE(sm, shape));
+  if (pakv_mul(k.num_blocks, k.block_size, &capacity))
+    return pakv_fail(err, "key_cache: %lld blocks x %lld slots overflow int64", (long long)k.num_blocks,
+                     (long long)k.block_size);
+  int64_t needed = pakv_scatter_scratch_len(t);
+  if (needed < 0 || scratch_len < needed || (needed > 0 && !scratch))
+    return pakv_fail(err, "key has %lld rows: no memory for the plan's 2 x %lld check entries", (long long)T,
+                     (long long)T);
+  if (check_slots(sm, T, capacity, (slot_entry*)scratch, err)) return -1;
+  if (pakv_validate_scatter_outputs(t, err)) return -1;
+
+  memset(plan, 0, sizeof(*plan));
+  plan->abi_version = PAKV_ABI_VERSION;
+  plan->struct_size = sizeof(pakv_scatter_plan);
+  plan->layout = nz ? PAKV_LAYOUT_NZ : PAKV_LAYOUT_NORM;
+  plan->slots64 = sm->elem_type == PAKV_ONNX_INT64;
+  plan->num_blocks = k.num_blocks;
+  plan->block_size = k.block_size;
+  plan->key_cache = (void*)kc->data;
+  plan->value_cache = (void*)vc->data;
+  plan->key_block_stride = k.block_stride;
+  plan->value_block_stride = v.block_stride;
+  plan->key_row_bytes = k.row_bytes;
+  plan->value_row_bytes = v.row_bytes;
+  plan->key = t[PAKV_SCATTER_KEY].data;
+  plan->value = t[PAKV_SCATTER_VALUE].data;
+  plan->key_token_stride = key_stride;
+  plan->value_token_stride = value_stride;
+  plan->num_tokens = T;
+  plan->slot_mapping = sm->host_data;
+  plan->slot_stride = sm->strides[0] * index_itemsize(sm->elem_type);
+  return pakv_check_scatter_plan(plan, err);
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* Exported entry points (pakv_onnx/validator.py): 0, or the error's kind with its message     */
 /* ------------------------------------------------------------------------------------------- */
 static int report(int rc, const pakv_err* err, char* err_out, size_t err_len) {
@@ -464,3 +671,12 @@ PAKV_EXPORT int pakv_check_gather_outputs(const pakv_gather_call* call) {
 PAKV_EXPORT size_t pakv_gather_call_size(void) { return sizeof(pakv_gather_call); }
 
 PAKV_EXPORT size_t pakv_tensor_size(void) { return sizeof(pakv_tensor); }
+
+PAKV_EXPORT int pakv_plan_scatter(pakv_scatter_call* call) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  if (!call) return PAKV_ERR_VALUE;
+  int rc = pakv_validate_scatter(call->records, call->nz != 0, &call->plan, call->scratch, call->scratch_len, &err);
+  return report(rc, &err, call->error, call->error ? PAKV_ERR_LEN : 0);
+}
+
+PAKV_EXPORT size_t pakv_scatter_call_size(void) { return sizeof(pakv_scatter_call); }

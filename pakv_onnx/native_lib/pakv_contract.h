@@ -1,4 +1,5 @@
-/* The contract's validator: every rule of pakv::GatherPaKvCache, written once, with its message.
+/* The contract's validator: every rule of pakv::GatherPaKvCache and pakv::ScatterPaKvCache,
+ * written once, with its message.
  *
  * Every path calls it: the ORT kernels (pakv_ort.c), the Python front for every backend and the
  * plugin's Python callback (through pakv_onnx/validator.py). It reads tensor records (element
@@ -7,7 +8,8 @@
  * which rule, and whether that is a type error or a value error. It never reads a cache or an
  * output: their records contribute metadata and addresses only (so they may live on a device).
  *
- * Rules, in the order they are checked (each failure stops the check):
+ * Gather rules, in the order they are checked (each failure stops the check; the scatter's are
+ * at pakv_validate_scatter below):
  *   caches     element type in the contract (TYPE); one device; rank 4 with the layout's shape
  *              (PA_NZ: last dim 32 bytes / element size); same num_blocks and block_size; block_size
  *              >= 1; each block row-major contiguous, block stride >= 0, extent fits int64
@@ -82,6 +84,48 @@ typedef struct {
   int64_t* scratch;
   char* error;
 } pakv_gather_call;
+
+/* The records of one ScatterPaKvCache call: the op's inputs, then the updated caches (ORT's
+ * outputs; absent in the Python API, which writes the caches in place). */
+enum {
+  PAKV_SCATTER_KEY = 0,
+  PAKV_SCATTER_VALUE,
+  PAKV_SCATTER_KEY_CACHE,
+  PAKV_SCATTER_VALUE_CACHE,
+  PAKV_SCATTER_SLOT_MAPPING,
+  PAKV_SCATTER_KEY_CACHE_OUT,
+  PAKV_SCATTER_VALUE_CACHE_OUT,
+  PAKV_SCATTER_RECORDS
+};
+#define PAKV_SCATTER_INPUTS 5
+
+/* Entries of int64 scratch a scatter's validation needs: 2 x T (T read from key's record). */
+int64_t pakv_scatter_scratch_len(const pakv_tensor t[PAKV_SCATTER_RECORDS]);
+
+/* Validate a scatter and fill `plan` (its caches are the input caches; a caller whose updated
+ * caches live elsewhere copies each cache there first and points the plan at the copy).
+ * Rules, after the caches' (as the gather's): key / value [T, H, D] of their cache's dtype,
+ * device and row (each token row-major, any token stride >= 0), one T; slot_mapping int32/int64
+ * [T], readable on the host; every slot < num_blocks x block_size (a negative slot is padding),
+ * no slot twice; present outputs: their cache's shape, dtype and device, contiguous, either that
+ * cache itself (in place) or overlapping no input and not each other. */
+int pakv_validate_scatter(const pakv_tensor t[PAKV_SCATTER_RECORDS], int nz, pakv_scatter_plan* plan,
+                          int64_t* scratch, int64_t scratch_len, pakv_err* err);
+
+/* The output rules alone (the records t[PAKV_SCATTER_KEY_CACHE_OUT..] against their caches), for
+ * outputs obtained after the inputs were validated (ORT's). */
+int pakv_validate_scatter_outputs(const pakv_tensor t[PAKV_SCATTER_RECORDS], pakv_err* err);
+
+/* One scatter validation handed over in one piece (as pakv_gather_call). */
+typedef struct {
+  pakv_scatter_plan plan;
+  pakv_tensor records[PAKV_SCATTER_RECORDS];
+  int32_t nz;
+  int32_t reserved;
+  int64_t scratch_len;
+  int64_t* scratch;
+  char* error;
+} pakv_scatter_call;
 
 /* A dense record of `ndim` dims (strides row-major), for tensors that are dense by construction. */
 void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim, const int64_t* dims,

@@ -242,6 +242,92 @@ int pakv_run_plan(const pakv_plan* p, pakv_err* err) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
+/* The scatter (ScatterPaKvCache)                                                              */
+/* ------------------------------------------------------------------------------------------- */
+static inline int64_t slot_entry(const pakv_scatter_plan* p, int64_t t) {
+  const char* at = (const char*)p->slot_mapping + t * p->slot_stride;
+  if (p->slots64) return *(const volatile int64_t*)at;
+  return (int64_t) * (const volatile int32_t*)at;
+}
+
+/* One side (key or value) of a scatter plan: the cache it writes and the rows it reads. */
+static int check_scatter_side(const pakv_scatter_plan* p, const char* name, const void* cache, int64_t stride,
+                              int64_t row, const void* src, int64_t token_stride, pakv_err* err) {
+  int64_t block_bytes, span, src_span;
+  if (row < 0 || (p->layout == PAKV_LAYOUT_NZ && row % PAKV_NZ_FRACTAL_BYTES))
+    return pakv_fail(err, "plan: %s bytes per token %lld do not fit the layout", name, (long long)row);
+  if (pakv_mul(row, p->block_size, &block_bytes) || stride < 0 ||
+      (p->num_blocks > 0 && (pakv_mul(stride, p->num_blocks - 1, &span) || pakv_add(span, block_bytes, &span))))
+    return pakv_fail(err, "plan: %s: %lld blocks of stride %lld bytes overflow int64 (or a negative stride)", name,
+                     (long long)p->num_blocks, (long long)stride);
+  if (token_stride < 0 ||
+      (p->num_tokens > 0 && (pakv_mul(token_stride, p->num_tokens - 1, &src_span) || pakv_add(src_span, row, &src_span))))
+    return pakv_fail(err, "plan: %s rows of stride %lld bytes overflow int64 (or a negative stride)", name,
+                     (long long)token_stride);
+  if (row > 0 && p->num_tokens > 0 && (!cache || !src))
+    return pakv_fail(err, "plan: %s: a NULL pointer for a non-empty scatter", name);
+  return 0;
+}
+
+int pakv_check_scatter_plan(const pakv_scatter_plan* p, pakv_err* err) {
+  int64_t capacity, extent;
+  if (!p) return pakv_fail(err, "NULL plan");
+  if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_scatter_plan))
+    return pakv_fail(err, "plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
+                     p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_scatter_plan));
+  if (p->layout != PAKV_LAYOUT_NORM && p->layout != PAKV_LAYOUT_NZ)
+    return pakv_fail(err, "plan layout must be 0 (Norm) or 1 (PA_NZ), got %d", p->layout);
+  if (p->block_size < 1 || p->num_blocks < 0 || p->num_tokens < 0 || pakv_mul(p->num_blocks, p->block_size, &capacity))
+    return pakv_fail(err, "plan: sizes out of range (num_blocks %lld, block_size %lld, num_tokens %lld)",
+                     (long long)p->num_blocks, (long long)p->block_size, (long long)p->num_tokens);
+  if (check_scatter_side(p, "key", p->key_cache, p->key_block_stride, p->key_row_bytes, p->key, p->key_token_stride,
+                         err) ||
+      check_scatter_side(p, "value", p->value_cache, p->value_block_stride, p->value_row_bytes, p->value,
+                         p->value_token_stride, err))
+    return -1;
+  if (p->slot_stride < 0 || (p->num_tokens > 0 && (!p->slot_mapping || pakv_mul(p->slot_stride, p->num_tokens - 1, &extent))))
+    return pakv_fail(err, "plan: slot_mapping of %lld entries of stride %lld bytes", (long long)p->num_tokens,
+                     (long long)p->slot_stride);
+  return 0;
+}
+
+static inline void write_row(char* cache, int64_t stride, int64_t row, int64_t bs, int nz, int64_t block,
+                             int64_t slot, const char* src) {
+  if (!row) return;
+  if (!nz) {
+    memcpy(cache + block * stride + slot * row, src, (size_t)row);
+    return;
+  }
+  for (int64_t f = 0; f < row / PAKV_NZ_FRACTAL_BYTES; f++)
+    memcpy(cache + block * stride + (f * bs + slot) * PAKV_NZ_FRACTAL_BYTES, src + f * PAKV_NZ_FRACTAL_BYTES,
+           PAKV_NZ_FRACTAL_BYTES);
+}
+
+int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err) {
+  const int64_t bs = p->block_size, capacity = p->num_blocks * bs; /* fits: pakv_check_scatter_plan */
+  const int nz = p->layout == PAKV_LAYOUT_NZ;
+  int bad = 0;
+  for (int64_t t = 0; t < p->num_tokens; t++) {
+    int64_t s = slot_entry(p, t);
+    if (s < 0) continue; /* padding */
+    if (s >= capacity) {
+      bad = 1; /* changed since it was validated: skip, report after */
+      continue;
+    }
+    write_row(p->key_cache, p->key_block_stride, p->key_row_bytes, bs, nz, s / bs, s % bs,
+              (const char*)p->key + t * p->key_token_stride);
+    write_row(p->value_cache, p->value_block_stride, p->value_row_bytes, bs, nz, s / bs, s % bs,
+              (const char*)p->value + t * p->value_token_stride);
+  }
+  if (bad)
+    return pakv_fail(err,
+                     "slot_mapping changed after validation: a slot read during the scatter is outside [0, %lld); "
+                     "the caches are partly written",
+                     (long long)capacity);
+  return 0;
+}
+
+/* ------------------------------------------------------------------------------------------- */
 /* Exported entry points (the native Python backend; see pakv_onnx/native_lib/__init__.py)     */
 /* ------------------------------------------------------------------------------------------- */
 PAKV_EXPORT int pakv_abi_version(void) { return PAKV_ABI_VERSION; }
@@ -252,6 +338,17 @@ PAKV_EXPORT int pakv_gather(const pakv_plan* plan, char* err_out, size_t err_len
   err.msg[0] = 0;
   int rc = pakv_check_plan(plan, &err);
   if (!rc) rc = pakv_run_plan(plan, &err);
+  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+  return rc;
+}
+
+PAKV_EXPORT size_t pakv_scatter_plan_size(void) { return sizeof(pakv_scatter_plan); }
+
+PAKV_EXPORT int pakv_scatter(const pakv_scatter_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err;
+  err.msg[0] = 0;
+  int rc = pakv_check_scatter_plan(plan, &err);
+  if (!rc) rc = pakv_run_scatter(plan, &err);
   if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
   return rc;
 }

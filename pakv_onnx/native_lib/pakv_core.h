@@ -25,7 +25,7 @@
 #define PAKV_EXPORT
 #endif
 
-#define PAKV_ABI_VERSION 3
+#define PAKV_ABI_VERSION 4
 #define PAKV_ERR_LEN 1024
 #define PAKV_NZ_FRACTAL_BYTES 32
 #define PAKV_LAYOUT_NORM 0
@@ -73,6 +73,32 @@ typedef struct pakv_plan {
   int64_t value_out_dims[3];
 } pakv_plan;
 
+/* One ScatterPaKvCache in bytes: token t of `key` / `value` (rows of key_row_bytes / value_row_bytes
+ * at t * token stride) goes to slot s = slot_mapping[t] of its cache: block s / block_size, row
+ * s % block_size (PA_NZ: its 32-byte fractals f at block*stride + (f*bs + row)*32). A negative slot
+ * is padding and skipped. Made by pakv_validate_scatter (pakv_contract.c). */
+typedef struct pakv_scatter_plan {
+  uint32_t abi_version; /* PAKV_ABI_VERSION */
+  uint32_t struct_size; /* sizeof(pakv_scatter_plan) */
+  int32_t layout;       /* PAKV_LAYOUT_NORM / PAKV_LAYOUT_NZ */
+  int32_t slots64;      /* slot_mapping elements: 1 = int64, 0 = int32 */
+  int64_t num_blocks;
+  int64_t block_size;
+  void* key_cache;      /* written in place */
+  void* value_cache;
+  int64_t key_block_stride; /* bytes, >= 0 */
+  int64_t value_block_stride;
+  int64_t key_row_bytes;    /* bytes of one token row of each cache */
+  int64_t value_row_bytes;
+  const void* key;          /* [T] rows of key_row_bytes, token t at key + t * key_token_stride */
+  const void* value;
+  int64_t key_token_stride; /* bytes */
+  int64_t value_token_stride;
+  int64_t num_tokens;       /* T */
+  const void* slot_mapping; /* [T], entry t at slot_mapping + t * slot_stride */
+  int64_t slot_stride;      /* bytes */
+} pakv_scatter_plan;
+
 /* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */
 static inline int pakv_mul(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out) ? -1 : 0; }
 static inline int pakv_add(int64_t a, int64_t b, int64_t* out) { return __builtin_add_overflow(a, b, out) ? -1 : 0; }
@@ -83,6 +109,12 @@ int pakv_fail_type(pakv_err* err, const char* fmt, ...) __attribute__((format(pr
 
 /* Every check the copy needs to stay inside the caches, the tables and the outputs. */
 int pakv_check_plan(const pakv_plan* p, pakv_err* err);
+
+/* What keeps a scatter memory-safe (the extents it writes and reads), and the scatter itself:
+ * slots are bounds-checked again where they are read (a caller may change slot_mapping while
+ * it runs); a slot that became invalid is an error, never a wild write. */
+int pakv_check_scatter_plan(const pakv_scatter_plan* p, pakv_err* err);
+int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err);
 
 /* Run a checked plan. Block ids are bounds-checked again where they are read (a caller may change
  * block_tables while the copy runs); an id that became invalid is an error, never a wild read. */

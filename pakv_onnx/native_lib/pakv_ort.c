@@ -26,15 +26,19 @@
 #include "pakv_dtypes.h"
 
 #define PAKV_DOMAIN "pakv"
-#define PAKV_OP_TYPE "GatherPaKvCache"
 #define PAKV_OPSET_VERSION 1
 #define PAKV_NUM_PAIRS (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES)
+/* The ops, each registered once per (key dtype, value dtype) pair. */
+enum { PAKV_GATHER = 0, PAKV_SCATTER = 1, PAKV_NUM_KINDS = 2 };
+static const char* const OP_TYPES[PAKV_NUM_KINDS] = {"GatherPaKvCache", "ScatterPaKvCache"};
+#define PAKV_NUM_OPS (PAKV_NUM_KINDS * PAKV_NUM_PAIRS)
 #define PAKV_MAX_MODE_LEN 64
 /* Session config entry naming the backend these SessionOptions were registered for. */
 #define PAKV_CONFIG_KEY "pakv_onnx.backend"
 
-static const char* const INPUT_NAMES[PAKV_NUM_INPUTS] = {"key_cache", "value_cache", "block_tables", "seq_lens",
-                                                         "seq_offset"};
+static const char* const INPUT_NAMES[PAKV_NUM_KINDS][PAKV_NUM_INPUTS] = {
+    {"key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"},
+    {"key", "value", "key_cache", "value_cache", "slot_mapping"}};
 
 /* ------------------------------------------------------------------------------------------- */
 /* ORT helpers                                                                                 */
@@ -99,14 +103,14 @@ static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) {
 }
 
 /* cache_mode: a STRING, exactly "Norm" or "PA_NZ" (default "Norm"). */
-static OrtStatus* read_cache_mode(const OrtApi* api, const OrtKernelInfo* info, int* nz) {
+static OrtStatus* read_cache_mode(const OrtApi* api, const OrtKernelInfo* info, const char* op, int* nz) {
   static const char* allowed = "'Norm' or 'PA_NZ'";
   attr_kind kind = attribute_kind(api, info, "cache_mode");
   *nz = 0;
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_STRING)
-    return attribute_error(api, "GatherPaKvCache attribute cache_mode must be a STRING attribute (%s), got attribute "
-                           "type %s", allowed, ATTR_KIND_NAMES[kind]);
+    return attribute_error(api, "%s attribute cache_mode must be a STRING attribute (%s), got attribute "
+                           "type %s", op, allowed, ATTR_KIND_NAMES[kind]);
   char mode[PAKV_MAX_MODE_LEN];
   size_t size = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_string)(info, "cache_mode", NULL, &size);
@@ -117,8 +121,8 @@ static OrtStatus* read_cache_mode(const OrtApi* api, const OrtKernelInfo* info, 
   if ((st = PAKV_API(api, KernelInfoGetAttribute_string)(info, "cache_mode", mode, &size))) return st;
   mode[sizeof(mode) - 1] = 0;
   if (size == 0 || strlen(mode) + 1 != size)
-    return attribute_error(api, "GatherPaKvCache attribute cache_mode must be %s, got '%s' followed by a NUL byte "
-                           "and more bytes", allowed, mode);
+    return attribute_error(api, "%s attribute cache_mode must be %s, got '%s' followed by a NUL byte "
+                           "and more bytes", op, allowed, mode);
   if (strcmp(mode, "Norm") == 0) return NULL;
   if (strcmp(mode, "PA_NZ") == 0) {
     *nz = 1;
@@ -147,6 +151,7 @@ static OrtStatus* read_cumsum(const OrtApi* api, const OrtKernelInfo* info, int6
 /* ------------------------------------------------------------------------------------------- */
 typedef struct {
   PakvOrtCustomOp base; /* first: ORT sees an OrtCustomOp* */
+  int kind;             /* PAKV_GATHER / PAKV_SCATTER */
   int key_dtype;        /* index into PAKV_CACHE_DTYPES */
   int value_dtype;
   int backend;          /* bridge slot; PAKV_NATIVE_BACKEND = the C kernel */
@@ -154,17 +159,20 @@ typedef struct {
 
 typedef struct {
   const OrtApi* api;
-  int backend, nz;
+  int kind, backend, nz;
   int64_t cumsum;
 } pakv_kernel;
 
-static const char* op_name(const PakvOrtCustomOp* op) { (void)op; return PAKV_OP_TYPE; }
+static const char* op_name(const PakvOrtCustomOp* op) { return OP_TYPES[((const pakv_op*)op)->kind]; }
 static const char* op_ep(const PakvOrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+/* Gather: key_cache, value_cache, then index tensors. Scatter: key, value (of their caches'
+ * dtypes), key_cache, value_cache, then slot_mapping. Index inputs are int32 or int64 (checked
+ * at run time). */
 static int op_input_type(const PakvOrtCustomOp* op, size_t i) {
   const pakv_op* o = (const pakv_op*)op;
-  if (i == 0) return PAKV_CACHE_DTYPES[o->key_dtype].onnx_type;
-  if (i == 1) return PAKV_CACHE_DTYPES[o->value_dtype].onnx_type;
-  return PAKV_ONNX_UNDEFINED; /* index inputs: int32 or int64, checked at run time */
+  size_t caches = o->kind == PAKV_SCATTER ? 4 : 2;
+  if (i >= caches) return PAKV_ONNX_UNDEFINED;
+  return PAKV_CACHE_DTYPES[i % 2 == 0 ? o->key_dtype : o->value_dtype].onnx_type;
 }
 static size_t op_input_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_INPUTS; }
 static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
@@ -172,22 +180,34 @@ static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
   return PAKV_CACHE_DTYPES[i == 0 ? o->key_dtype : o->value_dtype].onnx_type;
 }
 static size_t op_output_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_OUTPUTS; }
-static int op_input_char(const PakvOrtCustomOp* op, size_t i) { (void)op; return i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED; }
+static int op_input_char(const PakvOrtCustomOp* op, size_t i) {
+  return ((const pakv_op*)op)->kind == PAKV_GATHER && i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED;
+}
 static int op_output_char(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return PAKV_ORT_REQUIRED; }
 static int op_mem_type(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
 static int op_min_arity(const PakvOrtCustomOp* op) { (void)op; return 1; }
 static int op_homogeneity(const PakvOrtCustomOp* op) { (void)op; return 0; }
 static int op_opset_version(const PakvOrtCustomOp* op) { (void)op; return PAKV_OPSET_VERSION; }
+/* The scatter's alias map (ORT >= 1.18 reads it): key_cache (input 2) is key_cache_out (output 0),
+ * value_cache (3) is value_cache_out (1). Static arrays: ReleaseAliasMap has nothing to free. */
+static int g_alias_inputs[2] = {2, 3}, g_alias_outputs[2] = {0, 1};
+static size_t scatter_alias_map(int** inputs, int** outputs) {
+  *inputs = g_alias_inputs;
+  *outputs = g_alias_outputs;
+  return 2;
+}
+static void release_alias_map(int* inputs, int* outputs) { (void)inputs; (void)outputs; }
 
 static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
-  int nz;
-  int64_t cumsum;
-  OrtStatus* st = read_cache_mode(api, info, &nz);
-  if (!st) st = read_cumsum(api, info, &cumsum);
+  int nz, kind = ((const pakv_op*)op)->kind;
+  int64_t cumsum = 1;
+  OrtStatus* st = read_cache_mode(api, info, OP_TYPES[kind], &nz);
+  if (!st && kind == PAKV_GATHER) st = read_cumsum(api, info, &cumsum);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
-  if (!k) return make_status(api, PAKV_ORT_FAIL, "GatherPaKvCache: out of memory creating the kernel");
+  if (!k) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
   k->api = api;
+  k->kind = kind;
   k->backend = ((const pakv_op*)op)->backend;
   k->nz = nz;
   k->cumsum = cumsum;
@@ -202,13 +222,13 @@ static void kernel_destroy(void* kernel) { free(kernel); }
 /* ------------------------------------------------------------------------------------------- */
 /* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
  * are dense; on the CPU execution provider every input is host memory. */
-static int read_input(const OrtApi* api, OrtKernelContext* ctx, size_t count, size_t i, pakv_tensor* t,
+static int read_input(const OrtApi* api, OrtKernelContext* ctx, int kind, size_t count, size_t i, pakv_tensor* t,
                       pakv_err* err) {
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
   char what[64];
-  snprintf(what, sizeof(what), "reading input %s", INPUT_NAMES[i]);
+  snprintf(what, sizeof(what), "reading input %s", INPUT_NAMES[kind][i]);
   if (take_status(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what)) return -1;
   if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
@@ -233,7 +253,7 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
                       pakv_err* err) {
   OrtValue* out = NULL;
   void* data = NULL;
-  const char* what = index == 0 ? "allocating output key" : "allocating output value";
+  const char* what = index == 0 ? "allocating output 0" : "allocating output 1";
   if (take_status(api, PAKV_API(api, KernelContext_GetOutput)(ctx, (size_t)index, dims, (size_t)ndim, &out), err,
                   what))
     return NULL;
@@ -246,30 +266,77 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
   return data;
 }
 
-/* Validate, take ORT's outputs (a host may have bound them to any buffer: they are validated
- * too, before anything is written), copy. */
-static int run_native(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
-  pakv_plan plan;
-  /* Scratch for the plan's index arrays; when it cannot be had the validator still checks the
-   * call's shapes first and then says there is no room, so every refusal keeps its order. */
-  int64_t len = pakv_gather_scratch_len(records), bytes = 0;
+/* int64 scratch of `len` entries, or NULL (then len becomes -1): when it cannot be had the
+ * validator still checks the call's shapes first and then says there is no room, so every
+ * refusal keeps its order. */
+static int64_t* alloc_scratch(int64_t* len) {
+  int64_t bytes = 0;
   int64_t* scratch = NULL;
-  if (len >= 0 && !pakv_mul(len > 0 ? len : 1, (int64_t)sizeof(int64_t), &bytes)) scratch = (int64_t*)malloc((size_t)bytes);
-  if (!scratch) len = -1;
+  if (*len >= 0 && !pakv_mul(*len > 0 ? *len : 1, (int64_t)sizeof(int64_t), &bytes)) scratch = (int64_t*)malloc((size_t)bytes);
+  if (!scratch) *len = -1;
+  return scratch;
+}
+
+/* Output i of the call as a dense record on this EP (the buffer ORT hands back: a host may have
+ * bound it to any buffer, so it is validated like an input). */
+static int output_record_of(const pakv_kernel* k, OrtKernelContext* ctx, int i, int elem_type, const int64_t* dims,
+                            int rank, pakv_tensor* t, pakv_err* err) {
+  void* data = pakv_ort_output(k->api, ctx, i, dims, rank, err);
+  if (!data) return -1;
+  pakv_dense_record(t, data, elem_type, rank, dims, "cpu");
+  return 0;
+}
+
+/* Gather: validate, take ORT's outputs and validate them too, before anything is written; copy. */
+static int run_gather(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
+  pakv_plan plan;
+  int64_t len = pakv_gather_scratch_len(records);
+  int64_t* scratch = alloc_scratch(&len);
   int rc = pakv_validate_gather(records, k->nz, (int)k->cumsum, &plan, scratch, len, err);
-  for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
-    const int64_t* dims = i == 0 ? plan.key_out_dims : plan.value_out_dims;
-    void* data = pakv_ort_output(k->api, ctx, i, dims, plan.out_rank, err);
-    if (!data) rc = -1;
-    else
-      pakv_dense_record(&records[PAKV_GATHER_KEY_OUT + i], data, records[i].elem_type, plan.out_rank, dims, "cpu");
-  }
+  for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++)
+    rc = output_record_of(k, ctx, i, records[i].elem_type, i == 0 ? plan.key_out_dims : plan.value_out_dims,
+                          plan.out_rank, &records[PAKV_GATHER_KEY_OUT + i], err);
   if (!rc) rc = pakv_validate_gather_outputs(records, &plan, err);
   if (!rc) {
     plan.key_out = (void*)records[PAKV_GATHER_KEY_OUT].data;
     plan.value_out = (void*)records[PAKV_GATHER_VALUE_OUT].data;
     rc = pakv_run_plan(&plan, err);
   }
+  free(scratch);
+  return rc;
+}
+
+/* Bytes of a dense record (its dims' product x element size; the validator checked its extent). */
+static int64_t dense_bytes(const pakv_tensor* t) {
+  int64_t bytes = PAKV_CACHE_DTYPES[pakv_dtype_index(t->elem_type)].itemsize;
+  for (int d = 0; d < t->ndim; d++) bytes *= t->dims[d];
+  return bytes;
+}
+
+/* Scatter: validate; the updated caches are the buffers ORT hands back. When one is its input's
+ * own buffer (the alias map, ORT >= 1.18, when it feeds later nodes; or a host that bound the
+ * output to the input's buffer, as ORT GenAI does) only the T rows are written; otherwise the
+ * cache is copied there first (correct, and the slow case: the whole pool per call). */
+static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
+  pakv_scatter_plan plan;
+  int64_t len = pakv_scatter_scratch_len(records);
+  int64_t* scratch = alloc_scratch(&len);
+  int rc = pakv_validate_scatter(records, k->nz, &plan, scratch, len, err);
+  for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
+    const pakv_tensor* cache = &records[PAKV_SCATTER_KEY_CACHE + i];
+    rc = output_record_of(k, ctx, i, cache->elem_type, cache->dims, cache->ndim,
+                          &records[PAKV_SCATTER_KEY_CACHE_OUT + i], err);
+  }
+  if (!rc) rc = pakv_validate_scatter_outputs(records, err);
+  for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
+    const pakv_tensor *cache = &records[PAKV_SCATTER_KEY_CACHE + i], *out = &records[PAKV_SCATTER_KEY_CACHE_OUT + i];
+    if (out->data != cache->data && dense_bytes(cache) > 0) memcpy((void*)out->data, cache->data, (size_t)dense_bytes(cache));
+    if (i == 0)
+      plan.key_cache = (void*)out->data;
+    else
+      plan.value_cache = (void*)out->data;
+  }
+  if (!rc) rc = pakv_run_scatter(&plan, err);
   free(scratch);
   return rc;
 }
@@ -289,20 +356,21 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   OrtStatus* result = NULL;
   pakv_err err = {PAKV_ERR_VALUE, {0}};
   size_t count = 0;
-  int rc = !req || !records ? pakv_fail(&err, "GatherPaKvCache: out of memory") : 0;
+  int rc = !req || !records ? pakv_fail(&err, "pakv: out of memory") : 0;
   if (!rc)
     rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, k->kind, count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
+    req->op = OP_TYPES[k->kind];
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
     req->is_seq_lens_cumsum = k->cumsum;
     req->ctx = ctx;
     req->api = api;
     if (pakv_call_python(k->backend, req)) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
   } else if (!rc) {
-    rc = run_native(k, ctx, records, &err);
+    rc = k->kind == PAKV_SCATTER ? run_scatter(k, ctx, records, &err) : run_gather(k, ctx, records, &err);
   }
   if (rc) result = call_error(api, &err);
   free(records);
@@ -314,7 +382,7 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
 /* Registration                                                                                */
 /* ------------------------------------------------------------------------------------------- */
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
-static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_PAIRS ops per backend, never freed */
+static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_OPS ops per backend, never freed */
 static OrtCustomOpDomain* g_domains[PAKV_MAX_BACKENDS];  /* one domain per backend, reused (no leak per call) */
 /* The backend the next RegisterCustomOps call on this thread binds to. Thread-local: a raw
  * registration on another thread always gets native, and cannot take a backend chosen here. */
@@ -326,11 +394,26 @@ PAKV_EXPORT int pakv_bind_next_registration(const char* name) {
   return slot;
 }
 
-static void init_ops(pakv_op* ops, int backend, uint32_t version) {
-  for (int d = 0; d < PAKV_NUM_PAIRS; d++) {
-    pakv_op* o = &ops[d];
+static size_t no_inplace(int** inputs, int** outputs) {
+  *inputs = *outputs = NULL;
+  return 0;
+}
+
+/* Every op of `backend`: PAKV_NUM_PAIRS gathers, then as many scatters. `api` is the runtime's API
+ * version: it reads the opset range from 17 and the scatter's alias map from 18. */
+static void init_ops(pakv_op* ops, int backend, int api) {
+  for (int n = 0; n < PAKV_NUM_OPS; n++) {
+    pakv_op* o = &ops[n];
+    int kind = n / PAKV_NUM_PAIRS, d = n % PAKV_NUM_PAIRS;
     memset(o, 0, sizeof(*o));
-    o->base.version = version;
+    o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
+    if (kind == PAKV_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {
+      o->base.version = PAKV_ORT_API_ALIAS_MAP;
+      o->base.GetMayInplace = no_inplace;
+      o->base.ReleaseMayInplace = release_alias_map;
+      o->base.GetAliasMap = scatter_alias_map;
+      o->base.ReleaseAliasMap = release_alias_map;
+    }
     o->base.GetName = op_name;
     o->base.GetExecutionProviderType = op_ep;
     o->base.GetInputType = op_input_type;
@@ -349,6 +432,7 @@ static void init_ops(pakv_op* ops, int backend, uint32_t version) {
     o->base.KernelComputeV2 = kernel_compute;
     o->base.GetStartVersion = op_opset_version; /* read by ORT only for version >= 17 */
     o->base.GetEndVersion = op_opset_version;
+    o->kind = kind;
     o->key_dtype = d / PAKV_NUM_DTYPES;
     o->value_dtype = d % PAKV_NUM_DTYPES;
     o->backend = backend;
@@ -371,16 +455,14 @@ static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int 
     return NULL;
   }
   if (!g_ops[backend]) {
-    pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_PAIRS, sizeof(pakv_op));
+    pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_OPS, sizeof(pakv_op));
     if (!ops) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory registering the ops");
-    /* A runtime that knows API 17 reads the opset range (pakv opset 1 only). */
-    init_ops(ops, backend, runtime_api_version(base) >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE
-                                                                                  : PAKV_ORT_API_VERSION);
+    init_ops(ops, backend, runtime_api_version(base));
     g_ops[backend] = ops;
   }
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* st = PAKV_API(api, CreateCustomOpDomain)(PAKV_DOMAIN, &domain);
-  for (int d = 0; !st && d < PAKV_NUM_PAIRS; d++) st = PAKV_API(api, CustomOpDomain_Add)(domain, &g_ops[backend][d]);
+  for (int n = 0; !st && n < PAKV_NUM_OPS; n++) st = PAKV_API(api, CustomOpDomain_Add)(domain, &g_ops[backend][n]);
   if (st) return st; /* a half-built domain is not kept (ORT owns nothing of it yet; it is leaked once) */
   g_domains[backend] = *out = domain;
   return NULL;

@@ -17,9 +17,9 @@ import threading
 import time
 
 from pakv_onnx import native_lib
-from pakv_onnx.ops import gather_with
+from pakv_onnx.ops import gather_with, scatter_with
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
-from pakv_onnx.spec import INPUT_NAMES
+from pakv_onnx.spec import GATHER, SCATTER
 
 _install_lock = threading.Lock()
 _callback = None  # the CFUNCTYPE object must live as long as the library may call it
@@ -84,7 +84,7 @@ _dims = _Dims()
 def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype):
     scratch = _dims
     dims = scratch.dims
-    for i, size in enumerate(shape):  # rank <= 3 (the op's outputs)
+    for i, size in enumerate(shape):  # rank <= 4 (the ops' outputs: gathered rows, updated caches)
         dims[i] = size
     address = native_lib.request_output(req_address, index, scratch.address, len(shape))
     if not address:
@@ -96,9 +96,20 @@ def _serve(req_ptr) -> None:
     req = req_ptr.contents
     req_address = ctypes.addressof(req)
     block = _INPUTS_BLOCK.from_address(req_address + _INPUTS_OFFSET)
-    inputs = tuple(
-        _input(name, record) for name, record in zip(INPUT_NAMES, native_lib.TENSOR_RECORD.iter_unpack(block))
-    )
+    scatter = req.op == SCATTER.op_type.encode()
+    names = (SCATTER if scatter else GATHER).input_names
+    inputs = tuple(_input(name, record) for name, record in zip(names, native_lib.TENSOR_RECORD.iter_unpack(block)))
+    if scatter:
+        key_cache, value_cache = inputs[2], inputs[3]
+
+        def caches_from_ort():  # the updated caches: ORT's outputs, the caches' shapes and dtypes
+            return (
+                _output(req_ptr, req_address, 0, tuple(key_cache.shape), key_cache.dtype),
+                _output(req_ptr, req_address, 1, tuple(value_cache.shape), value_cache.dtype),
+            )
+
+        scatter_with(inputs, cache_mode=req.cache_mode.decode(), backend=req.backend.decode(), allocate=caches_from_ort)
+        return
 
     def allocate_from_ort(plan):
         # Each output takes its own cache's dtype (key and value caches may differ).

@@ -18,7 +18,7 @@ typedef struct { int code; char msg[1100]; } Status;
 typedef struct { int type; size_t nd; int64_t dims[16]; void* data; } Value;
 typedef struct { Value* in[5]; size_t nin; Value out[2]; } Ctx;
 typedef struct { const char* mode; int64_t cumsum; } Info; /* cumsum < 0: absent */
-typedef struct { const PakvOrtCustomOp* ops[PAKV_NUM_DTYPES * PAKV_NUM_DTYPES + 8]; int n; } Domain;
+typedef struct { const PakvOrtCustomOp* ops[2 * PAKV_NUM_DTYPES * PAKV_NUM_DTYPES + 8]; int n; } Domain;
 typedef struct { char key[64]; char value[64]; int set; } Options;
 
 static Status* CreateStatus(int code, const char* msg) {
@@ -166,7 +166,11 @@ int main(int argc, char** argv) {
   Status* (*reg)(void*, const OrtApiBase*) = (Status * (*)(void*, const OrtApiBase*)) dlsym(lib, "RegisterCustomOps");
   Options options = {{0}, {0}, 0}, other = {{0}, {0}, 0};
   int npairs = PAKV_NUM_DTYPES * PAKV_NUM_DTYPES;
-  if (reg(&options, &g_base) || !g_domain || g_domain->n != npairs) { fprintf(stderr, "registration failed\n"); return 3; }
+  /* The gathers (one per dtype pair), then as many scatters. */
+  if (reg(&options, &g_base) || !g_domain || g_domain->n != 2 * npairs) { fprintf(stderr, "registration failed\n"); return 3; }
+  if (strcmp(g_domain->ops[0]->GetName(g_domain->ops[0]), "GatherPaKvCache") ||
+      strcmp(g_domain->ops[npairs]->GetName(g_domain->ops[npairs]), "ScatterPaKvCache")) {
+    fprintf(stderr, "ops not registered in order\n"); return 3; }
   const PakvOrtCustomOp* first = g_domain->ops[0];
   if (first->version != PAKV_ORT_API_OPSET_RANGE || first->GetStartVersion(first) != 1 || first->GetEndVersion(first) != 1) {
     fprintf(stderr, "ops do not declare pakv opset 1 only\n"); return 3; }
