@@ -1,11 +1,14 @@
 """Export models that call GatherPaKvCache to ONNX.
 
-* :data:`gather_pa_kv_cache` — ``torch.ops.pakv.gather_pa_kv_cache``, the torch custom op.
+* :data:`gather_pa_kv_cache` — ``torch.ops.pakv.gather_pa_kv_cache``, the torch custom op;
+  :data:`scatter_pa_kv_cache` (in place) and :data:`scatter_pa_kv_cache_functional` (what an
+  exported graph records) for the write op.
 * :func:`export` — ``torch.onnx.export(..., dynamo=True)`` with the op's translation, the
   ONNX schema registered and the stock-ONNX fallback function attached.
 * :func:`export_legacy` — the TorchScript exporter (``dynamo=False``) path.
-* :func:`gather_node` / :func:`make_gather_model` / :func:`make_gather_model_for` — hand-built
-  graphs without the exporter; :data:`PAKV_OPSET` for onnxscript functions.
+* :func:`gather_node` / :func:`make_gather_model` / :func:`make_gather_model_for`,
+  :func:`scatter_node` / :func:`make_scatter_model_for` — hand-built graphs without the
+  exporter; :data:`PAKV_OPSET` for onnxscript functions.
 * :func:`register_schema`, :func:`attach_fallback`, :func:`op_dynamic_shapes`.
 
 Importing this package registers the torch op and the ONNX schema (both idempotent). The
@@ -17,9 +20,16 @@ from __future__ import annotations
 
 import importlib
 
-from pakv_onnx.export.builder import DEFAULT_OPSET, gather_node, make_gather_model, make_gather_model_for
+from pakv_onnx.export.builder import (
+    DEFAULT_OPSET,
+    gather_node,
+    make_gather_model,
+    make_gather_model_for,
+    make_scatter_model_for,
+    scatter_node,
+)
 from pakv_onnx.export.schema import register_schema
-from pakv_onnx.export.torch_op import gather_pa_kv_cache
+from pakv_onnx.export.torch_op import gather_pa_kv_cache, scatter_pa_kv_cache, scatter_pa_kv_cache_functional
 
 register_schema()
 
@@ -63,8 +73,12 @@ __all__ = [
     "make_function",
     "make_gather_model",
     "make_gather_model_for",
+    "make_scatter_model_for",
     "op_dynamic_shapes",
     "register_legacy_symbolic",
     "register_schema",
+    "scatter_node",
+    "scatter_pa_kv_cache",
+    "scatter_pa_kv_cache_functional",
     "translation_table",
 ]

@@ -25,13 +25,14 @@ from typing import Literal
 import numpy as np
 import onnx
 import torch
+from onnx import TensorProto
 from onnx import helper as h
 
 from pakv_onnx import spec
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.spec import CacheMode
 
-__all__ = ["DEFAULT_OPSET", "gather_node", "make_gather_model", "make_gather_model_for"]
+__all__ = ["DEFAULT_OPSET", "gather_node", "make_gather_model", "make_gather_model_for", "make_scatter_model_for", "scatter_node"]
 
 # torch 2.13's dynamo exporter emits opset 20 by default; the fallback body needs >= 19.
 DEFAULT_OPSET = 20
@@ -236,3 +237,75 @@ def make_gather_model_for(
         shapes=shapes,
         **options,  # type: ignore[arg-type]
     )
+
+
+# --------------------------------------------------------------------------- #
+# ScatterPaKvCache
+# --------------------------------------------------------------------------- #
+def scatter_node(
+    key: str,
+    value: str,
+    key_cache: str,
+    value_cache: str,
+    slot_mapping: str,
+    *,
+    outputs: Sequence[str] = spec.SCATTER.output_names,
+    cache_mode: str | CacheMode = spec.DEFAULT_CACHE_MODE,
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """A ``pakv::ScatterPaKvCache`` node: the updated caches are ``outputs`` (key_cache_out, value_cache_out)."""
+    if len(outputs) != len(spec.SCATTER.output_names):
+        raise ValueError(f"outputs must name {len(spec.SCATTER.output_names)} values, got {list(outputs)}")
+    node = h.make_node(
+        spec.SCATTER.op_type, [key, value, key_cache, value_cache, slot_mapping], list(outputs), name=name,
+        domain=spec.DOMAIN,
+    )  # fmt: skip
+    node.attribute.append(h.make_attribute(spec.ATTR_CACHE_MODE, spec.parse_cache_mode(cache_mode).value))
+    return node
+
+
+def make_scatter_model_for(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_mode: str | CacheMode = spec.DEFAULT_CACHE_MODE,
+    then_gather: bool = False,
+    fallback: bool = True,
+    opset_version: int = DEFAULT_OPSET,
+) -> onnx.ModelProto:
+    """A model writing ``key``/``value`` into the caches (inputs named as the op's, of the examples' dtypes).
+
+    ``then_gather=False``: the one node; its outputs ``key_cache_out`` / ``value_cache_out`` are the
+    graph's (in place only when the host binds each to its cache's buffer). ``then_gather=True``:
+    the updated caches feed a GatherPaKvCache (extra inputs ``block_tables``, ``seq_lens``; graph
+    outputs ``key``, ``value``), the decoder step's shape: with ORT >= 1.18 the plugin's alias
+    map makes the updated caches the input caches' own buffers, written in place.
+    """
+    names = spec.SCATTER.input_names
+    examples = dict(zip(names, (key, value, key_cache, value_cache, slot_mapping)))
+    inputs = [h.make_tensor_value_info(n, spec.ONNX_ELEMENT_TYPE_OF[t.dtype], None) for n, t in examples.items()]
+    key_type, value_type = inputs[2].type.tensor_type.elem_type, inputs[3].type.tensor_type.elem_type
+    if then_gather:
+        updated = ("_key_cache_updated", "_value_cache_updated")
+        inputs += [h.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("block_tables", "seq_lens")]
+        nodes = [
+            scatter_node(*names, outputs=updated, cache_mode=cache_mode, name="scatter"),
+            gather_node(*updated, "block_tables", "seq_lens", cache_mode=cache_mode, name="gather"),
+        ]
+        outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.OUTPUT_NAMES, (key_type, value_type))]
+    else:
+        nodes = [scatter_node(*names, cache_mode=cache_mode, name="scatter")]
+        outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.SCATTER.output_names, (key_type, value_type))]
+    model = h.make_model(
+        h.make_graph(nodes, "scatter_pa_kv_cache", inputs, outputs),
+        opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
+    )
+    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    if fallback:
+        from pakv_onnx.export.fallback import attach_fallback
+
+        attach_fallback(model)
+    return model

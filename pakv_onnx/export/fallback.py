@@ -59,6 +59,7 @@ from pakv_onnx.spec import (
     OP_TYPE,
     OPSET_VERSION,
     OUTPUT_NAMES,
+    SCATTER,
     CacheMode,
 )
 
@@ -274,24 +275,24 @@ def _base_name(value_name: str) -> str:
     return re.sub(r"_\d+$", "", value_name)
 
 
-def _name_checks(graph_nodes) -> None:
-    """Name every check node after its rule (recursively into If branches)."""
+def name_checks(graph_nodes, checks: dict[str, str]) -> None:
+    """Name every check node after its rule (recursively into If branches): a node is a check
+    when its first output is a key of ``checks`` (the gather's :data:`CHECKS`, or the scatter's)."""
     for node in graph_nodes:
-        # A node is a check when its first output is a key of CHECKS.
         output = node.output[0] if node.output else ""
-        rule = CHECKS.get(output) or CHECKS.get(_base_name(output))
+        rule = checks.get(output) or checks.get(_base_name(output))
         if rule is not None:
             node.name = CHECK_PREFIX + rule
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                _name_checks(attr.g.node)
+                name_checks(attr.g.node, checks)
 
 
 @functools.cache
 def _function_template() -> bytes:
     function = GatherPaKvCache.to_function_proto()
     _check_signature(function)
-    _name_checks(function.node)
+    name_checks(function.node, CHECKS)
     # Formal outputs named as the contract's (onnxscript numbers If outputs).
     renames = dict(zip(function.output, OUTPUT_NAMES))
     for node in function.node:
@@ -370,19 +371,38 @@ def _materialize_seq_offset(graph: onnx.GraphProto, prefix: str) -> int:
 
 
 def attach_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Add (or replace) the fallback function in ``model``, in place; return ``model``.
+    """Add (or replace) the fallback functions in ``model``, in place; return ``model``: the gather's,
+    and the scatter's (:mod:`pakv_onnx.export.fallback_scatter`) when the model has a scatter node.
 
     Also imports the ``pakv`` opset and gives nodes without ``seq_offset`` an all-zero one
     (same result; see the module doc). Needs a default-domain opset >= 19.
     """
-    function = make_function(_default_opset(model))
-    kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
+    from pakv_onnx.export.fallback_scatter import make_scatter_function
+
+    opset = _default_opset(model)
+    functions = [make_function(opset)]
+    if _has_node(model.graph, SCATTER.op_type):
+        functions.append(make_scatter_function(opset))
+    names = {f.name for f in functions}
+    kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name in names)]
     del model.functions[:]
-    model.functions.extend([*kept, function])
+    model.functions.extend([*kept, *functions])
     if not any(opset.domain == DOMAIN for opset in model.opset_import):
         model.opset_import.append(h.make_opsetid(DOMAIN, OPSET_VERSION))
     _materialize_seq_offset(model.graph, "")
     return model
+
+
+def _has_node(graph: onnx.GraphProto, op_type: str) -> bool:
+    """Whether ``graph`` (or a subgraph) has a ``pakv::op_type`` node."""
+    for node in graph.node:
+        if node.domain == DOMAIN and node.op_type == op_type:
+            return True
+        for attr in node.attribute:
+            subgraphs = [attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)
+            if any(_has_node(sub, op_type) for sub in subgraphs):
+                return True
+    return False
 
 
 def has_fallback(model: onnx.ModelProto) -> bool:

@@ -1,13 +1,13 @@
-"""The ONNX ``OpSchema`` of ``pakv::GatherPaKvCache``, with type and shape inference.
+"""The ONNX ``OpSchema`` of ``pakv::GatherPaKvCache`` and ``pakv::ScatterPaKvCache``, with type and shape inference.
 
 Registering it with :mod:`onnx.defs` lets ``onnx.checker.check_model(full_check=True)``,
 ``onnx.shape_inference`` and the dynamo exporter (onnxscript) understand graphs containing
 the op. Every name, attribute default and dtype comes from :mod:`pakv_onnx.spec`.
 
-Inference: each output has its own cache's element type (key_cache -> key, value_cache -> value); shapes ``[T, H, D]`` (Norm) or
+Gather inference: each output has its own cache's element type (key_cache -> key, value_cache -> value); shapes ``[T, H, D]`` (Norm) or
 ``[T, H*D]`` (PA_NZ). T is a number when ``seq_lens`` is a constant (initializer or
 ``Constant``), otherwise a symbolic dim named after the node, unique per node, shared by
-its two outputs.
+its two outputs. Scatter inference: each updated cache has its input cache's type and shape.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import onnx.numpy_helper
 from onnx import TensorProto
 
 from pakv_onnx.spec import (
+    SCATTER,
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
     CACHE_DTYPES,
@@ -199,9 +200,55 @@ def make_schema() -> onnx.defs.OpSchema:
     return schema
 
 
+# --------------------------------------------------------------------------- #
+# ScatterPaKvCache
+# --------------------------------------------------------------------------- #
+_SCATTER_DOC = (
+    "Write key/value rows [T, H, D] into their slots of paged caches (see pakv_onnx.spec): token t goes to block "
+    "s // bs, row s % bs of s = slot_mapping[t]; a negative slot is padding. The outputs are the updated caches "
+    "(a runtime may make them the input caches' own buffers: the plugin declares that alias)."
+)
+# key and key_cache share TK, value and value_cache TV; slot_mapping TS.
+_SCATTER_T = dict(zip(SCATTER.input_names, ("TK", "TV", "TK", "TV", "TS")))
+
+
+def _infer_scatter(ctx) -> None:
+    for index in range(len(SCATTER.output_names)):
+        cache_type = ctx.get_input_type(2 + index)  # key_cache -> key_cache_out, value_cache -> value_cache_out
+        if ctx.has_output(index) and cache_type is not None and cache_type.HasField("tensor_type"):
+            ctx.set_output_type(index, cache_type)
+
+
+def make_scatter_schema() -> onnx.defs.OpSchema:
+    """A fresh OpSchema for ScatterPaKvCache (not registered); see :func:`make_schema` for old onnx."""
+    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
+    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
+    cache_types = [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES]
+    schema = onnx.defs.OpSchema(
+        SCATTER.op_type,
+        DOMAIN,
+        OPSET_VERSION,
+        _SCATTER_DOC,
+        inputs=[onnx.defs.OpSchema.FormalParameter(n, _SCATTER_T[n]) for n in SCATTER.input_names],
+        outputs=[onnx.defs.OpSchema.FormalParameter(n, t) for n, t in zip(SCATTER.output_names, ("TK", "TV"))],
+        type_constraints=[
+            ("TK", list(cache_types), "key and key_cache element type (and key_cache_out's)"),
+            ("TV", list(cache_types), "value and value_cache element type (and value_cache_out's)"),
+            ("TS", [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES], "slot_mapping index type"),
+        ],
+        attributes=[_attributes()[0]],
+        **extra,
+    )
+    if hasattr(schema, "set_type_and_shape_inference_function"):
+        schema.set_type_and_shape_inference_function(_infer_scatter)
+    return schema
+
+
 def register_schema() -> onnx.defs.OpSchema:
-    """Register the schema with ``onnx.defs`` once per process (idempotent); return it."""
+    """Register both ops' schemas with ``onnx.defs`` once per process (idempotent); return the gather's."""
     with _lock:
         if not onnx.defs.has(OP_TYPE, OPSET_VERSION, DOMAIN):
             onnx.defs.register_schema(make_schema())
+        if not onnx.defs.has(SCATTER.op_type, OPSET_VERSION, DOMAIN):
+            onnx.defs.register_schema(make_scatter_schema())
     return onnx.defs.get_schema(OP_TYPE, OPSET_VERSION, DOMAIN)

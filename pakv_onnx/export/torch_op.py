@@ -1,4 +1,4 @@
-"""``torch.ops.pakv.gather_pa_kv_cache``: the operator as a PyTorch custom op.
+"""``torch.ops.pakv.gather_pa_kv_cache`` and the scatter ops: the operators as PyTorch custom ops.
 
 The eager implementation is the package front (:func:`pakv_onnx.ops.gather_pa_kv_cache`,
 backend ``"auto"``), so validation is the contract's. The fake implementation gives the
@@ -7,6 +7,11 @@ outputs a data-dependent token dimension T (an unbacked symbolic size), which is
 
 The op name is ``pakv::gather_pa_kv_cache`` (the namespace is the ONNX domain of the
 contract); the ONNX translation lives in :mod:`pakv_onnx.export.translation`.
+
+The write side has two forms: ``torch.ops.pakv.scatter_pa_kv_cache`` writes the caches in place
+(``mutates_args``: what eager code and serving loops call), and
+``torch.ops.pakv.scatter_pa_kv_cache_functional`` returns the updated caches (what an exported
+graph records: one ``pakv::ScatterPaKvCache`` node whose outputs ORT may alias to its inputs).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from pakv_onnx.spec import (
     INPUT_NAMES,
     OPTIONAL_INPUTS,
     OUTPUT_NAMES,
+    SCATTER,
     CacheMode,
     bind_arguments,
     block_size_axis,
@@ -91,3 +97,59 @@ def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tenso
 def op_overload() -> torch._ops.OpOverload:
     """``torch.ops.pakv.gather_pa_kv_cache.default`` (the overload exporters key on)."""
     return getattr(getattr(torch.ops, DOMAIN), OP_NAME).default
+
+
+# --------------------------------------------------------------------------- #
+# The write side
+# --------------------------------------------------------------------------- #
+SCATTER_OP_NAME = "scatter_pa_kv_cache"
+SCATTER_FUNCTIONAL_OP_NAME = "scatter_pa_kv_cache_functional"
+_MUTATED = ("key_cache", "value_cache")
+
+
+def scatter_torch_schema(functional: bool) -> str:
+    """The scatter ops' torch schema from spec.SCATTER: ``(Tensor key, Tensor value, Tensor(a!) key_cache,
+    Tensor(b!) value_cache, Tensor slot_mapping, str cache_mode="Norm") -> ()``; the functional form
+    mutates nothing and returns the two updated caches."""
+    aliases = iter("ab")
+    tensors = [
+        f"Tensor({next(aliases)}!) {n}" if n in _MUTATED and not functional else f"Tensor {n}" for n in SCATTER.input_names
+    ]
+    attributes = [_attribute_decl(n, d) for n, d in SCATTER.attribute_defaults.items()]
+    returns = "(Tensor, Tensor)" if functional else "()"
+    return f"({', '.join(tensors + attributes)}) -> {returns}"
+
+
+@torch.library.custom_op(f"{DOMAIN}::{SCATTER_OP_NAME}", mutates_args=_MUTATED, schema=scatter_torch_schema(False))
+def scatter_pa_kv_cache(*args, **kwargs) -> None:
+    """ScatterPaKvCache in place; arguments (spec.SCATTER) as :func:`pakv_onnx.scatter_pa_kv_cache`."""
+    bound = SCATTER.bind(args, kwargs)
+    ops.scatter_pa_kv_cache(*(bound[n] for n in SCATTER.input_names), cache_mode=bound[ATTR_CACHE_MODE])
+
+
+@scatter_pa_kv_cache.register_fake
+def _scatter_fake(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op(f"{DOMAIN}::{SCATTER_FUNCTIONAL_OP_NAME}", mutates_args=(), schema=scatter_torch_schema(True))
+def scatter_pa_kv_cache_functional(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """ScatterPaKvCache returning updated copies of the caches (the form a traced graph records; in
+    eager it copies both pools, so eager code calls the in-place op)."""
+    bound = SCATTER.bind(args, kwargs)
+    key_cache, value_cache = bound["key_cache"].clone(), bound["value_cache"].clone()
+    ops.scatter_pa_kv_cache(
+        bound["key"], bound["value"], key_cache, value_cache, bound["slot_mapping"], cache_mode=bound[ATTR_CACHE_MODE]
+    )
+    return key_cache, value_cache
+
+
+@scatter_pa_kv_cache_functional.register_fake
+def _scatter_functional_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    bound = SCATTER.bind(args, kwargs)
+    return torch.empty_like(bound["key_cache"]), torch.empty_like(bound["value_cache"])
+
+
+def scatter_functional_overload() -> torch._ops.OpOverload:
+    """``torch.ops.pakv.scatter_pa_kv_cache_functional.default`` (the overload exporters key on)."""
+    return getattr(getattr(torch.ops, DOMAIN), SCATTER_FUNCTIONAL_OP_NAME).default

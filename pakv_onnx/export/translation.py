@@ -1,4 +1,5 @@
-"""Translations of ``torch.ops.pakv.gather_pa_kv_cache`` into one ``pakv::GatherPaKvCache`` node.
+"""Translations of ``torch.ops.pakv.gather_pa_kv_cache`` into one ``pakv::GatherPaKvCache`` node, and of
+``torch.ops.pakv.scatter_pa_kv_cache_functional`` into one ``pakv::ScatterPaKvCache`` node.
 
 * :func:`translation_table` — for ``torch.onnx.export(..., dynamo=True,
   custom_translation_table=...)`` (onnxscript). The schema must be registered first
@@ -60,9 +61,20 @@ def check_signature(function) -> None:
             raise AssertionError(f"{function.__name__}: default of {param.name} is {param.default!r}, spec says {expected!r}")
 
 
+def scatter_pa_kv_cache_onnx(key, value, key_cache, value_cache, slot_mapping, cache_mode: str = spec.DEFAULT_CACHE_MODE.value):
+    """onnxscript translation of ``torch.ops.pakv.scatter_pa_kv_cache_functional``: one
+    ``pakv::ScatterPaKvCache`` node whose outputs are the updated caches."""
+    op = getattr(PAKV_OPSET, spec.SCATTER.op_type)
+    mode = spec.parse_cache_mode(cache_mode).value
+    return op(key, value, key_cache, value_cache, slot_mapping, cache_mode=mode, _outputs=len(spec.SCATTER.output_names))
+
+
 def translation_table() -> dict:
-    """``custom_translation_table`` entry for ``torch.onnx.export(..., dynamo=True)``."""
-    return {torch_op.op_overload(): gather_pa_kv_cache_onnx}
+    """``custom_translation_table`` entries for ``torch.onnx.export(..., dynamo=True)``."""
+    return {
+        torch_op.op_overload(): gather_pa_kv_cache_onnx,
+        torch_op.scatter_functional_overload(): scatter_pa_kv_cache_onnx,
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -105,10 +117,31 @@ def _legacy_symbolic(g, *args):
 check_signature(gather_pa_kv_cache_onnx)
 
 
+def _legacy_scatter_symbolic(g, *args):
+    """The TorchScript exporter's symbolic for the functional scatter: one ScatterPaKvCache node."""
+    from torch.onnx import symbolic_helper
+
+    bound = spec.SCATTER.bind(args, {})
+    mode = spec.parse_cache_mode(symbolic_helper._maybe_get_const(bound[spec.ATTR_CACHE_MODE], "s")).value
+    inputs = [bound[name] for name in spec.SCATTER.input_names]
+    key_cache_out, value_cache_out = g.op(
+        f"{spec.DOMAIN}::{spec.SCATTER.op_type}", *inputs, cache_mode_s=mode, outputs=len(spec.SCATTER.output_names)
+    )
+    for out, cache in ((key_cache_out, bound["key_cache"]), (value_cache_out, bound["value_cache"])):
+        try:
+            out.setType(cache.type())  # an updated cache is its cache's type and shape
+        except (AttributeError, RuntimeError):
+            pass
+    return key_cache_out, value_cache_out
+
+
 def register_legacy_symbolic(opset_version: int) -> None:
-    """Register the TorchScript-exporter symbolic for ``pakv::gather_pa_kv_cache`` (idempotent)."""
+    """Register the TorchScript-exporter symbolics for ``pakv::gather_pa_kv_cache`` and
+    ``pakv::scatter_pa_kv_cache_functional`` (idempotent)."""
     with _legacy_lock:
         if opset_version in _legacy_registered:
             return
         torch.onnx.register_custom_op_symbolic(torch_op.QUALIFIED_NAME, _legacy_symbolic, opset_version)
+        scatter_name = f"{spec.DOMAIN}::{torch_op.SCATTER_FUNCTIONAL_OP_NAME}"
+        torch.onnx.register_custom_op_symbolic(scatter_name, _legacy_scatter_symbolic, opset_version)
         _legacy_registered.add(opset_version)
