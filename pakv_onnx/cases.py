@@ -378,3 +378,84 @@ def random_case(
         rng=rng,
         generator=generator,
     )
+
+
+# --------------------------------------------------------------------------- #
+# ScatterPaKvCache cases
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class ScatterCase:
+    """The inputs and attribute of one ScatterPaKvCache call (the caches are the ones written)."""
+
+    case_id: str
+    description: str
+    key: torch.Tensor
+    value: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    cache_mode: CacheMode = CacheMode.NORM
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """Positional inputs in the contract's order (spec.SCATTER.input_names)."""
+        return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping)
+
+    def fresh(self) -> ScatterCase:
+        """The same case with caches of its own (a scatter writes them)."""
+        return dataclasses.replace(self, key_cache=self.key_cache.clone(), value_cache=self.value_cache.clone())
+
+    def golden(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(key_cache, value_cache) after the torch reference wrote copies of them."""
+        from pakv_onnx.ops import scatter_pa_kv_cache
+
+        case = self.fresh()
+        return scatter_pa_kv_cache(*case.inputs(), cache_mode=self.cache_mode, backend="golden")
+
+
+def random_scatter_case(
+    seed: int,
+    *,
+    dtype: torch.dtype | None = None,
+    value_dtype: torch.dtype | None = None,
+    cache_mode: CacheMode | None = None,
+    slot_dtype: torch.dtype | None = None,
+    num_tokens: int | None = None,
+    padding: bool = True,
+) -> ScatterCase:
+    """A small random valid scatter: unique slots anywhere in the pool (some runs of consecutive
+    slots, as a prefill writes), a few padding slots (-1) when ``padding``; every option left
+    ``None`` is drawn from ``seed``."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    mode = cache_mode if cache_mode is not None else rng.choice(list(CacheMode))
+    key_dtype = dtype if dtype is not None else rng.choice(CACHE_DTYPES).torch_dtype
+    vdtype = value_dtype if value_dtype is not None else (key_dtype if rng.random() < 0.7 else rng.choice(CACHE_DTYPES).torch_dtype)
+    block_size, num_blocks = rng.choice([1, 2, 4, 16]), rng.randint(2, 10)
+    capacity = num_blocks * block_size
+    tokens = num_tokens if num_tokens is not None else rng.randint(0, min(capacity, 24))
+    tokens = min(tokens, capacity)
+    if rng.random() < 0.5 and tokens:  # a run of consecutive slots (a prefill)
+        start = rng.randint(0, capacity - tokens)
+        slots = list(range(start, start + tokens))
+    else:
+        slots = rng.sample(range(capacity), tokens)
+    if padding:
+        slots = [-1 if rng.random() < 0.15 else s for s in slots]
+    shapes = []
+    for dt in (key_dtype, vdtype):
+        itemsize = cache_dtype(dt).itemsize
+        e = nz_last_dim(itemsize)
+        heads = rng.randint(1, 3)
+        dim = e * rng.randint(1, 2) if mode is CacheMode.PA_NZ else rng.randint(1, 9)
+        shapes.append((heads, dim, cache_layout(mode, num_blocks, block_size, heads, dim, itemsize)))
+    (kh, kd, kshape), (vh, vd, vshape) = shapes
+    return ScatterCase(
+        case_id=f"scatter-{seed}",
+        description=f"random scatter {seed}",
+        key=random_cache((tokens, kh, kd), key_dtype, gen),
+        value=random_cache((tokens, vh, vd), vdtype, gen),
+        key_cache=random_cache(kshape, key_dtype, gen),
+        value_cache=random_cache(vshape, vdtype, gen),
+        slot_mapping=torch.tensor(slots, dtype=slot_dtype or rng.choice([torch.int32, torch.int64])),
+        cache_mode=mode,
+    )

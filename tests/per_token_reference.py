@@ -53,3 +53,36 @@ def gather_per_token(
         return torch.stack([r.view(torch.uint8) for r in rows]).view(cache.dtype).reshape(total, *row_shape)
 
     return gather(key_cache), gather(value_cache)
+
+
+def scatter_per_token(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    cache_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Updated copies of the caches, written element by element from the contract text: token t
+    with slot s >= 0 goes to block s // bs, row s % bs (PA_NZ: element i of its row to fractal
+    i // E, position i % E); a negative slot is padding."""
+    mode = cache_mode.value if hasattr(cache_mode, "value") else cache_mode
+
+    def write(src: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        out = cache.clone()
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[cache.element_size()]
+        raw, rows = out.view(bits), src.reshape(src.shape[0], src[0].numel() if len(src) else 0).view(bits)
+        block_size = cache.shape[1] if mode == "Norm" else cache.shape[2]
+        for t, slot in enumerate(int(s) for s in slot_mapping):
+            if slot < 0:
+                continue
+            block, row = slot // block_size, slot % block_size
+            for i, element in enumerate(rows[t].tolist()):
+                if mode == "Norm":
+                    raw[block, row, i // cache.shape[3], i % cache.shape[3]] = element
+                else:
+                    raw[block, i // cache.shape[3], row, i % cache.shape[3]] = element
+        return out
+
+    return write(key, key_cache), write(value, value_cache)

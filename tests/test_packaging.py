@@ -160,6 +160,51 @@ BARE_ORT_SCRIPT = textwrap.dedent(
         assert "block_tables" in str(err), err
     else:
         raise AssertionError("an out-of-range block id was accepted")
+    # ScatterPaKvCache: which in-place route this runtime takes (printed; asserted where known).
+    snames = ["key", "value", "key_cache", "value_cache", "slot_mapping"]
+    stypes = [TensorProto.FLOAT16] * 4 + [TensorProto.INT64]
+    def scatter_model(then_gather):
+        inputs = [helper.make_tensor_value_info(n, t, None) for n, t in zip(snames, stypes)]
+        if then_gather:
+            nodes = [helper.make_node("ScatterPaKvCache", snames, ["k2", "v2"], domain="pakv"),
+                     helper.make_node("GatherPaKvCache", ["k2", "v2", "block_tables", "seq_lens"], ["key_all", "value_all"], domain="pakv")]
+            inputs += [helper.make_tensor_value_info(n, TensorProto.INT32, None) for n in ("block_tables", "seq_lens")]
+            outs = ["key_all", "value_all"]
+        else:
+            nodes = [helper.make_node("ScatterPaKvCache", snames, ["key_cache_out", "value_cache_out"], domain="pakv")]
+            outs = ["key_cache_out", "value_cache_out"]
+        graph = helper.make_graph(nodes, "s", inputs, [helper.make_tensor_value_info(n, TensorProto.FLOAT16, None) for n in outs])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("pakv", 1)], ir_version=8)
+    k, v = rng.standard_normal((3, 2, 8)).astype(np.float16), rng.standard_normal((3, 3, 5)).astype(np.float16)
+    slots = np.array([5, -1, 17], np.int64)  # block 1 row 1, padding, block 4 row 1
+    want_k, want_v = kc.copy(), vc.copy()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            want_k[slot // 4, slot % 4], want_v[slot // 4, slot % 4] = k[t], v[t]
+    one = ort.InferenceSession(scatter_model(False).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    caches = (kc.copy(), vc.copy())
+    out_k, out_v = one.run(None, dict(zip(snames, (k, v, *caches, slots))))
+    assert np.array_equal(out_k, want_k) and np.array_equal(out_v, want_v)
+    assert np.array_equal(caches[0], kc), "an unbound output wrote the input cache"
+    # Bound in place (ORT GenAI's way): the kernel sees one buffer and writes only the rows.
+    binding = one.io_binding()
+    pool_k, pool_v = kc.copy(), vc.copy()
+    for name, array in zip(snames, (k, v, pool_k, pool_v, slots)):
+        binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    for name, array in (("key_cache_out", pool_k), ("value_cache_out", pool_v)):
+        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+    one.run_with_iobinding(binding)
+    assert np.array_equal(pool_k, want_k) and np.array_equal(pool_v, want_v)
+    # Feeding a later node: the alias map (ORT >= 1.18) writes the input pool in place; older copy it.
+    fed = ort.InferenceSession(scatter_model(True).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    pool_k, pool_v = kc.copy(), vc.copy()
+    lens = np.array([0, 24], np.int32)
+    all_k, _ = fed.run(None, dict(zip([*snames, "block_tables", "seq_lens"], (k, v, pool_k, pool_v, slots, np.arange(6, dtype=np.int32)[None], lens))))
+    assert np.array_equal(all_k, want_k.reshape(24, 2, 8))
+    aliased = np.array_equal(pool_k, want_k)
+    minor = int(ort.__version__.split(".")[1])
+    assert aliased == (minor >= 18), (ort.__version__, aliased)
+    print("scatter route when feeding a node:", "in place (alias map)" if aliased else "copy")
     print("bare onnxruntime", ort.__version__, "ok")
     """
 )

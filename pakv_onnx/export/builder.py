@@ -281,7 +281,7 @@ def make_scatter_model_for(
     ``then_gather=False``: the one node; its outputs ``key_cache_out`` / ``value_cache_out`` are the
     graph's (in place only when the host binds each to its cache's buffer). ``then_gather=True``:
     the updated caches feed a GatherPaKvCache (extra inputs ``block_tables``, ``seq_lens``; graph
-    outputs ``key``, ``value``), the decoder step's shape: with ORT >= 1.18 the plugin's alias
+    outputs ``key_all``, ``value_all``), the decoder step's shape: with ORT >= 1.18 the plugin's alias
     map makes the updated caches the input caches' own buffers, written in place.
     """
     names = spec.SCATTER.input_names
@@ -293,9 +293,9 @@ def make_scatter_model_for(
         inputs += [h.make_tensor_value_info(n, TensorProto.INT64, None) for n in ("block_tables", "seq_lens")]
         nodes = [
             scatter_node(*names, outputs=updated, cache_mode=cache_mode, name="scatter"),
-            gather_node(*updated, "block_tables", "seq_lens", cache_mode=cache_mode, name="gather"),
+            gather_node(*updated, "block_tables", "seq_lens", outputs=("key_all", "value_all"), cache_mode=cache_mode, name="gather"),
         ]
-        outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.OUTPUT_NAMES, (key_type, value_type))]
+        outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(("key_all", "value_all"), (key_type, value_type))]
     else:
         nodes = [scatter_node(*names, cache_mode=cache_mode, name="scatter")]
         outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.SCATTER.output_names, (key_type, value_type))]
