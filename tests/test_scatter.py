@@ -139,7 +139,7 @@ def refusals() -> dict[str, tuple[dict, type, str]]:
     pool = torch.zeros(4, 2, 4, 2, 8, dtype=torch.bfloat16)
     return {
         "key dtype": ({"key": base["key"].half()}, TypeError, r"^key must have key_cache's dtype bfloat16, got float16$"),
-        "key heads": ({"key": base["key"][:, :1]}, ValueError, r"^key must have shape \[T, 2, 8\] for key_cache of shape \[4, 4, 2, 8\], got \[3, 1, 8\]$"),
+        "key heads": ({"key": base["key"][:, :1]}, ValueError, r"^key rows must be \[2, 8\] \(heads, head_dim\) for key_cache of shape \[4, 4, 2, 8\], got shape \[3, 1, 8\]$"),
         "value rows": ({"value": base["value"][:2]}, ValueError, r"^value must have T = 3 rows \(key's\), got shape \[2, 1, 8\]$"),
         "key rank": ({"key": base["key"].reshape(3, 16)}, ValueError, r"^key must have rank 3 \(\[T, heads, head_dim\]\), got shape \[3, 16\]$"),
         "key layout": ({"key": base["key"].transpose(1, 2).contiguous().transpose(1, 2)}, ValueError, r"^key must be row-major contiguous within each token"),
@@ -303,3 +303,22 @@ def test_the_fallback_refuses_what_the_contract_refuses(slots: list[int], rule: 
     session = ort.InferenceSession(make_scatter_model_for(*inputs.values()).SerializeToString(), providers=["CPUExecutionProvider"])
     with pytest.raises(ORT_ERRORS, match=re.escape(rule)):
         runtime_plugin.run(session, {**inputs, "slot_mapping": torch.tensor(slots)})
+
+
+def test_ort_parallel_execution_takes_the_copy_route() -> None:
+    """ORT_PARALLEL disables the planner's aliasing: the updated caches are copies, still exact."""
+    case = random_scatter_case(22, dtype=torch.float32, value_dtype=torch.float32, cache_mode=CacheMode.NORM, num_tokens=5)
+    model = make_scatter_model_for(*case.inputs(), then_gather=True, fallback=False, opset_version=17)
+    options = ort.SessionOptions()
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    session = runtime_plugin.make_session(model, sess_options=options)
+    pools = case.fresh()
+    tokens = case.key_cache.shape[0] * case.key_cache.shape[1]
+    tables = torch.arange(case.key_cache.shape[0], dtype=torch.int64)[None]
+    out = runtime_plugin.run(
+        session, {**dict(zip(SCATTER.input_names, pools.inputs())), "block_tables": tables, "seq_lens": torch.tensor([0, tokens])}
+    )
+    want = reference(case)
+    golden = pakv_onnx.gather_pa_kv_cache(*want, tables, torch.tensor([0, tokens]), backend="golden")
+    assert bitwise_equal(out["key_all"], golden[0]) and bitwise_equal(out["value_all"], golden[1])
+    assert_caches((pools.key_cache, pools.value_cache), (case.key_cache, case.value_cache), "ORT_PARALLEL inputs")

@@ -482,7 +482,7 @@ static int scatter_source(const pakv_tensor* t, const char* name, const pakv_ten
   int64_t width;
   if (pakv_mul(t->dims[1], t->dims[2], &width)) width = -1;
   if (!nz && (t->dims[1] != g->token_dims[0] || t->dims[2] != g->token_dims[1]))
-    return pakv_fail(err, "%s must have shape [T, %lld, %lld] for %s of shape %s, got %s", name,
+    return pakv_fail(err, "%s rows must be [%lld, %lld] (heads, head_dim) for %s of shape %s, got shape %s", name,
                      (long long)g->token_dims[0], (long long)g->token_dims[1], cache_name, SHAPE(cache, cache_shape),
                      SHAPE(t, shape));
   if (nz && width != g->token_dims[0])
