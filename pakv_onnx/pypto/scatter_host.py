@@ -317,13 +317,16 @@ class ScatterTiles:
 # The rule's model of the cost model (cycles), read off its per-operation trace as for the
 # gather (tiles.py): per move one COPY_IN (fixed + bytes) and one move-out; a task's copy-ins
 # run one after another, its last move-out after them; key and value tasks share rounds of 48
-# cores; each further round pays about 4,800 cycles more.
+# cores; each further round pays about 4,800 cycles more. PA_NZ's transposing move-out costs
+# 68 cycles per row of the tile's first axis: for the gather that is the fractal group, for the
+# scatter ([chunk, group, E] in, [group, chunk, E] out) it is the chunk, so the scatter wants
+# short chunks of wide groups.
 _IN_FIXED = 1_400
 _IN_BYTES_PER_CYCLE = 96
 _NZ_IN_PER_ROW = 5.3  # a PA_NZ [chunk, group, E] source view: one burst per token row
 _OUT_FIXED = 300
 _OUT_BYTES_PER_CYCLE = 76
-_NZ_TRANSPOSE_PER_PLANE = 68
+_NZ_TRANSPOSE_PER_ROW = 68  # per row of the UB tile's first axis (the scatter's chunk)
 _NZ_ROWS_OUT_PER_ROW = 5.0  # chunk 1: group rows of 32 bytes, strided in the cache
 _LANES = 8
 _LANE_CYCLES = 200
@@ -338,7 +341,7 @@ def _move_cycles(shape: ScatterShape, chunk: int, tile: tuple[int, int], width: 
     size = chunk * group * NZ_FRACTAL_BYTES
     if chunk == 1:
         return _IN_FIXED + size / _IN_BYTES_PER_CYCLE, _OUT_FIXED + size / _OUT_BYTES_PER_CYCLE + _NZ_ROWS_OUT_PER_ROW * group
-    return _IN_FIXED + size / _IN_BYTES_PER_CYCLE + _NZ_IN_PER_ROW * chunk, _NZ_TRANSPOSE_PER_PLANE * group
+    return _IN_FIXED + size / _IN_BYTES_PER_CYCLE + _NZ_IN_PER_ROW * chunk, _NZ_TRANSPOSE_PER_ROW * chunk
 
 
 def groups_of(shape: ScatterShape, tiles: ScatterTiles) -> tuple[int, int]:
