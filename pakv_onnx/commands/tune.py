@@ -37,7 +37,9 @@ class TuneRow:
         from pakv_onnx.pypto import tiles as tiles_mod
 
         key_bytes, value_bytes = tiles_mod.tile_bytes(tiles, shape)
-        return cls(tiles.kind, tiles.chunk, tiles.key_tile, tiles.value_tile, key_bytes, value_bytes, seed=seed, rule=rule)
+        return cls(
+            tiles.kind, tiles.chunk, tiles.key_tile, tiles.value_tile, key_bytes, value_bytes, seed=seed, rule=rule
+        )
 
 
 def case_id_for(args: argparse.Namespace) -> str:
@@ -253,8 +255,10 @@ def tune_scatter(case_id: str, *, chunks=None, jobs: int = 1, timeout: float = 6
         raise ValueError(f"{case_id}: {refusal}")
     shape = scatter_host.shape_of(plan)
     specs = scatter_candidates(shape, chunks)
-    rule = scatter_host.rule_tiles(shape) if not chunks else min(
-        specs, key=lambda t: scatter_host.estimate_cycles(shape, t)
+    rule = (
+        scatter_host.rule_tiles(shape)
+        if not chunks
+        else min(specs, key=lambda t: scatter_host.estimate_cycles(shape, t))
     )
     if say:
         say(f"{case_id}: {case.summary()}")
@@ -318,8 +322,10 @@ def run_scatter(args: argparse.Namespace) -> int:
     if not args.case:
         say(f"no --case given: tuning {case_id}")
     if not scatter_cases.is_scatter_case(case_id):
-        print(f"error: --op scatter takes a scatter case id (e.g. {scatter_cases.REPRESENTATIVE[0]}), got {case_id!r}",
-              file=sys.stderr)
+        print(
+            f"error: --op scatter takes a scatter case id (e.g. {scatter_cases.REPRESENTATIVE[0]}), got {case_id!r}",
+            file=sys.stderr,
+        )
         return 2
     try:
         summary = tune_scatter(
@@ -331,8 +337,10 @@ def run_scatter(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0 if summary["chosen"] else 1
-    print(f"{'kernel':<8} {'chunk':>5} {'pieces':>6} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} "
-          f"{'floor@chunk':>11} {'estimate':>8}  mark")
+    print(
+        f"{'kernel':<8} {'chunk':>5} {'pieces':>6} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} "
+        f"{'floor@chunk':>11} {'estimate':>8}  mark"
+    )
     for r in summary["rows"]:
         marks = [m for m, on in (("chosen", r["chosen"]), ("closed-form rule", r["rule"])) if on]
         if r["status"] != "ok":

@@ -96,9 +96,10 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
     if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
         return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
     if plan.cache_mode is CacheMode.PA_NZ:
-        fractals = max(
-            row_width(plan, "key") * cache.dtype.itemsize, row_width(plan, "value") * value_dtype.itemsize
-        ) // NZ_FRACTAL_BYTES
+        fractals = (
+            max(row_width(plan, "key") * cache.dtype.itemsize, row_width(plan, "value") * value_dtype.itemsize)
+            // NZ_FRACTAL_BYTES
+        )
         if max(plan.num_blocks, plan.num_tokens) * fractals > INT32_MAX:
             return "more than 2**31 - 1 fractal rows in a cache or an output (the kernel indexes with int32)"
     # Whether any tiles fit, not which (that reads the tuned-tiles file; `tune` saves only shapes that have some).

@@ -203,7 +203,13 @@ def _dtype_case(case_id: str, name: str, mode: CacheMode) -> ScatterCase:
         raise ValueError(f"bad case id {case_id!r}: dtype {name!r} not one of {', '.join(dtypes)}")
     seed = sum(map(ord, name)) + (0 if mode is CacheMode.NORM else 1000)
     return kernel_case(
-        seed, dtype=dtypes[name], value_dtype=dtypes[name], mode=mode, pad_share=0.15, block_size=8, num_tokens=29,
+        seed,
+        dtype=dtypes[name],
+        value_dtype=dtypes[name],
+        mode=mode,
+        pad_share=0.15,
+        block_size=8,
+        num_tokens=29,
         case_id=case_id,
     )
 
@@ -211,12 +217,22 @@ def _dtype_case(case_id: str, name: str, mode: CacheMode) -> ScatterCase:
 def _feature_case(name: str) -> ScatterCase:
     if name == "scatter-mixed-norm":
         return kernel_case(
-            21, dtype=torch.bfloat16, value_dtype=torch.int8, mode=CacheMode.NORM, block_size=16, num_tokens=40,
+            21,
+            dtype=torch.bfloat16,
+            value_dtype=torch.int8,
+            mode=CacheMode.NORM,
+            block_size=16,
+            num_tokens=40,
             case_id=name,
         )
     if name == "scatter-mixed-nz":
         return kernel_case(
-            22, dtype=torch.float16, value_dtype=torch.float32, mode=CacheMode.PA_NZ, block_size=16, num_tokens=40,
+            22,
+            dtype=torch.float16,
+            value_dtype=torch.float32,
+            mode=CacheMode.PA_NZ,
+            block_size=16,
+            num_tokens=40,
             case_id=name,
         )
     return kernel_case(23, pad_share=0.7, slot_dtype=torch.int64, block_size=4, num_tokens=20, case_id=name)

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from pakv_onnx.pypto import tiles as tiles_mod
-from pakv_onnx.pypto.host import INT32_MAX, SUPPORTED_DTYPES, _dtype_reason, dtype_name, set_output_env
+from pakv_onnx.pypto.host import INT32_MAX, _dtype_reason, dtype_name, set_output_env
 from pakv_onnx.pypto.tiles import ALIGN_BYTES, VECTOR_BUFFER_BYTES
 from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, bits_view, nz_last_dim
 
@@ -91,7 +91,9 @@ def check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode="N
     if key.dim() != 3 or value.dim() != 3:
         raise ValueError(f"key and value must be [T, H, D], got {list(key.shape)} and {list(value.shape)}")
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in SLOT_DTYPES:
-        raise ValueError(f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} {list(slot_mapping.shape)}")
+        raise ValueError(
+            f"slot_mapping must be a 1-D int32/int64 tensor, got {slot_mapping.dtype} {list(slot_mapping.shape)}"
+        )
     num_tokens = key.shape[0]
     if value.shape[0] != num_tokens or slot_mapping.shape[0] != num_tokens:
         raise ValueError(
@@ -104,7 +106,9 @@ def check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode="N
     nb, bs = key_cache.shape[0], key_cache.shape[2 if mode is CacheMode.PA_NZ else 1]
     for which, tokens, cache in (("key", key, key_cache), ("value", value, value_cache)):
         if cache.dtype != tokens.dtype:
-            raise ValueError(f"{which}_cache dtype {dtype_name(cache.dtype)} differs from {which}'s {dtype_name(tokens.dtype)}")
+            raise ValueError(
+                f"{which}_cache dtype {dtype_name(cache.dtype)} differs from {which}'s {dtype_name(tokens.dtype)}"
+            )
         heads, dim = tokens.shape[1], tokens.shape[2]
         if mode is CacheMode.NORM:
             want = (nb, bs, heads, dim)
@@ -114,7 +118,9 @@ def check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode="N
                 raise ValueError(f"PA_NZ {which}: heads*dim {heads * dim} is not a multiple of E = {e_dim}")
             want = (nb, heads * dim // e_dim, bs, e_dim)
         if tuple(cache.shape) != want:
-            raise ValueError(f"{which}_cache must be {list(want)} for {which} {list(tokens.shape)}, got {list(cache.shape)}")
+            raise ValueError(
+                f"{which}_cache must be {list(want)} for {which} {list(tokens.shape)}, got {list(cache.shape)}"
+            )
     slots = slot_mapping.to(torch.int64)
     used = slots[slots >= 0]
     if used.numel() and int(used.max()) >= nb * bs:
@@ -147,9 +153,14 @@ def unsupported_reason(plan: ScatterPlan, tensors=()) -> str | None:
         if tensor is not None and not tensor.is_contiguous():
             names = ("key", "value", "key_cache", "value_cache")
             name = names[index] if index < len(names) else f"tensor {index}"
-            return f"{name} is strided (the PyPTO kernel hands each tensor in as a reshaped view and needs it contiguous)"
+            return (
+                f"{name} is strided (the PyPTO kernel hands each tensor in as a reshaped view and needs it contiguous)"
+            )
     if plan.mode is CacheMode.NORM:
-        for which, width, dtype in (("key", plan.key_width, plan.key_dtype), ("value", plan.value_width, plan.value_dtype)):
+        for which, width, dtype in (
+            ("key", plan.key_width, plan.key_dtype),
+            ("value", plan.value_width, plan.value_dtype),
+        ):
             if (width * dtype.itemsize) % ALIGN_BYTES:
                 return (
                     f"{which} token row of {width} x {dtype.itemsize} bytes = {width * dtype.itemsize} bytes "
@@ -215,7 +226,9 @@ def build_entries(plan: ScatterPlan, tiles: ScatterTiles, which: str) -> torch.T
     moves = build_moves(plan, tiles.chunk)
     src, block, row, valid = moves.unbind(1)
     if plan.mode is CacheMode.NORM:
-        fields = torch.stack((src, block * plan.block_size + row, torch.zeros_like(row), valid, torch.zeros_like(row)), 1)
+        fields = torch.stack(
+            (src, block * plan.block_size + row, torch.zeros_like(row), valid, torch.zeros_like(row)), 1
+        )
     else:
         fractals = plan.key_fractals if which == "key" else plan.value_fractals
         group = (tiles.key_tile if which == "key" else tiles.value_tile)[0]
@@ -266,8 +279,9 @@ class ScatterShape:
 
     def norm_view(self) -> tiles_mod.KernelShape:
         """The gather's Norm shape of the same widths (for the floor's tiles)."""
-        return tiles_mod.KernelShape("Norm", self.key_width, self.value_width, self.key_itemsize,
-                                     self.value_itemsize, self.block_size, ())
+        return tiles_mod.KernelShape(
+            "Norm", self.key_width, self.value_width, self.key_itemsize, self.value_itemsize, self.block_size, ()
+        )
 
 
 def shape_of(plan: ScatterPlan) -> ScatterShape:
@@ -333,14 +347,19 @@ _LANE_CYCLES = 200
 _ROUND_GAP = 3_400
 
 
-def _move_cycles(shape: ScatterShape, chunk: int, tile: tuple[int, int], width: int, itemsize: int) -> tuple[float, float]:
+def _move_cycles(
+    shape: ScatterShape, chunk: int, tile: tuple[int, int], width: int, itemsize: int
+) -> tuple[float, float]:
     if shape.mode == "Norm":
         size = chunk * width * itemsize
         return _IN_FIXED + size / _IN_BYTES_PER_CYCLE, _OUT_FIXED + size / _OUT_BYTES_PER_CYCLE
     group = tile[0]
     size = chunk * group * NZ_FRACTAL_BYTES
     if chunk == 1:
-        return _IN_FIXED + size / _IN_BYTES_PER_CYCLE, _OUT_FIXED + size / _OUT_BYTES_PER_CYCLE + _NZ_ROWS_OUT_PER_ROW * group
+        return (
+            _IN_FIXED + size / _IN_BYTES_PER_CYCLE,
+            _OUT_FIXED + size / _OUT_BYTES_PER_CYCLE + _NZ_ROWS_OUT_PER_ROW * group,
+        )
     return _IN_FIXED + size / _IN_BYTES_PER_CYCLE + _NZ_IN_PER_ROW * chunk, _NZ_TRANSPOSE_PER_ROW * chunk
 
 
@@ -407,8 +426,10 @@ def rule_tiles(shape: ScatterShape) -> ScatterTiles:
 
 def tile_bytes(tiles: ScatterTiles, shape: ScatterShape) -> tuple[int, int]:
     if shape.mode == "Norm":
-        return (tiles.key_tile[0] * tiles.key_tile[1] * shape.key_itemsize,
-                tiles.value_tile[0] * tiles.value_tile[1] * shape.value_itemsize)
+        return (
+            tiles.key_tile[0] * tiles.key_tile[1] * shape.key_itemsize,
+            tiles.value_tile[0] * tiles.value_tile[1] * shape.value_itemsize,
+        )
     return (tiles.key_tile[0] * tiles.chunk * NZ_FRACTAL_BYTES, tiles.value_tile[0] * tiles.chunk * NZ_FRACTAL_BYTES)
 
 
@@ -498,8 +519,17 @@ def kernel_scalars(plan: ScatterPlan, tiles: ScatterTiles) -> tuple:
 
 
 def scatter_in_process(
-    key, value, key_cache, value_cache, slot_mapping, cache_mode="Norm", *, sim: bool, verify: bool = False,
-    tiles: ScatterTiles | None = None, kernel_fn=None,
+    key,
+    value,
+    key_cache,
+    value_cache,
+    slot_mapping,
+    cache_mode="Norm",
+    *,
+    sim: bool,
+    verify: bool = False,
+    tiles: ScatterTiles | None = None,
+    kernel_fn=None,
 ) -> ScatterTiles:
     """Run the scatter kernel in this process (NPU, or SIM with the interpreter); returns the tiles used.
 
@@ -583,20 +613,3 @@ def input_bytes(*tensors) -> int:
 def floor_tiles(shape: ScatterShape, chunk: int):
     """The copy floor's tiles at ``chunk``: Norm row tiles of the same widths and dtypes (gather's copy kernel)."""
     return tiles_mod.entry_tiles(shape.norm_view(), chunk)
-
-
-__all__ = [
-    "ScatterPlan",
-    "ScatterShape",
-    "ScatterTiles",
-    "SUPPORTED_DTYPES",
-    "build_entries",
-    "build_moves",
-    "check_inputs",
-    "choose_tiles",
-    "reference_scatter",
-    "rule_tiles",
-    "run_scatter_kernel",
-    "runs_of",
-    "unsupported_reason",
-]

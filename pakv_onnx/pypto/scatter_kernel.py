@@ -78,9 +78,7 @@ def scatter_norm_kernel(
 def _nz_move(src_fractals, planes, fractals: int, group: int, chunk: int, src, block, row, valid, first):
     e_dim = src_fractals.shape[2]
     pypto.set_vec_tile_shapes(chunk, group, e_dim)
-    part = pypto.view(
-        src_fractals, [chunk, group, e_dim], [src, first, 0], valid_shape=[valid, group, e_dim]
-    )
+    part = pypto.view(src_fractals, [chunk, group, e_dim], [src, first, 0], valid_shape=[valid, group, e_dim])
     flipped = pypto.transpose(part, 0, 1)
     pypto.assemble(flipped, [block * fractals + first, row, 0], planes)
 
