@@ -23,6 +23,7 @@ compile + pass-verify interpreter in the pypto-cpu worker process, ``"npu"`` on 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -273,9 +274,15 @@ class ScatterShape:
             self.value_width * self.value_itemsize // NZ_FRACTAL_BYTES,
         )
 
+    @functools.cached_property
+    def _moves_at(self) -> dict[int, int]:
+        return {}  # chunk -> moves (the rule asks for each chunk many times)
+
     def moves(self, chunk: int) -> int:
         """Moves at ``chunk`` (before fractal groups): the chunk-aligned windows the runs touch."""
-        return sum((row + n - 1) // chunk - row // chunk + 1 for row, n in self.runs)
+        if chunk not in self._moves_at:
+            self._moves_at[chunk] = sum((row + n - 1) // chunk - row // chunk + 1 for row, n in self.runs)
+        return self._moves_at[chunk]
 
     def norm_view(self) -> tiles_mod.KernelShape:
         """The gather's Norm shape of the same widths (for the floor's tiles)."""
