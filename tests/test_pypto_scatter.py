@@ -7,6 +7,7 @@ subprocesses with a temporary cache directory (the helper library shared, built 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -134,6 +135,27 @@ def test_contract_violations_and_refusals_are_named():
     narrow = torch.zeros((3, 1, 8), dtype=torch.bfloat16)  # 16-byte rows
     plan = scatter_host.check_inputs(narrow, key, torch.zeros((4, 8, 1, 8), dtype=torch.bfloat16), cache, slots, "Norm")
     assert "32 bytes" in scatter_host.unsupported_reason(plan)
+
+
+def test_a_validated_plan_maps_onto_the_kernels_plan():
+    from types import SimpleNamespace
+
+    case = scatter_cases.build("scatter-mixed-nz")
+    mine = scatter_host.check_inputs(*case.inputs(), **case.attributes())
+    validated = SimpleNamespace(  # the fields of the op's ScatterPlan (spec) the kernel reads
+        cache_mode=CacheMode.PA_NZ,
+        num_tokens=mine.num_tokens,
+        num_blocks=mine.num_blocks,
+        block_size=mine.block_size,
+        key_token_shape=(mine.key_width,),
+        value_token_shape=(mine.value_width,),
+        key_dtype=mine.key_dtype,
+        value_dtype=mine.value_dtype,
+        slots=case.slot_mapping,
+    )
+    theirs = scatter_host.from_validated(validated)
+    assert theirs.slots.dtype == torch.int64 and torch.equal(theirs.slots, mine.slots)
+    assert dataclasses.replace(theirs, slots=mine.slots) == dataclasses.replace(mine, slots=mine.slots)
 
 
 def test_the_rule_fits_the_buffer_and_prefers_few_rounds():

@@ -141,6 +141,30 @@ def check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode="N
     )
 
 
+def from_validated(plan) -> ScatterPlan:
+    """This module's plan from the op's validated plan (duck-typed: ``cache_mode``, ``num_tokens``,
+    ``num_blocks``, ``block_size``, ``key_token_shape``, ``value_token_shape``, ``key_dtype``,
+    ``value_dtype``, ``slots``), for a backend that has the op's own validation in front of it."""
+
+    def width(shape) -> int:
+        total = 1
+        for size in shape:
+            total *= int(size)
+        return total
+
+    return ScatterPlan(
+        mode=_cache_mode(plan.cache_mode),
+        num_tokens=int(plan.num_tokens),
+        num_blocks=int(plan.num_blocks),
+        block_size=int(plan.block_size),
+        key_width=width(plan.key_token_shape),
+        value_width=width(plan.value_token_shape),
+        key_dtype=plan.key_dtype,
+        value_dtype=plan.value_dtype,
+        slots=plan.slots.to(torch.int64).cpu(),
+    )
+
+
 def unsupported_reason(plan: ScatterPlan, tensors=()) -> str | None:
     """``None`` when the kernel handles ``plan``; otherwise the one thing it cannot do.
 
@@ -537,13 +561,15 @@ def scatter_in_process(
     verify: bool = False,
     tiles: ScatterTiles | None = None,
     kernel_fn=None,
+    plan: ScatterPlan | None = None,
 ) -> ScatterTiles:
     """Run the scatter kernel in this process (NPU, or SIM with the interpreter); returns the tiles used.
 
     With ``sim=True, verify=True`` the caller must have installed :mod:`.adapter` (the
     interpreter then reads the real tensors and writes into ``key_cache``/``value_cache``).
+    ``plan``: an already checked plan (e.g. :func:`from_validated`); else :func:`check_inputs` runs.
     """
-    plan = check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode)
+    plan = plan or check_inputs(key, value, key_cache, value_cache, slot_mapping, cache_mode)
     reason = unsupported_reason(plan, (key, value, key_cache, value_cache))
     if reason is not None:
         raise ValueError(f"the PyPTO scatter kernel cannot run this call: {reason}")
