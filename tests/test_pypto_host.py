@@ -24,17 +24,25 @@ def _plan(case):
 
 def gather_by_entries(plan, key_cache, value_cache, chunk):
     """What the kernel does with the entries, in torch: each entry's views assembled into the outputs."""
-    entries = host.build_entries(plan, chunk).to(torch.int64)
+    if plan.cache_mode is CacheMode.NORM:
+        entries = host.build_entries(plan, chunk).to(torch.int64)
+    else:
+        shape = tiles_mod.shape_of(plan, key_cache.element_size(), value_cache.element_size())
+        tiles = tiles_mod.entry_tiles(shape, chunk)
+        entries = host.build_nz_entries(plan, tiles, key_cache.shape[1], value_cache.shape[1]).to(torch.int64)
+        groups = (tiles.key_tile[0], tiles.value_tile[0])
     outs = []
-    for cache, out_shape in ((key_cache, plan.key_out_shape), (value_cache, plan.value_out_shape)):
+    for index, (cache, out_shape) in enumerate(((key_cache, plan.key_out_shape), (value_cache, plan.value_out_shape))):
         out = torch.zeros(out_shape, dtype=cache.dtype)
-        for first, slot, dst, valid in entries.tolist():
+        for row in entries.tolist():
+            first, slot, dst, valid = row[:4]
             if plan.cache_mode is CacheMode.NORM:
                 rows = cache.reshape(-1, cache.shape[2], cache.shape[3])  # [nb*bs, H, D]
                 out[dst : dst + valid] = rows[first : first + valid]
-            else:
-                block = cache[first]  # [C, bs, E] -> tokens [valid, C*E]
-                out[dst : dst + valid] = block[:, slot : slot + valid, :].transpose(0, 1).reshape(valid, -1)
+            else:  # block [C, bs, E]: fractals f0 .. f0+group of valid slots -> out[dst.., f0.., :]
+                f0, group = row[4 + index], groups[index]
+                part = cache[first, f0 : f0 + group, slot : slot + valid, :].transpose(0, 1)
+                out.view(out.shape[0], cache.shape[1], cache.shape[3])[dst : dst + valid, f0 : f0 + group] = part
         outs.append(out)
     return outs
 
@@ -49,6 +57,22 @@ def test_entries_reproduce_the_golden_at_every_chunk(case_id):
     for chunk in tiles_mod.candidate_chunks(plan.block_size):
         key, value = gather_by_entries(plan, case.key_cache, case.value_cache, chunk)
         assert bitwise_equal(key, golden[0]) and bitwise_equal(value, golden[1]), (case_id, chunk)
+
+
+def test_nz_entries_cover_every_fractal_group_once_per_chunk():
+    case = cases.build_case("shape:bfloat16:1,512:1,64:128:4:55:PA_NZ")  # key C = 32, value C = 4
+    plan = _plan(case)
+    shape = tiles_mod.shape_of(plan, 2, 2)
+    tiles = tiles_mod.Tiles("entries", 16, (4, 16), (2, 16))  # 8 key groups, 2 value groups
+    entries = host.build_nz_entries(plan, tiles, 32, 4)
+    assert entries.dtype == torch.int32 and entries.shape == (8 * shape.tasks(16), 6)
+    first_chunk = entries[:8]
+    assert first_chunk[:, 4].tolist() == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert first_chunk[:, 5].tolist() == [0, 2] * 4  # value groups repeat (2 divides 8)
+    assert (first_chunk[:, :4] == first_chunk[0, :4]).all()
+    with pytest.raises(ValueError, match="divide"):
+        host.build_nz_entries(plan, tiles_mod.Tiles("entries", 16, (3, 16), (2, 16)), 32, 4)
+    assert not tiles_mod.valid_for(tiles_mod.Tiles("entries", 16, (32, 16), (3, 16)), shape)
 
 
 def test_entries_are_int32_one_per_chunk_and_never_cross_a_block():

@@ -92,3 +92,14 @@ def test_chosen_tiles_are_within_1_3x_of_the_floor(capsys, case_id, chunks):
     result = _tune_json(capsys, "--case", case_id, "--chunks", *chunks, "--no-save")
     assert result["chosen_us"] <= 1.3 * result["floor_us"], result
     assert result["chosen_us"] <= result["seed_us"], result
+
+
+@pytest.mark.parametrize(
+    "case_id,chunks",
+    [("nz-bfloat16", ["16"]), ("shape:bfloat16:1,8192:1,8192:128:1:6:PA_NZ", ["1", "8"])],  # few tokens x wide rows
+)
+def test_pa_nz_tiles_are_within_1_3x_of_the_floor(capsys, case_id, chunks):
+    result = _tune_json(capsys, "--case", case_id, "--chunks", *chunks, "--no-save")
+    assert result["seed_us"] is None  # the seed's kernel is Norm only
+    assert result["chosen_us"] <= 1.3 * result["floor_us"], result
+    assert result["rule_us"] is not None and result["rule_us"] <= 1.3 * result["floor_us"], result

@@ -37,7 +37,9 @@ class TuneRow:
         from pakv_onnx.pypto import tiles as tiles_mod
 
         key_bytes, value_bytes = tiles_mod.tile_bytes(tiles, shape)
-        return cls(tiles.kind, tiles.chunk, tiles.key_tile, tiles.value_tile, key_bytes, value_bytes, seed=seed, rule=rule)
+        return cls(
+            tiles.kind, tiles.chunk, tiles.key_tile, tiles.value_tile, key_bytes, value_bytes, seed=seed, rule=rule
+        )
 
 
 def case_id_for(args: argparse.Namespace) -> str:
@@ -128,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.op == "scatter":
+        return run_scatter(args)
     case_id = case_id_for(args)
     try:
         case, plan, shape = _prepare(case_id)
@@ -184,6 +188,178 @@ def run(args: argparse.Namespace) -> int:
     return 0 if chosen_row is not None else 1
 
 
+# --------------------------------------------------------------------------- #
+# --op scatter: the ScatterPaKvCache kernel
+# --------------------------------------------------------------------------- #
+def scatter_candidates(shape, chunks: list[int] | None) -> list:
+    """What ``tune --op scatter`` measures: per chunk the rule's best pieces and groups, and at the
+    rule's chunk every pieces value (its best groups)."""
+    from pakv_onnx.pypto import scatter_host
+    from pakv_onnx.pypto import tiles as tiles_mod
+
+    bad = [c for c in chunks or () if shape.block_size % c]
+    if bad:
+        raise ValueError(f"--chunks {bad[0]} does not divide block_size {shape.block_size}")
+    per_chunk = [scatter_host.chunk_tiles(shape, c) for c in chunks or tiles_mod.candidate_chunks(shape.block_size)]
+    specs = [t for t in per_chunk if t is not None]
+    if not specs:
+        raise ValueError(tiles_mod.NO_TILE_FITS)
+    rule = min(specs, key=lambda t: scatter_host.estimate_cycles(shape, t))
+    for pieces in scatter_host.PIECES:
+        options = scatter_host._tiles_at(shape, rule.chunk, pieces)
+        if options:
+            best = min(options, key=lambda t: scatter_host.estimate_cycles(shape, t))
+            if best not in specs:
+                specs.append(best)
+    return specs
+
+
+def scatter_measure(case_id: str, shape, specs, jobs: int, timeout: float):
+    """Cost-model results of every scatter spec, then of the floor (the written rows copied
+    contiguously) at every candidate chunk."""
+    from pakv_onnx.pypto import runs, scatter_host
+    from pakv_onnx.pypto import tiles as tiles_mod
+
+    floor_specs = [(c, scatter_host.floor_tiles(shape, c)) for c in tiles_mod.candidate_chunks(shape.block_size)]
+    floor_specs = [(c, t) for c, t in floor_specs if t is not None]
+    items = [{"op": "scatter", "mode": "cost", "case": case_id, "tiles": t.to_json()} for t in specs]
+    items += [{"op": "scatter", "mode": "floor", "case": case_id, "tiles": t.to_json()} for _, t in floor_specs]
+    groups = [items[i::jobs] for i in range(jobs)]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        done = list(pool.map(lambda group: runs.run_batch(group, timeout=timeout) if group else [], groups))
+    results = [None] * len(items)
+    for g, group_results in enumerate(done):
+        for k, result in enumerate(group_results):
+            results[g + k * jobs] = result
+    floors = {c: r for (c, _), r in zip(floor_specs, results[len(specs) :])}
+    return results[: len(specs)], floors
+
+
+def tune_scatter(case_id: str, *, chunks=None, jobs: int = 1, timeout: float = 600, save: bool = True, say=None):
+    """Measure the scatter kernel on ``case_id`` (a :mod:`pakv_onnx.pypto.scatter_cases` id) against its floor.
+
+    Returns the summary dict (``floor_us``, ``rule_us``, ``chosen_us``, ``chosen``, ``chosen_over_floor``,
+    ``rows``); ``ValueError`` when the case cannot be tuned here.
+    """
+    from pakv_onnx.pypto import runs, scatter_cases, scatter_host
+    from pakv_onnx.validator import plan_scatter
+
+    case = scatter_cases.build(case_id)
+    plan = scatter_host.from_validated(plan_scatter(*case.inputs(), **case.attributes()))
+    reason = scatter_host.unsupported_reason(plan, case.inputs()[:4])
+    if reason:
+        raise ValueError(f"the PyPTO scatter kernel cannot run {case_id}: {reason}")
+    if plan.written == 0:
+        raise ValueError(f"{case_id} writes no tokens: nothing to tune")
+    refusal = runs.memory_refusal(scatter_host.input_bytes(*case.inputs()), "cost")
+    if refusal:
+        raise ValueError(f"{case_id}: {refusal}")
+    shape = scatter_host.shape_of(plan)
+    specs = scatter_candidates(shape, chunks)
+    rule = (
+        scatter_host.rule_tiles(shape)
+        if not chunks
+        else min(specs, key=lambda t: scatter_host.estimate_cycles(shape, t))
+    )
+    if say:
+        say(f"{case_id}: {case.summary()}")
+        say(f"cost model runs: {len(specs)} scatter specialisations + floor copies (SIM, batched subprocesses)")
+    results, floors = scatter_measure(case_id, shape, specs, jobs, timeout)
+    rows = []
+    for spec, result in zip(specs, results):
+        floor = floors.get(spec.chunk)
+        key_bytes, value_bytes = scatter_host.tile_bytes(spec, shape)
+        rows.append(
+            {
+                "kernel": "scatter",
+                "chunk": spec.chunk,
+                "pieces": spec.pieces,
+                "key_tile": list(spec.key_tile),
+                "value_tile": list(spec.value_tile),
+                "key_tile_bytes": key_bytes,
+                "value_tile_bytes": value_bytes,
+                "aicore_us": result.aicore_us if result.ok else None,
+                "tasks": result.tasks if result.ok else None,
+                "floor_us": floor.aicore_us if floor is not None and floor.ok else None,
+                "estimate_us": round(scatter_host.estimate_cycles(shape, spec) / 1800, 3),
+                "status": "ok" if result.ok and result.aicore_us is not None else f"failed: {result.detail}",
+                "rule": spec == rule,
+                "chosen": False,
+            }
+        )
+    measured = [r for r in rows if r["status"] == "ok"]
+    floor_values = [f.aicore_us for f in floors.values() if f.ok and f.aicore_us is not None]
+    floor_us = min(floor_values) if floor_values else None
+    chosen_row = min(measured, key=lambda r: r["aicore_us"]) if measured else None
+    chosen = specs[rows.index(chosen_row)] if chosen_row else None
+    if chosen_row is not None:
+        chosen_row["chosen"] = True
+        if save:
+            scatter_host.remember(shape, chosen)
+    rule_row = next(r for r in rows if r["rule"])
+    return {
+        "op": "scatter",
+        "case": case_id,
+        "num_tokens": plan.num_tokens,
+        "written": plan.written,
+        "floor_us": floor_us,
+        "rule_us": rule_row["aicore_us"],
+        "rule_over_floor": _ratio(rule_row["aicore_us"], floor_us),
+        "chosen_us": chosen_row["aicore_us"] if chosen_row else None,
+        "chosen": chosen.to_json() if chosen else None,
+        "chosen_over_floor": _ratio(chosen_row["aicore_us"] if chosen_row else None, floor_us),
+        "saved": bool(chosen_row) and save,
+        "rows": rows,
+    }
+
+
+def run_scatter(args: argparse.Namespace) -> int:
+    from pakv_onnx.pypto import scatter_cases
+
+    case_id = args.case or scatter_cases.REPRESENTATIVE[1]
+    say = (
+        (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else (lambda text: print(text, flush=True))
+    )
+    if not args.case:
+        say(f"no --case given: tuning {case_id}")
+    if not scatter_cases.is_scatter_case(case_id):
+        print(
+            f"error: --op scatter takes a scatter case id (e.g. {scatter_cases.REPRESENTATIVE[0]}), got {case_id!r}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        summary = tune_scatter(
+            case_id, chunks=args.chunks, jobs=args.jobs, timeout=args.timeout, save=not args.no_save, say=say
+        )
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0 if summary["chosen"] else 1
+    print(
+        f"{'kernel':<8} {'chunk':>5} {'pieces':>6} {'key tile':>10} {'value tile':>10} {'aicore_us':>9} {'tasks':>5} "
+        f"{'floor@chunk':>11} {'estimate':>8}  mark"
+    )
+    for r in summary["rows"]:
+        marks = [m for m, on in (("chosen", r["chosen"]), ("closed-form rule", r["rule"])) if on]
+        if r["status"] != "ok":
+            marks.append(r["status"])
+        print(
+            f"{r['kernel']:<8} {r['chunk']:>5} {r['pieces']:>6} {'x'.join(map(str, r['key_tile'])):>10} "
+            f"{'x'.join(map(str, r['value_tile'])):>10} {_num(r['aicore_us'], '9.2f')} {_num(r['tasks'], '5d')} "
+            f"{_num(r['floor_us'], '11.2f')} {_num(r['estimate_us'], '8.2f')}  {', '.join(marks)}"
+        )
+    print(
+        f"floor {_num(summary['floor_us'], '.2f')} us | rule {_num(summary['rule_us'], '.2f')} us "
+        f"({_num(summary['rule_over_floor'], '.2f')}x floor) | chosen {_num(summary['chosen_us'], '.2f')} us "
+        f"({_num(summary['chosen_over_floor'], '.2f')}x floor)"
+        + (" | saved as the kernel's tiles for this shape" if summary["saved"] else "")
+    )
+    return 0 if summary["chosen"] else 1
+
+
 def _ratio(value: float | None, floor: float | None) -> float | None:
     return round(value / floor, 3) if value is not None and floor else None
 
@@ -235,9 +411,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "--case level5",
             "--case heads64_k128_v128 --json",
             "--case nz-bfloat16 --chunks 4 16",
+            "--op scatter --case scatter:bfloat16:8,128:8,128:128:1024:prefill4:4096:PA_NZ",
             "--dtype float16 --key-heads 8 --key-dim 128 --value-heads 8 --value-dim 128\n"
             "--block-size 64 --q 2 --tokens 300",
         ],
+    )
+    parser.add_argument(
+        "--op",
+        choices=("gather", "scatter"),
+        default="gather",
+        help="the kernel to tune: GatherPaKvCache (default) or the ScatterPaKvCache write kernel "
+        "(then --case takes a scatter case id, e.g. scatter:bfloat16:8,128:8,128:128:1024:decode:16)",
     )
     parser.add_argument(
         "--case",

@@ -13,51 +13,71 @@ DEFAULT_KERNEL_CASES = 4
 BATCH = 6  # cases per subprocess (a failure or the worker's memory cap ends it; the rest go to a fresh one)
 
 
-def _build_all(case_ids: list[str]):
+def _build_all(case_ids: list[str], op: str = "gather"):
     """{id: (case, plan)}; ``ValueError`` on the first unknown or invalid id."""
-    from pakv_onnx.pypto import cases
-    from pakv_onnx.validator import plan_gather
+    from pakv_onnx.pypto import cases, scatter_cases, scatter_host
+    from pakv_onnx.validator import plan_gather, plan_scatter
 
     built = {}
     for case_id in case_ids:
+        if op == "scatter":
+            case = scatter_cases.build(case_id)
+            built[case_id] = (case, scatter_host.from_validated(plan_scatter(*case.inputs(), **case.attributes())))
+            continue
         case = cases.build_case(case_id)
         built[case_id] = (case, plan_gather(*case.inputs(), **case.attributes()))
     return built
 
 
 def _summary(case, plan) -> str:
+    if hasattr(plan, "written"):  # a scatter: its summary says T and the tokens written
+        return case.summary()
     return f"{case.summary()} T={plan.num_tokens}"
 
 
-def _list(args: argparse.Namespace) -> int:
-    from pakv_onnx.pypto import cases
+def _default_ids(args) -> list[str]:
+    from pakv_onnx.pypto import cases, scatter_cases
 
+    if args.op == "scatter":
+        return scatter_cases.default_case_ids(args.random, args.seed)
+    return cases.default_case_ids(args.random, args.seed)
+
+
+def _list(args: argparse.Namespace) -> int:
     try:
-        built = _build_all(cases.default_case_ids(args.random, args.seed))
+        built = _build_all(_default_ids(args), args.op)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     for case_id, (case, plan) in built.items():
-        print(f"{case_id:<20} T={plan.num_tokens:<6} {case.summary()}")
+        if args.op == "scatter":
+            print(f"{case_id:<22} {case.summary()}")
+        else:
+            print(f"{case_id:<20} T={plan.num_tokens:<6} {case.summary()}")
     return 0
 
 
-def _refusals(built, device: str) -> tuple[dict[str, str], list[str]]:
+def _refusals(built, device: str, op: str = "gather") -> tuple[dict[str, str], list[str]]:
     """(kernel refusals by id, memory refusals): what the kernel cannot do, what cannot fit here.
 
     Memory is checked for ``device`` "cpu" only: the estimate models PyPTO's CPU interpreter.
     """
-    from pakv_onnx.pypto import host, runs
+    from pakv_onnx.pypto import host, runs, scatter_host
 
     kernel, memory = {}, []
     for case_id, (case, plan) in built.items():
-        reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
+        if op == "scatter":
+            reason = scatter_host.unsupported_reason(plan, case.inputs()[:4])
+            size = scatter_host.input_bytes(*case.inputs())
+        else:
+            reason = host.unsupported_reason(plan, case.key_cache, case.value_cache)
+            size = runs.case_bytes(case)
         if reason:
             kernel[case_id] = reason
             continue
         if device == "npu":
             continue
-        refusal = runs.memory_refusal(runs.case_bytes(case), "verify")
+        refusal = runs.memory_refusal(size, "verify")
         if refusal:
             memory.append(f"{case_id}: {refusal}")
     return kernel, memory
@@ -67,14 +87,30 @@ def _run_cpu(args, case_ids: list[str]):
     """Results in order, a batch of cases per subprocess (yielded as each batch finishes)."""
     from pakv_onnx.pypto import runs
 
+    extra = {"op": "scatter"} if args.op == "scatter" else {}
     for start in range(0, len(case_ids), BATCH):
         batch = case_ids[start : start + BATCH]
-        yield from runs.run_batch([{"mode": "verify", "case": c} for c in batch], timeout=args.timeout, keep=args.keep)
+        yield from runs.run_batch(
+            [{"mode": "verify", "case": c, **extra} for c in batch], timeout=args.timeout, keep=args.keep
+        )
 
 
-def _run_npu(case_ids: list[str], built):
-    """Each case through the ``pypto`` backend on the NPU, compared with the golden."""
+def _npu_outputs(case, op: str):
+    """(got, golden) pairs of one case run on the NPU."""
+    if op == "scatter":
+        from pakv_onnx.ops import scatter_pa_kv_cache
+
+        key, value, key_cache, value_cache, slot_mapping = case.fresh_inputs()
+        scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, **case.attributes(), backend="pypto")
+        return zip(("key_cache", "value_cache"), (key_cache.cpu(), value_cache.cpu()), case.golden())
     from pakv_onnx.ops import gather_pa_kv_cache
+
+    key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto")
+    return zip(("key", "value"), (key.cpu(), value.cpu()), case.golden())
+
+
+def _run_npu(case_ids: list[str], built, op: str = "gather"):
+    """Each case on the NPU (the ``pypto`` backend; the scatter kernel directly), compared with the golden."""
     from pakv_onnx.pypto.runs import RunResult
     from pakv_onnx.spec import bitwise_equal
 
@@ -82,13 +118,7 @@ def _run_npu(case_ids: list[str], built):
         case, _ = built[case_id]
         start = time.perf_counter()
         try:
-            key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto")
-            golden = case.golden()
-            bad = [
-                n
-                for n, got, want in zip(("key", "value"), (key.cpu(), value.cpu()), golden)
-                if not bitwise_equal(got, want)
-            ]
+            bad = [n for n, got, want in _npu_outputs(case, op) if not bitwise_equal(got, want)]
             ok, detail = not bad, ("bit-exact vs golden" if not bad else f"NOT bit-exact vs golden ({', '.join(bad)})")
         except Exception as err:  # noqa: BLE001  (reported as the case's FAIL reason)
             ok, detail = False, f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
@@ -97,7 +127,7 @@ def _run_npu(case_ids: list[str], built):
 
 def run(args: argparse.Namespace) -> int:
     from pakv_onnx.paths import cache_dir
-    from pakv_onnx.pypto import adapter, cases, runs
+    from pakv_onnx.pypto import adapter, runs
 
     if args.list:
         return _list(args)
@@ -113,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
         if problem:
             print(f"error: {problem}", file=sys.stderr)
             return 2
-    case_ids = args.cases or cases.default_case_ids(args.random, args.seed)
+    case_ids = args.cases or _default_ids(args)
     try:
-        built = _build_all(case_ids)  # an unknown id is a usage error, before anything runs
+        built = _build_all(case_ids, args.op)  # an unknown id is a usage error, before anything runs
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    refused, memory = _refusals(built, args.device)
+    refused, memory = _refusals(built, args.device, args.op)
     if memory:
         print("error: refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory), file=sys.stderr)
         return 2
@@ -130,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{index}/{total}] SKIP {case_id}: {summary} -> the kernel refuses it: {refused[case_id]}", flush=True)
     if args.device == "npu":
         print("PyPTO kernel on the Ascend NPU (backend 'pypto'), bit-exact vs golden", flush=True)
-        results = _run_npu(runnable, built)
+        results = _run_npu(runnable, built, args.op)
     else:
         print(f"PyPTO SIM compile + pass-verify interpreter; files under {cache_dir('pypto')}", flush=True)
         helper = runs.ensure_helper(args.timeout, say=lambda text: print(text, flush=True))
@@ -149,11 +179,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _result_line(index: int, total: int, case_id: str, summary: str, result) -> str:
+    from pakv_onnx.pypto.scatter_host import ScatterTiles
     from pakv_onnx.pypto.tiles import Tiles
 
     extras = []
     if result.tiles:
-        extras.append(Tiles.from_json(result.tiles).label())
+        kind = ScatterTiles if "pieces" in result.tiles else Tiles
+        extras.append(kind.from_json(result.tiles).label())
     if result.aicore_us is not None:
         extras.append(f"cost model {result.aicore_us:g} us")
     detail = result.detail + (f" [{', '.join(extras)}]" if extras else "")
@@ -191,14 +223,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "                                                        key/value dtypes differ\n"
             "  kernel-N                                              random case inside the kernel's support\n"
             "  random-N                                              the random case N of `pakv-onnx cases`\n"
-            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T                explicit Norm shapes"
+            "  shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T[:PA_NZ]        explicit shapes (Norm unless :PA_NZ)\n"
+            "with --op scatter:\n"
+            "  scatter-norm-NAME, scatter-nz-NAME                    Norm / PA_NZ scatter of dtype NAME (runs, decode\n"
+            "                                                        tokens, padding)\n"
+            "  scatter-mixed-norm, scatter-mixed-nz, scatter-pad     key/value dtypes differ; mostly padding, int64\n"
+            "  scatter-kernel-N                                      random scatter inside the kernel's support\n"
+            "  scatter:DTYPE:KH,KD:VH,VD:BS:NB:decode|prefillQ:T[:PA_NZ]  explicit shapes (zero caches)"
         ),
         examples=[
             "",
             "--cases level0 nz-int8 kernel-3",
+            "--op scatter --cases scatter-nz-bfloat16 scatter-pad scatter-kernel-2",
             "--list",
             "--device npu  # on a machine with an Ascend NPU",
         ],
+    )
+    parser.add_argument(
+        "--op",
+        choices=("gather", "scatter"),
+        default="gather",
+        help="the kernel to check: GatherPaKvCache (default) or the ScatterPaKvCache write kernel (scatter-* case "
+        "ids; the caches must match the torch reference bit for bit, unwritten rows untouched)",
     )
     parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
     parser.add_argument(

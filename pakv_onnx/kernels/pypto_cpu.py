@@ -7,7 +7,7 @@ not part of ``auto``. Implementation: :mod:`pakv_onnx.pypto.cpu`.
 from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 
 def _unavailable_reason() -> str | None:
@@ -22,7 +22,17 @@ def _gather(plan: GatherPlan, tensors: GatherTensors) -> None:
     cpu.gather_pypto_cpu(plan, tensors)
 
 
+def _scatter(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    from pakv_onnx.pypto import cpu
+
+    cpu.scatter_pypto_cpu(plan, tensors)
+
+
 def _unsupported_reason(plan, cache) -> str | None:
+    if type(plan) is ScatterPlan:
+        from pakv_onnx.pypto import scatter_host
+
+        return scatter_host.unsupported_reason(scatter_host.from_validated(plan))
     from pakv_onnx.pypto import cpu
 
     return cpu.unsupported_reason(plan, cache)
@@ -35,4 +45,5 @@ BACKEND = Backend(
     unavailable_reason=_unavailable_reason,
     unsupported_reason=_unsupported_reason,
     mixed_dtypes=True,
+    scatter=_scatter,
 )

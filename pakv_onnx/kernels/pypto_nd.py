@@ -12,7 +12,7 @@ import torch
 
 from pakv_onnx.kernels import Backend
 from pakv_onnx.pypto import host
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 
 def _find_spec(name: str):
@@ -59,11 +59,28 @@ def gather_pypto(plan: GatherPlan, tensors: GatherTensors) -> None:
     tensors.key_out.copy_(on_device.key_out.cpu())
     tensors.value_out.copy_(on_device.value_out.cpu())
 
+def scatter_pypto(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    """Scatter on the Ascend NPU (caches on the NPU are written there; CPU caches are moved and back)."""
+    from pakv_onnx.pypto import scatter_host
+
+    key, value, key_cache, value_cache = tensors
+    scatter_host.scatter_on_npu(scatter_host.from_validated(plan), key.contiguous(), value.contiguous(), key_cache, value_cache)
+
+
+def _unsupported_reason(plan, cache) -> str | None:
+    if type(plan) is ScatterPlan:
+        from pakv_onnx.pypto import scatter_host
+
+        return scatter_host.unsupported_reason(scatter_host.from_validated(plan))
+    return host.unsupported_reason(plan, cache)
+
+
 BACKEND = Backend(
     name="pypto",
     description="PyPTO kernel on an Ascend NPU (Norm and PA_NZ; 16/32-bit and 8-bit integer and float dtypes, no fp8)",
     gather=gather_pypto,
     unavailable_reason=unavailable_reason,
-    unsupported_reason=host.unsupported_reason,
+    unsupported_reason=_unsupported_reason,
     mixed_dtypes=True,
+    scatter=scatter_pypto,
 )

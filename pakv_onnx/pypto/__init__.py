@@ -1,4 +1,4 @@
-"""Everything PyPTO: the GatherPaKvCache kernel on an NPU and through PyPTO's CPU toolchain.
+"""Everything PyPTO: the GatherPaKvCache and ScatterPaKvCache kernels on an NPU and through PyPTO's CPU toolchain.
 
 Imports neither pypto nor torch_npu until a function needs them.
 
@@ -12,6 +12,9 @@ Imports neither pypto nor torch_npu until a function needs them.
 ``cases``      named cases (seed, t4096, random-N, kernel-N, dtype-/nz-NAME, features, shape:)
 ``runs``       one subprocess per run, run directories, memory estimate
 ``worker``     the subprocess body, and the persistent worker of ``pypto-cpu``
-``cpu``        the ``pypto-cpu`` backend (registry module: ``pakv_onnx.kernels.pypto_cpu``)
+``cpu``        the ``pypto-cpu`` backend (registry module: ``pakv_onnx.kernels.pypto_cpu``), and
+               the scatter's CPU route through the same worker
+``scatter_*``  the ScatterPaKvCache (write) kernel: ``scatter_kernel`` (imports pypto),
+               ``scatter_host`` (moves, tiles, ``scatter_in_process``), ``scatter_cases``
 =============  ==============================================================================
 """

@@ -13,7 +13,8 @@ Cases are named, never pickled, so a subprocess rebuilds the same bytes from the
 * ``dtype-NAME`` / ``nz-NAME``: a small Norm / PA_NZ case of cache dtype NAME;
 * ``lengths``, ``offsets``, ``mixed``: lengths-mode seq_lens; seq_offset not a multiple of
   block_size; key and value caches of different dtypes;
-* ``shape:DTYPE:KH,KD:VH,VD:BS:Q:T``: explicit Norm shapes in the sweep's pattern (for ``tune``).
+* ``shape:DTYPE:KH,KD:VH,VD:BS:Q:T[:PA_NZ]``: explicit shapes in the sweep's pattern (for
+  ``tune``), Norm unless ``:PA_NZ`` ends the id.
 """
 
 from __future__ import annotations
@@ -71,9 +72,18 @@ def small_seed_case(case_id: str, num_blocks: int | None = None) -> GatherCase:
     return dataclasses.replace(case, description=f"{case.description}, num_blocks {num_blocks}")
 
 
-def shape_spec(dtype: torch.dtype, key_hd, value_hd, block_size: int, q_count: int, total_tokens: int) -> str:
+def shape_spec(
+    dtype: torch.dtype,
+    key_hd,
+    value_hd,
+    block_size: int,
+    q_count: int,
+    total_tokens: int,
+    mode: CacheMode = CacheMode.NORM,
+) -> str:
     name = dtype_name(dtype)  # the key parse_shape_case looks up in dtype_by_name
-    return f"{name}:{key_hd[0]},{key_hd[1]}:{value_hd[0]},{value_hd[1]}:{block_size}:{q_count}:{total_tokens}"
+    spec = f"{name}:{key_hd[0]},{key_hd[1]}:{value_hd[0]},{value_hd[1]}:{block_size}:{q_count}:{total_tokens}"
+    return spec if mode is CacheMode.NORM else f"{spec}:{mode.value}"
 
 
 def shape_case(
@@ -84,20 +94,25 @@ def shape_case(
     q_count: int,
     total_tokens: int,
     *,
+    mode: CacheMode = CacheMode.NORM,
     seed: int = 0,
     case_id: str | None = None,
 ) -> GatherCase:
-    """A Norm case in the sweep's pattern: T split evenly over Q, consecutive block ids, zero offsets."""
+    """A case in the sweep's pattern (Norm or PA_NZ): T split evenly over Q, consecutive block ids, zero offsets."""
     lengths = even_split(total_tokens, q_count)
+    used = sum(-(-n // block_size) for n in lengths)
+    itemsize = dtype.itemsize
+    block_bytes = block_size * max(key_hd[0] * key_hd[1], value_hd[0] * value_hd[1]) * itemsize
     return paged_case(
-        case_id=case_id or f"shape:{shape_spec(dtype, key_hd, value_hd, block_size, q_count, total_tokens)}",
+        case_id=case_id or f"shape:{shape_spec(dtype, key_hd, value_hd, block_size, q_count, total_tokens, mode)}",
         description=f"Q={q_count} T={total_tokens} block_size={block_size}",
         lengths=lengths,
         block_size=block_size,
-        num_blocks=max(SMALL_NUM_BLOCKS, sum(-(-n // block_size) for n in lengths)),
+        num_blocks=max(used, min(SMALL_NUM_BLOCKS, SMALL_CACHE_BYTES // block_bytes)),
         key_token=key_hd,
         value_token=value_hd,
         key_dtype=dtype,
+        cache_mode=mode,
         block_ids=BlockIds.SEQUENTIAL,
         unused_columns=UnusedColumns.PAD,
         rng=random.Random(seed),
@@ -226,22 +241,26 @@ def build_case(case_id: str) -> GatherCase:
     except ValueError:
         raise ValueError(
             f"unknown case id {case_id!r} (known: seed ids, {T4096_CASE}, random-N, kernel-N, dtype-NAME, nz-NAME, "
-            f"{', '.join(FEATURE_CASES)}, shape:DTYPE:KH,KD:VH,VD:BS:Q:T)"
+            f"{', '.join(FEATURE_CASES)}, shape:DTYPE:KH,KD:VH,VD:BS:Q:T[:PA_NZ])"
         ) from None
 
 
 def parse_shape_case(case_id: str) -> GatherCase:
     dtypes = dtype_by_name()
     try:
-        _, dtype, key, value, block_size, q_count, total = case_id.split(":")
+        fields = case_id.split(":")
+        mode = CacheMode.NORM
+        if len(fields) == 8:
+            mode = CacheMode(fields.pop())
+        _, dtype, key, value, block_size, q_count, total = fields
         key_hd = tuple(int(v) for v in key.split(","))
         value_hd = tuple(int(v) for v in value.split(","))
         numbers = (int(block_size), int(q_count), int(total))
         if len(key_hd) != 2 or len(value_hd) != 2 or min(*key_hd, *value_hd, *numbers) < 1:
             raise ValueError
-        return shape_case(dtypes[dtype], key_hd, value_hd, *numbers)
+        return shape_case(dtypes[dtype], key_hd, value_hd, *numbers, mode=mode)
     except (ValueError, KeyError):
         raise ValueError(
-            f"bad shape case {case_id!r}: want shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T (positive integers) with "
-            f"DTYPE one of {', '.join(dtypes)}"
+            f"bad shape case {case_id!r}: want shape:DTYPE:KH,KD:VH,VD:BLOCK_SIZE:Q:T[:PA_NZ] (positive integers) "
+            f"with DTYPE one of {', '.join(dtypes)}"
         ) from None

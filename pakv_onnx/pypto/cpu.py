@@ -27,7 +27,7 @@ import torch
 
 from pakv_onnx.paths import cache_dir
 from pakv_onnx.pypto import host, runs
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 READY_TIMEOUT_S = 600  # the first worker on a machine may build the helper library
 
@@ -83,11 +83,11 @@ class _Worker:
             return {"ok": False, "detail": f"worker exited with code {code}{hint}"}
         return json.loads(line)
 
-    def call(self, inputs: dict) -> dict:
+    def call(self, inputs: dict, op: str = "gather") -> dict:
         scratch = self.run_dir / "tmp"
         in_path, out_path = scratch / "inputs.pt", scratch / "outputs.pt"
         torch.save(inputs, in_path)
-        self.proc.stdin.write(json.dumps({"inputs": str(in_path), "outputs": str(out_path)}) + "\n")
+        self.proc.stdin.write(json.dumps({"op": op, "inputs": str(in_path), "outputs": str(out_path)}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
         in_path.unlink(missing_ok=True)
@@ -137,26 +137,56 @@ def _replan_inputs(plan: GatherPlan, key_cache: torch.Tensor, value_cache: torch
     }
 
 
-def gather_pypto_cpu(plan: GatherPlan, tensors: GatherTensors) -> None:
-    """Gather through PyPTO's SIM compile + pass-verify interpreter; writes the two outputs."""
-    key_cache, value_cache, key_out, value_out = tensors
+def _call_worker(inputs: dict, op: str) -> dict:
+    """One call on the persistent worker (started on first use; restarted after a failure)."""
     global _worker
-    reason = unsupported_reason(plan, key_cache, value_cache)
-    if reason:  # the registry refuses such calls first; this guards direct callers
-        raise ValueError(f"backend 'pypto-cpu' cannot run this call: {reason}")
-    if plan.num_tokens == 0:
-        return
-    inputs = _replan_inputs(plan, key_cache.contiguous(), value_cache.contiguous())
     with _lock:
         if _worker is None:
             _worker = _Worker()
-        reply = _worker.call(inputs)
+        reply = _worker.call(inputs, op)
         if not reply.get("ok"):
             failed, _worker = _worker, None
             failed.stop(keep=True)
             raise PyptoCpuError(f"pypto-cpu: {reply.get('detail')} (log kept: {failed.log})")
         if reply.get("retire"):
             _stop_worker()
+    return reply
+
+
+def scatter_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def scatter_pypto_cpu(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+    """ScatterPaKvCache through PyPTO's SIM compile + pass-verify interpreter in the worker.
+
+    The worker validates the call again (the C validator) and runs the kernel on its copy of the
+    caches (only the written rows change there); that copy is then copied into the caller's
+    caches in place. Refuses (``ValueError``) a call whose interpreter run cannot fit in memory.
+    """
+    key, value, key_cache, value_cache = tensors
+    refusal = runs.memory_refusal(scatter_bytes(key, value, key_cache, value_cache, plan.slots), "verify")
+    if refusal:
+        raise ValueError(f"pypto-cpu scatter: {refusal}")
+    inputs = {
+        "tensors": tuple(t.contiguous() for t in (key, value, key_cache, value_cache, plan.slots)),
+        "cache_mode": plan.cache_mode.value,
+    }
+    reply = _call_worker(inputs, "scatter")
+    key_cache.copy_(reply["outputs"]["key_cache"])
+    value_cache.copy_(reply["outputs"]["value_cache"])
+
+
+def gather_pypto_cpu(plan: GatherPlan, tensors: GatherTensors) -> None:
+    """Gather through PyPTO's SIM compile + pass-verify interpreter; writes the two outputs."""
+    key_cache, value_cache, key_out, value_out = tensors
+    reason = unsupported_reason(plan, key_cache, value_cache)
+    if reason:  # the registry refuses such calls first; this guards direct callers
+        raise ValueError(f"backend 'pypto-cpu' cannot run this call: {reason}")
+    if plan.num_tokens == 0:
+        return
+    inputs = _replan_inputs(plan, key_cache.contiguous(), value_cache.contiguous())
+    reply = _call_worker(inputs, "gather")
     key_out.copy_(reply["outputs"]["key"])
     value_out.copy_(reply["outputs"]["value"])
 

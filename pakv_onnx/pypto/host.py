@@ -5,7 +5,8 @@ Imports neither pypto nor torch_npu at import time (the package works without th
 * :func:`unsupported_reason` names the one option a plan needs that the kernel cannot do.
 * :func:`build_entries` turns a plan into the kernel's flat ``(block, slot, dst, valid)``
   int32 entries (lengths-mode ``seq_lens``, any ``seq_offset`` through the plan's
-  ``table_col_starts`` and int64 indices are all resolved here, on the host; no cache is copied).
+  ``table_col_starts`` and int64 indices are all resolved here, on the host; no cache is copied);
+  :func:`build_nz_entries` repeats them once per PA_NZ fractal group.
 * :func:`choose_tiles` picks the chunk (token slots per entry) and vector tile per cache: the
   cost-model-tuned choice cached by ``pakv-onnx tune`` when there is one (see :mod:`.tiles`),
   else the closed-form rule of :func:`.tiles.rule_tiles`.
@@ -21,7 +22,7 @@ import torch
 from pakv_onnx.paths import cache_dir, pypto_output_env
 from pakv_onnx.pypto import tiles as tiles_mod
 from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
-from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, nz_last_dim
+from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, GatherPlan, GatherTensors, nz_last_dim
 
 INT32_MAX = 2**31 - 1
 
@@ -94,6 +95,13 @@ def unsupported_reason(plan: GatherPlan, cache: torch.Tensor, value_cache: torch
                 )
     if plan.num_blocks * plan.block_size > INT32_MAX or plan.num_tokens > INT32_MAX:
         return "more than 2**31 - 1 cache rows or output tokens (the kernel indexes with int32)"
+    if plan.cache_mode is CacheMode.PA_NZ:
+        fractals = (
+            max(row_width(plan, "key") * cache.dtype.itemsize, row_width(plan, "value") * value_dtype.itemsize)
+            // NZ_FRACTAL_BYTES
+        )
+        if max(plan.num_blocks, plan.num_tokens) * fractals > INT32_MAX:
+            return "more than 2**31 - 1 fractal rows in a cache or an output (the kernel indexes with int32)"
     # Whether any tiles fit, not which (that reads the tuned-tiles file; `tune` saves only shapes that have some).
     if not tiles_mod.candidate_tiles(tiles_mod.shape_of(plan, cache.dtype.itemsize, value_dtype.itemsize)):
         return tiles_mod.NO_TILE_FITS
@@ -141,11 +149,38 @@ def build_entries(plan: GatherPlan, chunk: int) -> torch.Tensor:
     return entries.to(torch.int32).contiguous()
 
 
+def build_nz_entries(plan: GatherPlan, tiles: Tiles, key_fractals: int, value_fractals: int) -> torch.Tensor:
+    """Int32 ``[E, 6]`` PA_NZ rows ``(block, slot, dst, valid, key_first, value_first)``.
+
+    Each chunk's :func:`build_entries` row, repeated for ``g`` in ``range(G)`` with the first
+    fractal of key group ``g % key_groups`` and value group ``g % value_groups``
+    (``G`` = the larger group count; one count divides the other, :func:`.tiles.valid_for`).
+    """
+    key_group, value_group = tiles.key_tile[0], tiles.value_tile[0]
+    if key_fractals % key_group or value_fractals % value_group:
+        raise ValueError(
+            f"fractal groups {key_group}/{value_group} must divide the fractals {key_fractals}/{value_fractals}"
+        )
+    key_groups, value_groups = key_fractals // key_group, value_fractals // value_group
+    if key_groups % value_groups and value_groups % key_groups:
+        raise ValueError(f"group counts {key_groups} and {value_groups}: one must divide the other")
+    base = build_entries(plan, tiles.chunk).to(torch.int64)
+    groups = max(key_groups, value_groups)
+    g = torch.arange(groups).repeat(base.shape[0])
+    firsts = torch.stack(((g % key_groups) * key_group, (g % value_groups) * value_group), dim=1)
+    return torch.cat((base.repeat_interleave(groups, dim=0), firsts), dim=1).to(torch.int32).contiguous()
+
+
+def nz_kind(tiles: Tiles) -> str:
+    """The PA_NZ kernel for ``tiles``: ``nz_rows`` for one slot per task (no transpose), else ``nz``."""
+    return "nz_rows" if tiles.chunk == 1 else "nz"
+
+
 def kernel_inputs(plan: GatherPlan, tensors: GatherTensors, tiles: Tiles) -> tuple[torch.Tensor, ...]:
     """The gather kernel's tensor arguments on the caches' device (outputs as views, no copy)."""
     key_cache, value_cache, key_out, value_out = tensors
-    entries = build_entries(plan, tiles.chunk).to(key_cache.device)
     if plan.cache_mode is CacheMode.NORM:
+        entries = build_entries(plan, tiles.chunk).to(key_cache.device)
         key_width, value_width = row_width(plan, "key"), row_width(plan, "value")
         return (
             key_cache.view(-1, key_width),
@@ -153,6 +188,15 @@ def kernel_inputs(plan: GatherPlan, tensors: GatherTensors, tiles: Tiles) -> tup
             entries,
             key_out.view(plan.num_tokens, key_width),
             value_out.view(plan.num_tokens, value_width),
+        )
+    entries = build_nz_entries(plan, tiles, key_cache.shape[1], value_cache.shape[1]).to(key_cache.device)
+    if nz_kind(tiles) == "nz_rows":
+        return (
+            key_cache.view(-1, key_cache.shape[2] * key_cache.shape[3]),
+            value_cache.view(-1, value_cache.shape[2] * value_cache.shape[3]),
+            entries,
+            key_out.view(-1, key_cache.shape[3]),
+            value_out.view(-1, value_cache.shape[3]),
         )
     return (
         key_cache.view(-1, key_cache.shape[2], key_cache.shape[3]),
@@ -226,7 +270,7 @@ def run_kernel(
         kind = "seed"
     else:
         args = kernel_inputs(plan, tensors, tiles)
-        kind = "norm" if plan.cache_mode is CacheMode.NORM else "nz"
+        kind = "norm" if plan.cache_mode is CacheMode.NORM else nz_kind(tiles)
     fn = kernel.jit_kernel(kind, sim=sim, verify=verify, kernel_fn=kernel_fn)
     fn(*args, kernel_scalars(plan, key_cache, value_cache, tiles))
     return tiles

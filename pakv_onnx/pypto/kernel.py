@@ -11,11 +11,21 @@ one flat loop of equal-sized DMA tasks is what reached the copy floor (FACTS sec
 * Norm: the host hands the cache ``[nb, bs, H, D]`` in as rows ``[nb*bs, H*D]`` (a view;
   reshaping inside the kernel costs two extra tasks in the cost model); an entry
   views ``[chunk, H*D]`` at its cache row and assembles it at ``[dst, 0]``.
-* PA_NZ: the host hands the cache ``[nb, C, bs, E]`` (``C = H*D/E``) in as a
-  ``[nb*C, bs, E]`` view; an entry views ``[C, chunk, E]`` at ``[block*C, slot, 0]``, transposes it
-  to ``[chunk, C, E]`` and assembles it into the output, handed in by the host as a
-  ``[T, C, E]`` view of ``[T, H*D]`` (reshaping the output inside the kernel breaks the
-  interpreter).
+* PA_NZ (``C = H*D/E`` fractals per token row): each chunk's entry is repeated once per
+  *fractal group* and carries the group's first key and value fractal (``[E, 6]`` rows
+  ``(block, slot, dst, valid, key_first, value_first)``), so one task moves ``group`` fractals
+  of each cache (see :mod:`.tiles` for why: the cost model charges a transposing move-out per
+  fractal plane, so a wide row's chunk is spread over cores).
+  - ``chunk > 1`` (:func:`gather_nz_kernel`): the cache ``[nb, C, bs, E]`` comes as a
+    ``[nb*C, bs, E]`` view; an entry views ``[group, chunk, E]`` at ``[block*C + first, slot, 0]``,
+    transposes it to ``[chunk, group, E]`` (one vector tile for both: a different transpose tile
+    splits the copy-in in two) and assembles it at ``[dst, first, 0]`` of the output, handed in
+    as a ``[T, C, E]`` view of ``[T, H*D]`` (reshaping the output inside the kernel breaks the
+    interpreter).
+  - ``chunk == 1`` (:func:`gather_nz_rows_kernel`): one slot's fractals are ``group`` rows of
+    ``E`` in the cache seen as ``[nb*C, bs*E]`` and consecutive rows of the output seen as
+    ``[T*C, E]``: a 2-D view assembled as it is, no transpose (3-D ``[group, 1, E]`` copies
+    cost twice as much in the cost model, a reshape of the tile does not compile).
 * :func:`copy_kernel` copies ``[T, W]`` rows contiguously with the same loop: the floor.
 * :func:`seed_kernel` is the seed's nested sequence/block loop, kept so ``tune`` can price
   the seed's rule with the seed's own kernel.
@@ -31,6 +41,7 @@ DYN = pypto.DYNAMIC
 STATIC = pypto.STATIC
 
 ENTRY_FIELDS = 4  # block, slot, dst, valid
+NZ_ENTRY_FIELDS = 6  # block, slot, dst, valid, key_first, value_first (first fractal of the group)
 
 _RUNTIME_OPTIONS = {
     "device_sched_mode": 1,
@@ -42,6 +53,7 @@ _RUNTIME_OPTIONS = {
 _HOST_TENSORS = {
     "norm": ["entries"],
     "nz": ["entries"],
+    "nz_rows": ["entries"],
     "copy": [],
     "seed": ["block_tables", "seq_starts", "table_cols"],
 }
@@ -82,43 +94,84 @@ def gather_norm_kernel(
         _copy_rows(value_rows, value_out, chunk, tiles[3:5], src, dst, valid)
 
 
-def _nz_part(planes, fractals: int, e_dim: int, chunk: int, tile: tuple, block, slot, valid):
-    """``[C, chunk, E]`` fractal rows of one block, transposed to ``[chunk, C, E]``."""
-    pypto.set_vec_tile_shapes(tile[0], tile[1], e_dim)
+def _nz_group(planes, fractals: int, group: int, chunk: int, block, slot, first, valid):
+    """Fractals ``first .. first+group`` of ``chunk`` slots of one block, ``[group, chunk, E]`` -> ``[chunk, group, E]``.
+
+    One vector tile for the view and the transpose: the transpose's tile also tiles the
+    copy-in, and any other shape splits it into two DMAs.
+    """
+    e_dim = planes.shape[2]
+    pypto.set_vec_tile_shapes(group, chunk, e_dim)
     part = pypto.view(
-        planes, [fractals, chunk, e_dim], [block * fractals, slot, 0], valid_shape=[fractals, valid, e_dim]
+        planes, [group, chunk, e_dim], [block * fractals + first, slot, 0], valid_shape=[group, valid, e_dim]
     )
-    pypto.set_vec_tile_shapes(tile[1], tile[0], e_dim)
     return pypto.transpose(part, 0, 1)
 
 
 def gather_nz_kernel(
     key_planes: pypto.Tensor([DYN, STATIC, STATIC]),
     value_planes: pypto.Tensor([DYN, STATIC, STATIC]),
-    entries: pypto.Tensor([DYN, ENTRY_FIELDS], pypto.DT_INT32),
+    entries: pypto.Tensor([DYN, NZ_ENTRY_FIELDS], pypto.DT_INT32),
     key_out: pypto.Tensor([DYN, STATIC, STATIC]),
     value_out: pypto.Tensor([DYN, STATIC, STATIC]),
     tiles: tuple,
 ):
-    """PA_NZ gather; entries ``(block, slot, dst, valid)``.
+    """PA_NZ gather, ``chunk > 1``; entries ``(block, slot, dst, valid, key_first, value_first)``.
 
-    The caches come as ``[nb*C, bs, E]`` views. ``tiles`` = (chunk, key tile C, key tile rows,
-    value tile C, value tile rows, key C, value C).
+    The caches come as ``[nb*C, bs, E]`` views, the outputs as ``[T, C, E]``. ``tiles`` = (chunk,
+    key group, chunk, value group, chunk, key C, value C).
     """
-    key_e = key_planes.shape[2]
-    value_e = value_planes.shape[2]
+    chunk = tiles[0]
+    key_group = tiles[1]
+    value_group = tiles[3]
     key_c = tiles[5]
     value_c = tiles[6]
-    chunk = tiles[0]
     for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
         block = entries[e, 0]
         slot = entries[e, 1]
         dst = entries[e, 2]
         valid = entries[e, 3]
-        key_part = _nz_part(key_planes, key_c, key_e, chunk, tiles[1:3], block, slot, valid)
-        pypto.assemble(key_part, [dst, 0, 0], key_out)
-        value_part = _nz_part(value_planes, value_c, value_e, chunk, tiles[3:5], block, slot, valid)
-        pypto.assemble(value_part, [dst, 0, 0], value_out)
+        key_first = entries[e, 4]
+        value_first = entries[e, 5]
+        key_part = _nz_group(key_planes, key_c, key_group, chunk, block, slot, key_first, valid)
+        pypto.assemble(key_part, [dst, key_first, 0], key_out)
+        value_part = _nz_group(value_planes, value_c, value_group, chunk, block, slot, value_first, valid)
+        pypto.assemble(value_part, [dst, value_first, 0], value_out)
+
+
+def _nz_row_group(rows, out, fractals: int, group: int, block, slot, dst, first):
+    """One slot's fractals ``first .. first+group``: ``[group, E]`` rows of ``[nb*C, bs*E]`` to ``[T*C, E]``."""
+    e_dim = out.shape[1]
+    pypto.set_vec_tile_shapes(group, e_dim)
+    part = pypto.view(rows, [group, e_dim], [block * fractals + first, slot * e_dim])
+    pypto.assemble(part, [dst * fractals + first, 0], out)
+
+
+def gather_nz_rows_kernel(
+    key_rows: pypto.Tensor([DYN, STATIC]),
+    value_rows: pypto.Tensor([DYN, STATIC]),
+    entries: pypto.Tensor([DYN, NZ_ENTRY_FIELDS], pypto.DT_INT32),
+    key_out: pypto.Tensor([DYN, STATIC]),
+    value_out: pypto.Tensor([DYN, STATIC]),
+    tiles: tuple,
+):
+    """PA_NZ gather, ``chunk == 1`` (entries as :func:`gather_nz_kernel`, ``valid`` always 1).
+
+    The caches come as ``[nb*C, bs*E]`` fractal rows, the outputs as ``[T*C, E]``. ``tiles`` as
+    :func:`gather_nz_kernel`.
+    """
+    key_group = tiles[1]
+    value_group = tiles[3]
+    key_c = tiles[5]
+    value_c = tiles[6]
+    for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
+        block = entries[e, 0]
+        slot = entries[e, 1]
+        dst = entries[e, 2]
+        key_first = entries[e, 4]
+        value_first = entries[e, 5]
+        _nz_row_group(key_rows, key_out, key_c, key_group, block, slot, dst, key_first)
+        _nz_row_group(value_rows, value_out, value_c, value_group, block, slot, dst, value_first)
 
 
 def copy_kernel(
@@ -174,7 +227,13 @@ def seed_kernel(
                 _copy_rows(value_rows, value_out, block_size, tiles[2:4], src_row, dst_row, valid)
 
 
-KERNELS = {"norm": gather_norm_kernel, "nz": gather_nz_kernel, "copy": copy_kernel, "seed": seed_kernel}
+KERNELS = {
+    "norm": gather_norm_kernel,
+    "nz": gather_nz_kernel,
+    "nz_rows": gather_nz_rows_kernel,
+    "copy": copy_kernel,
+    "seed": seed_kernel,
+}
 _JIT_CACHE: dict = {}
 
 

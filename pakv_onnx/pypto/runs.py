@@ -147,6 +147,10 @@ def subprocess_env(run_dir: Path) -> dict[str, str]:
 
     env = dict(os.environ)
     env.pop("ASCEND_HOME_PATH", None)  # would switch pypto to NPU mode and CANN libraries
+    # The subprocess runs in run_dir, so without this it would import whichever pakv_onnx is
+    # installed (e.g. another checkout's editable install), not the one that started it.
+    package_root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     home = run_dir / "home"
     for path in (home, run_dir / "output", run_dir / "ascend_log", run_dir / "tmp"):
         path.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,14 @@ the *vector tile* is what ``pypto.set_vec_tile_shapes`` gets for that task. A ti
 the AICore vector buffer (:data:`VECTOR_BUFFER_BYTES`): pypto 0.2.0 compiles a Norm copy tile
 iff ``rows * cols * itemsize <= 196,608`` (64 heads x 128 bf16 compiles with 12 rows, not 13).
 
+PA_NZ tiles are ``(fractals, rows)``: one task moves ``fractals`` of a token row's ``C``
+32-byte fractals (a *fractal group*; ``C / fractals`` groups per chunk) for ``rows = chunk``
+slots. The cost model charges a TRANSPOSE_MOVEOUT about 68 cycles per fractal plane whatever
+the rows, so a chunk of a wide row is cheaper split into groups spread over the cores, and a
+chunk of one slot needs no transpose at all (the rows kernel). Key and value group counts
+may differ when one divides the other (an entry moves group ``g % G`` of each; the cache
+with fewer groups is then moved more than once, which the cost model charges like any copy).
+
 What the cost model charges (FACTS section 8): the static view shape, not its valid rows; a
 large fixed latency per DMA; tasks spread over 48 vector cores, dispatched one after another.
 So a chunk that is too big pays for rows that a short sequence does not have, and one that is
@@ -41,6 +49,26 @@ _CYCLES_PER_BYTE = 0.05  # per byte of a token row (key + value), in and out
 _VECTOR_CORES = 48
 _DISPATCH_CYCLES = 170
 
+# The PA_NZ rule's model (cycles), read off the cost model's per-operation trace
+# (CostModelSimulationOutput/_simulate.pipe.swim.json, pypto 0.2.0) and checked against the
+# end-to-end time of 40 PA_NZ runs (nz-*, 6 x 8192, T=4096, fp16 T=300, decode; within ~5 %
+# for one round of tasks):
+#   COPY_IN             1,400 + bytes / 96 (+ 5.3 per fractal plane of a 3-D view)
+#   TRANSPOSE_MOVEOUT   68 per fractal plane (independent of the rows)
+#   COPY_OUT            300 + bytes / 76
+# A task moves key then value in (serially on its MTE_IN pipe), then the last move-out; the
+# first 48 tasks start 200 cycles apart in 8 lanes; each further round of 48 starts about
+# 3,400 cycles after the previous one ends and pays the dispatch again.
+_NZ_IN_FIXED = 1_400
+_NZ_IN_BYTES_PER_CYCLE = 96
+_NZ_IN_PER_PLANE = 5.3
+_NZ_TRANSPOSE_PER_PLANE = 68
+_NZ_OUT_FIXED = 300
+_NZ_OUT_BYTES_PER_CYCLE = 76
+_NZ_LANES = 8
+_NZ_LANE_CYCLES = 200
+_NZ_ROUND_GAP = 3_400
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelShape:
@@ -55,10 +83,24 @@ class KernelShape:
     lengths: tuple[int, ...]
 
     def cache_key(self) -> str:
+        # PA_NZ tiles are fractal groups since 2026-12 (before: one view of all fractals); a
+        # choice tuned for the old kernel would mean something else, so the key says which.
+        mode = "PA_NZ/groups" if self.mode == "PA_NZ" else self.mode
         return (
-            f"{self.mode}:{self.key_width}x{self.key_itemsize}:{self.value_width}x{self.value_itemsize}:"
+            f"{mode}:{self.key_width}x{self.key_itemsize}:{self.value_width}x{self.value_itemsize}:"
             f"bs{self.block_size}:lens{','.join(map(str, self.lengths))}"
         )
+
+    def fractals(self) -> tuple[int, int]:
+        """(key C, value C): 32-byte fractals per token row (PA_NZ)."""
+        return (
+            self.key_width * self.key_itemsize // NZ_FRACTAL_BYTES,
+            self.value_width * self.value_itemsize // NZ_FRACTAL_BYTES,
+        )
+
+    def tasks(self, chunk: int) -> int:
+        """Entries of ``chunk`` slots (before fractal groups)."""
+        return sum(-(-n // chunk) for n in self.lengths)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +116,12 @@ class Tiles:
     chunk: int
     key_tile: tuple[int, int]
     value_tile: tuple[int, int]
+
+    def groups(self, shape: KernelShape) -> tuple[int, int, int]:
+        """PA_NZ: (key groups, value groups, entries per chunk = the larger of the two)."""
+        key_c, value_c = shape.fractals()
+        key_groups, value_groups = key_c // self.key_tile[0], value_c // self.value_tile[0]
+        return key_groups, value_groups, max(key_groups, value_groups)
 
     def kernel_tuple(self) -> tuple[int, ...]:
         if self.kind == "seed":
@@ -125,15 +173,50 @@ def norm_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
     return (1, max(cols)) if cols else None
 
 
-def nz_tile(chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
-    """(fractals, rows) of a PA_NZ tile for ``chunk`` slots of ``width // E`` 32-byte fractals."""
-    fractals = width * itemsize // NZ_FRACTAL_BYTES
-    fit = [d for d in _divisors(fractals) if d * chunk * NZ_FRACTAL_BYTES <= VECTOR_BUFFER_BYTES]
-    return (max(fit), chunk) if fit else None
+def nz_groups(chunk: int, fractals: int) -> list[int]:
+    """Fractals per task that divide ``fractals`` and whose ``[fractals, chunk, E]`` tile fits."""
+    return [d for d in _divisors(fractals) if d * chunk * NZ_FRACTAL_BYTES <= VECTOR_BUFFER_BYTES]
 
 
-def tile_for(mode: str, chunk: int, width: int, itemsize: int) -> tuple[int, int] | None:
-    return (norm_tile if mode == "Norm" else nz_tile)(chunk, width, itemsize)
+def nz_task_cycles(chunk: int, key_fractals: int, value_fractals: int) -> float:
+    """The PA_NZ rule's cycles of one task: key and value groups in, then the last move-out."""
+
+    def moves(fractals: int) -> tuple[float, float]:
+        size = chunk * fractals * NZ_FRACTAL_BYTES
+        if chunk == 1:  # the rows kernel: 2-D copies, no transpose
+            return _NZ_IN_FIXED + size / _NZ_IN_BYTES_PER_CYCLE, _NZ_OUT_FIXED + size / _NZ_OUT_BYTES_PER_CYCLE
+        copy_in = _NZ_IN_FIXED + size / _NZ_IN_BYTES_PER_CYCLE + _NZ_IN_PER_PLANE * fractals
+        return copy_in, _NZ_TRANSPOSE_PER_PLANE * fractals
+
+    key_in, key_out = moves(key_fractals)
+    value_in, value_out = moves(value_fractals)
+    return key_in + value_in + max(key_out, value_out)
+
+
+def nz_estimate_cycles(shape: KernelShape, tiles: Tiles) -> float:
+    """The PA_NZ rule's end-to-end estimate: rounds of 48 tasks (see the constants above)."""
+    tasks = shape.tasks(tiles.chunk) * tiles.groups(shape)[2]
+    if tasks == 0:
+        return 0.0
+    task = nz_task_cycles(tiles.chunk, tiles.key_tile[0], tiles.value_tile[0])
+    rounds = -(-tasks // _VECTOR_CORES)
+    dispatch = _NZ_LANE_CYCLES * (min(tasks, _NZ_LANES) - 1)
+    return (rounds - 1) * (task + _NZ_ROUND_GAP + _NZ_LANE_CYCLES * (_NZ_LANES - 1)) + dispatch + task
+
+
+def nz_entry_tiles(shape: KernelShape, chunk: int) -> Tiles | None:
+    """The PA_NZ tiles at ``chunk`` with the cheapest fractal groups by :func:`nz_estimate_cycles`."""
+    key_c, value_c = shape.fractals()
+    options = [
+        Tiles("entries", chunk, (dk, chunk), (dv, chunk))
+        for dk in nz_groups(chunk, key_c)
+        for dv in nz_groups(chunk, value_c)
+        if (key_c // dk) % (value_c // dv) == 0 or (value_c // dv) % (key_c // dk) == 0
+    ]
+    if not options:
+        return None
+    # ties: fewer tasks (bigger groups)
+    return min(options, key=lambda t: (nz_estimate_cycles(shape, t), t.groups(shape)[2]))
 
 
 def candidate_chunks(block_size: int) -> list[int]:
@@ -142,20 +225,24 @@ def candidate_chunks(block_size: int) -> list[int]:
     return sorted(set(powers) | {block_size})
 
 
-def estimate_cycles(shape: KernelShape, chunk: int) -> float:
-    """The rule's estimate of the loop: one task per entry (key and value DMAs), over 48 cores."""
-    tasks = sum(-(-n // chunk) for n in shape.lengths)
+def estimate_cycles(shape: KernelShape, tiles: Tiles) -> float:
+    """The rule's estimate of the loop (Norm: one task per entry, key and value DMAs, over 48 cores)."""
+    if shape.mode != "Norm":
+        return nz_estimate_cycles(shape, tiles)
+    tasks = shape.tasks(tiles.chunk)
     if tasks == 0:
         return 0.0
     row_bytes = shape.key_width * shape.key_itemsize + shape.value_width * shape.value_itemsize
-    task = _TASK_FIXED_CYCLES + chunk * row_bytes * _CYCLES_PER_BYTE
+    task = _TASK_FIXED_CYCLES + tiles.chunk * row_bytes * _CYCLES_PER_BYTE
     return math.ceil(tasks / _VECTOR_CORES) * task + tasks * _DISPATCH_CYCLES
 
 
 def entry_tiles(shape: KernelShape, chunk: int) -> Tiles | None:
     """The entry kernel with ``chunk`` slots per task (``None`` if a tile cannot fit)."""
-    key_tile = tile_for(shape.mode, chunk, shape.key_width, shape.key_itemsize)
-    value_tile = tile_for(shape.mode, chunk, shape.value_width, shape.value_itemsize)
+    if shape.mode != "Norm":
+        return nz_entry_tiles(shape, chunk)
+    key_tile = norm_tile(chunk, shape.key_width, shape.key_itemsize)
+    value_tile = norm_tile(chunk, shape.value_width, shape.value_itemsize)
     if key_tile is None or value_tile is None:
         return None
     return Tiles("entries", chunk, key_tile, value_tile)
@@ -171,7 +258,7 @@ def rule_tiles(shape: KernelShape) -> Tiles:
     options = candidate_tiles(shape)
     if not options:
         raise ValueError(NO_TILE_FITS)
-    return min(options, key=lambda t: estimate_cycles(shape, t.chunk))
+    return min(options, key=lambda t: estimate_cycles(shape, t))
 
 
 def seed_tiles(shape: KernelShape) -> Tiles | None:
@@ -200,6 +287,22 @@ def fits(tiles: Tiles, shape: KernelShape) -> bool:
     return all(b <= VECTOR_BUFFER_BYTES for b in tile_bytes(tiles, shape))
 
 
+def valid_for(tiles: Tiles, shape: KernelShape) -> bool:
+    """Whether the kernel can run ``tiles`` on ``shape`` (a tuned entry is checked before use)."""
+    if tiles.kind == "seed":
+        return shape.mode == "Norm"
+    if tiles.chunk < 1 or shape.block_size % tiles.chunk or not fits(tiles, shape):
+        return False
+    if shape.mode == "Norm":
+        return True
+    key_c, value_c = shape.fractals()
+    dk, dv = tiles.key_tile[0], tiles.value_tile[0]
+    if tiles.key_tile[1] != tiles.chunk or tiles.value_tile[1] != tiles.chunk or key_c % dk or value_c % dv:
+        return False
+    key_groups, value_groups, _ = tiles.groups(shape)
+    return key_groups % value_groups == 0 or value_groups % key_groups == 0
+
+
 # --------------------------------------------------------------------------- #
 # Tuned choices, cached by `pakv-onnx tune`
 # --------------------------------------------------------------------------- #
@@ -220,9 +323,10 @@ def tuned(shape: KernelShape) -> Tiles | None:
     """The tiles ``tune`` measured cheapest for exactly this shape, if any."""
     entry = _load().get(shape.cache_key())
     try:
-        return Tiles.from_json(entry) if entry else None
+        tiles = Tiles.from_json(entry) if entry else None
     except (KeyError, TypeError, ValueError):
         return None
+    return tiles if tiles is not None and valid_for(tiles, shape) else None
 
 
 def remember(shape: KernelShape, tiles: Tiles) -> None:

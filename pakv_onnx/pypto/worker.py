@@ -85,6 +85,78 @@ def _mismatch(outputs, goldens) -> list[str]:
     return details
 
 
+def _cache_mismatch(caches, goldens, originals, written_rows) -> list[str]:
+    """What differs between the scattered caches and the golden: rows the scatter wrote, and rows it must not touch."""
+    from pakv_onnx.spec import bits_view, bitwise_equal
+
+    details = []
+    for name, got, want, before, rows in zip(("key_cache", "value_cache"), caches, goldens, originals, written_rows):
+        if bitwise_equal(got, want):
+            continue
+        differs = bits_view(got) != bits_view(want)
+        touched = (bits_view(got) != bits_view(before)) & ~rows
+        details.append(
+            f"{name}: {int(differs.sum())} elements differ from the golden, {int(touched.sum())} of them outside "
+            "the written rows"
+        )
+    return details
+
+
+def _written_masks(case) -> list[torch.Tensor]:
+    """Boolean masks (cache-shaped) of the elements the scatter may write: the written slots' rows."""
+    from pakv_onnx.spec import CacheMode
+
+    masks = []
+    slots = case.slot_mapping.to(torch.int64)
+    slots = slots[slots >= 0]
+    for cache in (case.key_cache, case.value_cache):
+        mask = torch.zeros(cache.shape, dtype=torch.bool)
+        if case.cache_mode is CacheMode.NORM:
+            mask[slots // cache.shape[1], slots % cache.shape[1]] = True
+        else:
+            mask[slots // cache.shape[2], :, slots % cache.shape[2]] = True
+        masks.append(mask)
+    return masks
+
+
+def execute_scatter(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
+    """One scatter request (``"op": "scatter"``): verify, cost or floor on a named scatter case."""
+    from pakv_onnx.pypto import adapter, host, scatter_cases, scatter_host
+    from pakv_onnx.pypto.tiles import Tiles
+
+    mode = request["mode"]
+    from pakv_onnx.validator import plan_scatter
+
+    case = scatter_cases.build(request["case"])
+    plan = scatter_host.from_validated(plan_scatter(*case.inputs(), **case.attributes()))
+    shapes = f"key={list(case.key.shape)} value={list(case.value.shape)} written={plan.written}"
+    if mode == "floor":
+        # The same bytes copied contiguously: the written tokens' rows, [written, W] per cache.
+        tiles = Tiles.from_json(request["tiles"])
+        rows = max(1, plan.written)
+        key_src = torch.zeros((rows, plan.key_width), dtype=plan.key_dtype)
+        value_src = torch.zeros((rows, plan.value_width), dtype=plan.value_dtype)
+        host.run_copy(key_src, value_src, torch.empty_like(key_src), torch.empty_like(value_src), tiles)
+        flush_c_stdio()
+        return {"ok": True, "detail": f"contiguous copy, cost model ran ({shapes})", "tiles": tiles.to_json()}
+    reason = scatter_host.unsupported_reason(plan, case.inputs()[:4])
+    if reason is not None:
+        return {"ok": False, "refused": True, "detail": f"refused: {reason}", "tiles": None}
+    tiles = scatter_host.ScatterTiles.from_json(request["tiles"]) if request.get("tiles") else None
+    verify = mode == "verify"
+    if verify:
+        adapter.install()
+    inputs = case.fresh_inputs()
+    used = scatter_host.scatter_in_process(plan, *inputs[:4], sim=True, verify=verify, tiles=tiles, kernel_fn=kernel_fn)
+    flush_c_stdio()
+    if not verify:
+        return {"ok": True, "detail": f"compiled, cost model ran ({shapes})", "tiles": used.to_json()}
+    bad = _cache_mismatch(inputs[2:4], case.golden(), (case.key_cache, case.value_cache), _written_masks(case))
+    if bad:
+        return {"ok": False, "detail": f"{shapes} NOT bit-exact vs golden ({'; '.join(bad)})", "tiles": used.to_json()}
+    return {"ok": True, "detail": f"{shapes} bit-exact vs golden (caches updated in place)", "tiles": used.to_json()}
+
+
 def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Run one request in this process (the subprocess body; tests call it for injected kernels)."""
     from pakv_onnx.pypto import adapter, cases, host
@@ -96,6 +168,8 @@ def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     adapter.check_version()
     if mode == "helper":
         return {"ok": True, "detail": f"helper library at {adapter.build_calculator()}", "tiles": None}
+    if request.get("op") == "scatter":
+        return execute_scatter(request, kernel_fn=kernel_fn)
     case = cases.build_case(request["case"])
     plan = plan_gather(*case.inputs(), **case.attributes())
     tiles = Tiles.from_json(request["tiles"]) if request.get("tiles") else None
@@ -203,6 +277,25 @@ def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "detail": tiles.label(), "retire": rss_bytes() > RSS_CAP_BYTES}
 
 
+def scatter_files(request: dict[str, Any]) -> dict[str, Any]:
+    """One pypto-cpu scatter: load the inputs, run the kernel through the interpreter (it writes
+    into the loaded caches), save the caches."""
+    from pakv_onnx.pypto import adapter, scatter_host
+    from pakv_onnx.validator import plan_scatter
+
+    inputs = torch.load(request["inputs"], weights_only=True)
+    key, value, key_cache, value_cache, slot_mapping = inputs["tensors"]
+    plan = scatter_host.from_validated(
+        plan_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode=inputs["cache_mode"])
+    )
+    adapter.install()
+    tiles = scatter_host.scatter_in_process(plan, key, value, key_cache, value_cache, sim=True, verify=True)
+    flush_c_stdio()
+    torch.save({"key_cache": key_cache, "value_cache": value_cache}, request["outputs"])
+    _clear_pypto_output()
+    return {"ok": True, "detail": tiles.label(), "tiles": tiles.to_json(), "retire": rss_bytes() > RSS_CAP_BYTES}
+
+
 def _clear_pypto_output() -> None:
     """Remove what PyPTO wrote for a call that passed: pass-verify dumps every pass's tensors
     (about 67 MB per seed-sized call), which would fill the disk over a long session."""
@@ -235,7 +328,8 @@ def serve(log_path: str) -> int:
         return 1
     for line in sys.stdin:
         try:
-            payload = gather_files(json.loads(line))
+            request = json.loads(line)
+            payload = scatter_files(request) if request.get("op") == "scatter" else gather_files(request)
         except Exception as err:  # noqa: BLE001
             payload = _failure(err)
         flush_c_stdio()
