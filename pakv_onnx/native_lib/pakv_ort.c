@@ -6,7 +6,8 @@
  *
  * This file is ORT glue only: registration (one domain per backend, reused), the ops (one per
  * (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel and the
- * session is refused at creation), strict attributes, and compute: ORT's tensors become the
+ * session is refused at creation, and each pair once per execution provider of pakv_ep.h),
+ * strict attributes, and compute: ORT's tensors become the
  * validator's records (pakv_contract.c: every rule of the contract, with its message), the
  * outputs ORT hands back are validated too, and the copy core (pakv_core.c) runs the plan.
  * Python backends are reached through pakv_bridge.c.
@@ -24,11 +25,13 @@
 #include "pakv_contract.h"
 #include "pakv_core.h"
 #include "pakv_dtypes.h"
+#include "pakv_ep.h"
 
 #define PAKV_DOMAIN "pakv"
 #define PAKV_OP_TYPE "GatherPaKvCache"
 #define PAKV_OPSET_VERSION 1
 #define PAKV_NUM_PAIRS (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES)
+#define PAKV_NUM_OPS (PAKV_NUM_PAIRS * PAKV_NUM_EPS) /* every pair once per execution provider (pakv_ep.h) */
 #define PAKV_MAX_MODE_LEN 64
 /* Session config entry naming the backend these SessionOptions were registered for. */
 #define PAKV_CONFIG_KEY "pakv_onnx.backend"
@@ -150,16 +153,19 @@ typedef struct {
   int key_dtype;        /* index into PAKV_CACHE_DTYPES */
   int value_dtype;
   int backend;          /* bridge slot; PAKV_NATIVE_BACKEND = the C kernel */
+  int ep;               /* PAKV_EP_*: the execution provider of this entry */
+  int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
 } pakv_op;
 
 typedef struct {
   const OrtApi* api;
   int backend, nz;
   int64_t cumsum;
+  int ep, parallel_for;
 } pakv_kernel;
 
 static const char* op_name(const PakvOrtCustomOp* op) { (void)op; return PAKV_OP_TYPE; }
-static const char* op_ep(const PakvOrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static const char* op_ep(const PakvOrtCustomOp* op) { return pakv_ep_name(((const pakv_op*)op)->ep); }
 static int op_input_type(const PakvOrtCustomOp* op, size_t i) {
   const pakv_op* o = (const pakv_op*)op;
   if (i == 0) return PAKV_CACHE_DTYPES[o->key_dtype].onnx_type;
@@ -174,7 +180,9 @@ static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
 static size_t op_output_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_OUTPUTS; }
 static int op_input_char(const PakvOrtCustomOp* op, size_t i) { (void)op; return i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED; }
 static int op_output_char(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return PAKV_ORT_REQUIRED; }
-static int op_mem_type(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int op_mem_type(const PakvOrtCustomOp* op, size_t i) {
+  return pakv_ep_input_memory_type(((const pakv_op*)op)->ep, PAKV_OP_GATHER, i); /* index inputs on the host */
+}
 static int op_min_arity(const PakvOrtCustomOp* op) { (void)op; return 1; }
 static int op_homogeneity(const PakvOrtCustomOp* op) { (void)op; return 0; }
 static int op_opset_version(const PakvOrtCustomOp* op) { (void)op; return PAKV_OPSET_VERSION; }
@@ -189,6 +197,8 @@ static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, co
   if (!k) return make_status(api, PAKV_ORT_FAIL, "GatherPaKvCache: out of memory creating the kernel");
   k->api = api;
   k->backend = ((const pakv_op*)op)->backend;
+  k->ep = ((const pakv_op*)op)->ep;
+  k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->nz = nz;
   k->cumsum = cumsum;
   *out = k;
@@ -201,8 +211,9 @@ static void kernel_destroy(void* kernel) { free(kernel); }
 /* Compute: ORT's tensors -> the validator's records -> the copy core (or a Python backend)    */
 /* ------------------------------------------------------------------------------------------- */
 /* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
- * are dense; on the CPU execution provider every input is host memory. */
-static int read_input(const OrtApi* api, OrtKernelContext* ctx, size_t count, size_t i, pakv_tensor* t,
+ * are dense; on the CPU execution provider every input is host memory, on a device EP its memory
+ * info says where it is. */
+static int read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, size_t count, size_t i, pakv_tensor* t,
                       pakv_err* err) {
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
@@ -226,7 +237,7 @@ static int read_input(const OrtApi* api, OrtKernelContext* ctx, size_t count, si
   if (take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
   pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
   t->host_data = data;
-  return 0;
+  return ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, ep, v, t, err);
 }
 
 void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
@@ -262,13 +273,14 @@ static int run_native(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     void* data = pakv_ort_output(k->api, ctx, i, dims, plan.out_rank, err);
     if (!data) rc = -1;
     else
-      pakv_dense_record(&records[PAKV_GATHER_KEY_OUT + i], data, records[i].elem_type, plan.out_rank, dims, "cpu");
+      pakv_dense_record(&records[PAKV_GATHER_KEY_OUT + i], data, records[i].elem_type, plan.out_rank, dims,
+                        records[PAKV_GATHER_KEY_CACHE].device); /* ORT allocates them on the entry's device */
   }
   if (!rc) rc = pakv_validate_gather_outputs(records, &plan, err);
   if (!rc) {
     plan.key_out = (void*)records[PAKV_GATHER_KEY_OUT].data;
     plan.value_out = (void*)records[PAKV_GATHER_VALUE_OUT].data;
-    rc = pakv_run_plan(&plan, err);
+    rc = pakv_ep_run_plan(k->api, ctx, k->ep, k->parallel_for, &plan, err);
   }
   free(scratch);
   return rc;
@@ -293,7 +305,8 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, k->ep, count, i, &records[i], &err);
+  if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
@@ -314,7 +327,7 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
 /* Registration                                                                                */
 /* ------------------------------------------------------------------------------------------- */
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
-static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_PAIRS ops per backend, never freed */
+static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_OPS ops per backend, never freed */
 static OrtCustomOpDomain* g_domains[PAKV_MAX_BACKENDS];  /* one domain per backend, reused (no leak per call) */
 /* The backend the next RegisterCustomOps call on this thread binds to. Thread-local: a raw
  * registration on another thread always gets native, and cannot take a backend chosen here. */
@@ -326,9 +339,10 @@ PAKV_EXPORT int pakv_bind_next_registration(const char* name) {
   return slot;
 }
 
-static void init_ops(pakv_op* ops, int backend, uint32_t version) {
-  for (int d = 0; d < PAKV_NUM_PAIRS; d++) {
-    pakv_op* o = &ops[d];
+static void init_ops(pakv_op* ops, int backend, uint32_t version, int parallel_for) {
+  for (int n = 0; n < PAKV_NUM_OPS; n++) {
+    pakv_op* o = &ops[n];
+    int d = n % PAKV_NUM_PAIRS;
     memset(o, 0, sizeof(*o));
     o->base.version = version;
     o->base.GetName = op_name;
@@ -352,6 +366,8 @@ static void init_ops(pakv_op* ops, int backend, uint32_t version) {
     o->key_dtype = d / PAKV_NUM_DTYPES;
     o->value_dtype = d % PAKV_NUM_DTYPES;
     o->backend = backend;
+    o->ep = n / PAKV_NUM_PAIRS;
+    o->parallel_for = parallel_for;
   }
 }
 
@@ -371,16 +387,17 @@ static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int 
     return NULL;
   }
   if (!g_ops[backend]) {
-    pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_PAIRS, sizeof(pakv_op));
+    pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_OPS, sizeof(pakv_op));
     if (!ops) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory registering the ops");
-    /* A runtime that knows API 17 reads the opset range (pakv opset 1 only). */
-    init_ops(ops, backend, runtime_api_version(base) >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE
-                                                                                  : PAKV_ORT_API_VERSION);
+    /* A runtime that knows API 17 reads the opset range (pakv opset 1 only) and has ParallelFor. */
+    int runtime = runtime_api_version(base);
+    init_ops(ops, backend, runtime >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION,
+             runtime >= PAKV_ORT_API_PARALLEL_FOR);
     g_ops[backend] = ops;
   }
   OrtCustomOpDomain* domain = NULL;
   OrtStatus* st = PAKV_API(api, CreateCustomOpDomain)(PAKV_DOMAIN, &domain);
-  for (int d = 0; !st && d < PAKV_NUM_PAIRS; d++) st = PAKV_API(api, CustomOpDomain_Add)(domain, &g_ops[backend][d]);
+  for (int d = 0; !st && d < PAKV_NUM_OPS; d++) st = PAKV_API(api, CustomOpDomain_Add)(domain, &g_ops[backend][d]);
   if (st) return st; /* a half-built domain is not kept (ORT owns nothing of it yet; it is leaked once) */
   g_domains[backend] = *out = domain;
   return NULL;
