@@ -65,5 +65,9 @@ def test_large_copies_use_orts_parallel_for_small_ones_never(api: str) -> None:
     _session("parallel", api, env={"PAKV_ONNX_PARALLEL_MIN_BYTES": "4096"})
 
 
+def test_python_backends_get_device_buffers_and_orts_stream_on_device_entries() -> None:
+    _session("bridge", env={})
+
+
 def test_request_mirror_has_the_stream() -> None:
     assert [name for name, _ in native_lib.Request._fields_][-2:] == ["stream", "error"]

@@ -21,6 +21,10 @@ Scenarios:
     missing   no driver library, or one without the symbols: an ORT error naming what is missing
     parallel  the CPU entry: ORT's KernelContext_ParallelFor above the size threshold (API >= 17),
               never below it; the library's own threads on API 16
+    bridge    a Python backend (golden) on the device entries: the callback gets the caches and
+              ORT's outputs labelled with the entry's device ("cuda:0" / "npu:0"; turned into
+              tensors by runtime_plugin._device, here host views since the fake's device memory is
+              host memory), the index inputs as host tensors, and runs on ORT's stream
 """
 
 from __future__ import annotations
@@ -53,6 +57,11 @@ ALL_COPY_CALLS = sorted(set(COPY_CALLS.values()))
 
 runtime = FakeRuntime(api_version=API, stream=STREAM)
 lib = native_lib.load()
+if SCENARIO == "bridge":  # this process's registration binds the golden backend (the Python callback)
+    from pakv_onnx.runtime_plugin import _python_backend
+
+    _python_backend.install()
+    assert lib.pakv_bind_next_registration(b"golden") > 0
 ops = runtime.register(lib)
 driver = FakeDriver(os.environ["FAKE_DRIVER"]) if "FAKE_DRIVER" in os.environ else None
 
@@ -263,5 +272,35 @@ def parallel() -> str:
     return f"parallel calls {runtime.parallel_calls}"
 
 
-print("ok", SCENARIO, {"entries": entries, "matrix": matrix, "errors": errors, "missing": missing,
+def bridge() -> str:
+    import contextlib
+
+    from pakv_onnx.runtime_plugin import _device, _tensors
+
+    seen: list[str] = []
+    streams: list[tuple[str, int]] = []
+
+    def tensor_at(address, shape, dtype, device):  # the fake's "device memory" is host memory
+        seen.append(device)
+        return _tensors.view(address, shape, dtype)
+
+    def stream_context(device, stream):
+        streams.append((device, stream))
+        return contextlib.nullcontext()
+
+    _device.tensor_at, _device.stream_context = tensor_at, stream_context
+    for ep, label in (("CUDAExecutionProvider", "cuda:0"), ("CANNExecutionProvider", "npu:0")):
+        for seed in range(4):
+            case = random_case(300 + seed, max_blocks=8)
+            seen.clear()
+            streams.clear()
+            check_exact(ep, case, f"golden via the bridge {case.summary()}")
+            assert streams == [(label, STREAM)], streams
+            # key_cache, value_cache, then the two outputs ORT allocated (index inputs: host views)
+            assert seen == [label] * len(seen) and len(seen) >= 2, seen
+    check_exact("CPUExecutionProvider", random_case(310), "golden on the CPU entry")
+    return "device labels and ORT's stream reach the Python backend"
+
+
+print("ok", SCENARIO, {"bridge": bridge, "entries": entries, "matrix": matrix, "errors": errors, "missing": missing,
                        "parallel": parallel}[SCENARIO](), flush=True)  # fmt: skip
