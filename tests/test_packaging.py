@@ -30,6 +30,8 @@ TEST_HELPERS = (
     "tests/native/fake_ort_driver.c",
     "tests/native/fake_device_driver.c",
     "tests/native/device_session.py",
+    "tests/device/gpu_check.py",
+    "tests/device/gpu_check.sh",
 )
 
 
