@@ -171,8 +171,8 @@ def bind(
     or, for a session on the CUDA / CANN execution provider, CUDA / NPU tensors (bind the caches
     there; the index inputs stay on the host, where the device entries read them). Outputs are
     bound to the given ``out`` tensors (contiguous tensors of the exact output shape and dtype,
-    which ORT then writes into: no allocation, no page faults on reuse) or left to ORT, on the key
-    cache's device.
+    which ORT then writes into: no allocation, no page faults on reuse) or left to ORT, on the
+    device of the first feed in device memory (the caches), else on the host.
     ``None`` feeds (an absent optional input) are skipped. The binding holds references to the
     bound tensors (ORT only keeps their addresses); don't resize them while it is in use. Run it
     with ``session.run_with_iobinding(binding)``.
@@ -190,8 +190,8 @@ def bind(
         binding.bind_input(name, kind, index, onnx_type_of(tensor.dtype), list(tensor.shape), _address(tensor))
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
     out = out or {}
-    cache = feeds.get("key_cache")
-    default_device = _ort_device("key_cache", cache) if isinstance(cache, torch.Tensor) else ("cpu", 0)
+    on_device = _device_feed(feeds)
+    default_device = _ort_device("a feed", on_device) if on_device is not None else ("cpu", 0)
     for name in names:
         given = out.get(name)
         if given is None:
@@ -202,6 +202,11 @@ def bind(
         kind, index = _ort_device(f"out[{name!r}]", given)
         binding.bind_output(name, kind, index, onnx_type_of(given.dtype), list(given.shape), _address(given))
     return binding
+
+
+def _device_feed(feeds: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
+    """The first feed in device memory (the caches, for the plugin's models), or None."""
+    return next((t for t in feeds.values() if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
 
 
 # torch device type -> ORT's IOBinding device name.
@@ -250,8 +255,10 @@ def run(
             raise TypeError(f"output {name} has type {value.data_type()}, which has no torch dtype here") from None
         if value.device_name().lower() == "cpu":
             result[name] = view(value.data_ptr(), tuple(value.shape()), dtype, owner=value)
-        else:  # ORT's buffer on the caches' device: a DLPack view; the OrtValue lives with the tensor object
-            tensor = _device.tensor_at(value.data_ptr(), tuple(value.shape()), dtype, str(feeds["key_cache"].device))
+        else:  # ORT's buffer on the feeds' device: a DLPack view; the OrtValue lives with the tensor object
+            on_device = _device_feed(feeds)
+            label = str(on_device.device) if on_device is not None else "cuda:0"
+            tensor = _device.tensor_at(value.data_ptr(), tuple(value.shape()), dtype, label)
             tensor.pakv_owner = value  # (a view taken from it does not keep the buffer: keep this tensor)
             result[name] = tensor
     return result
