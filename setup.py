@@ -10,6 +10,10 @@ Sources (pakv_onnx/native_lib/):
     pakv_contract.c  the contract's validator: every rule and its message, tensor records -> plan
     pakv_ort.c       the ORT glue: RegisterCustomOps, ops, attributes, ORT tensors -> records
     pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
+    pakv_device.c    device copies: the CUDA / CANN driver opened with dlopen on first use (no link-time
+                     dependency), async device-to-device copies of a plan on ORT's stream
+    pakv_ep.c        execution providers: the CPU/CUDA/CANN entries' table, host-resident index inputs,
+                     ORT's compute stream and intra-op pool (KernelContext_ParallelFor)
 """
 
 import os
@@ -21,8 +25,9 @@ from setuptools.command.build_ext import build_ext
 
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c"]
-HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_contract.h", "pakv_bridge.h", "pakv_dtypes.h"]
+SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_contract.h", "pakv_bridge.h", "pakv_dtypes.h", "device_abi.h",
+           "pakv_device.h", "pakv_ep.h"]
 COMPILE_ARGS = [
     "-std=c11",
     "-O3",
@@ -54,7 +59,7 @@ library = Extension(
     sources=[os.path.join(LIBRARY_DIR, name) for name in SOURCES],
     depends=[os.path.join(LIBRARY_DIR, name) for name in HEADERS],
     extra_compile_args=COMPILE_ARGS,
-    extra_link_args=["-pthread"],
+    extra_link_args=["-pthread", "-ldl"],  # dlopen (in libc itself on glibc >= 2.34)
     py_limited_api=False,
 )
 

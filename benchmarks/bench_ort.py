@@ -12,8 +12,15 @@ all variants timed in turn round by round (so machine noise hits them alike):
 Shapes: seed sweep cases (812 MB caches; `--cases`) and a large-T case (T >= 256k tokens of an
 8-head x 128 BF16 cache; `--large-blocks`). Prints a Markdown table.
 
+A second table: the native kernel with ORT's intra_op_num_threads 1 and 2 (one session each, same
+bound buffers, timed in alternating blocks): large copies are split over ORT's intra-op pool
+(KernelContext_ParallelFor, ORT >= 1.17), so intra-op 2 should take <= 0.75x the time of intra-op 1
+at large T (`--threads-blocks`, default 512 blocks = 65,536 tokens) on a 2-core machine, and small T
+(the seed cases) never enters a parallel region (both the same).
+
     python benchmarks/bench_ort.py [--cases level0,level8,heads64_k128_v128] [--repeats 50]
     python benchmarks/bench_ort.py --max-blocks 64   # seed shapes with at most 64 cache blocks
+    python benchmarks/bench_ort.py --threads-only --max-blocks 64   # just the intra-op table
 
 ``--max-blocks`` keeps every seed shape (T, heads, head dims, block size, tables) but caps the
 caches' num_blocks: the seed cases read only their first few blocks, so the gather does the same
@@ -135,6 +142,23 @@ def bench_case(label: str, case: GatherCase, repeats: int, with_pyop: bool) -> d
     return row
 
 
+def bench_threads(label: str, case: GatherCase, repeats: int) -> dict:
+    """The native kernel in two sessions, intra_op_num_threads 1 and 2, timed in alternating blocks."""
+    model = make_gather_model_for(*case.inputs(), **case.attributes(), fallback=False, shapes=None)
+    feeds = {name: t for name, t in zip(INPUT_NAMES, case.inputs()) if t is not None}
+    golden = case.golden()
+    outs = {"key": torch.empty_like(golden[0]), "value": torch.empty_like(golden[1])}
+    runs = {}
+    for threads in (1, 2):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        session = runtime_plugin.make_session(model, sess_options=options)
+        runs[threads] = prebound(session, feeds, outs, golden, f"intra-op {threads}")
+    row = {"case": label, "T": golden[0].shape[0], "out_bytes": golden[0].numel() * 2 + golden[1].numel() * 2}
+    row.update(blocked_medians_us(runs, repeats, block=max(3, min(30, repeats // 4))))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default="level0,level8,heads64_k128_v128")
@@ -142,7 +166,23 @@ def main() -> None:
     parser.add_argument("--large-blocks", type=int, default=2048, help="blocks of 128 tokens (2048 -> T = 262144)")
     parser.add_argument("--no-pyop", action="store_true")
     parser.add_argument("--max-blocks", type=int, default=0, help="cap the seed caches' num_blocks (0: as seeded)")
+    parser.add_argument("--threads-blocks", type=int, default=512, help="large-T blocks of the intra-op table")
+    parser.add_argument("--threads-only", action="store_true", help="only the intra-op 1 vs 2 table")
     args = parser.parse_args()
+    if not args.threads_only:
+        print_main_table(args)
+    rows = [bench_threads(c, capped_seed_case(c, args.max_blocks), args.repeats) for c in args.cases.split(",") if c]
+    if args.threads_blocks:
+        large = large_case(args.threads_blocks)
+        rows.append(bench_threads(f"large T ({args.threads_blocks}x128 tok, 8x128 bf16)", large, max(20, args.repeats // 5)))
+    print()
+    print("| case | T | output MB | intra-op 1 us | intra-op 2 us | intra-op 2 / 1 |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['case']} | {r['T']} | {r['out_bytes'] / 1e6:.3f} | {r[1]:.1f} | {r[2]:.1f} | {r[2] / r[1]:.2f} |")
+
+
+def print_main_table(args) -> None:
     rows = []
     for case_id in [c for c in args.cases.split(",") if c]:
         case = capped_seed_case(case_id, args.max_blocks)

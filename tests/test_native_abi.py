@@ -88,3 +88,26 @@ def test_ort_slot_numbers_are_written_only_in_ort_abi_h() -> None:
         assert not re.search(r"g_table\[\d+\]|\[PAKV_SLOT_\w+\] = |api\)\[\d+\]", text), path
     assert "#include \"ort_abi.h\"" in DRIVER.read_text()
     assert "PAKV_CACHE_DTYPES" in DRIVER.read_text() and "TYPES[11]" not in DRIVER.read_text()
+
+
+def test_fake_runtime_mirrors_the_op_struct_and_reads_slots_from_ort_abi_h() -> None:
+    """tests/fake_ort_api.py's CustomOp names PakvOrtCustomOp's fields in ort_abi.h's order, and its
+    slot numbers are ort_abi.h's (it parses them; it writes none)."""
+    import fake_ort_api
+
+    header = (SOURCES / "ort_abi.h").read_text()
+    struct = header[header.index("typedef struct PakvOrtCustomOp {") : header.index("} PakvOrtCustomOp;")]
+    c_fields = re.findall(r"^\s+(?:[\w* ]+?\(\*(\w+)\)|[\w* ]+?\b(\w+)(?:\[\w+\])?;)", struct, re.M)
+    names = [a or b for a, b in c_fields]
+    mirror = [name for name, _ in fake_ort_api.CustomOp._fields_]
+    assert names[: len(mirror)] == mirror
+    assert fake_ort_api.SLOTS == {n: int(v) for n, v in re.findall(r"PAKV_SLOT_(\w+) = (\d+)", header)}
+
+
+def test_driver_signatures_are_declared_only_in_device_abi_h() -> None:
+    for path in [*SOURCES.glob("*.c"), *SOURCES.glob("*.h")]:
+        if path.name == "device_abi.h":
+            continue
+        text = path.read_text()
+        assert not re.search(r"typedef\s+\w+\s*\(\*\s*pakv_(cu|acl)\w*_fn\)", text), path
+        assert "#include <cuda" not in text and "#include <acl" not in text, path

@@ -1,9 +1,11 @@
 """The C library built with ASan + UBSan (gcc -fsanitize=address,undefined, no recovery) and loaded
 into ONNX Runtime: random valid/invalid calls, mixed dtypes, any seq_offset, extreme shapes ORT
 accepts, a writer racing the block table, strict attributes, double registration, and the copy
-core through ctypes (tests/native/sanitizer_session.py). Any invalid access or undefined
-behaviour aborts the run. Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread
-split is checked too. CI runs this file as its own step (.ci/run)."""
+core through ctypes (tests/native/sanitizer_session.py); and, in a process of its own, the CPU,
+CUDA and CANN entries through the fake ORT runtime and the fake device driver (host memcpy, so
+ASan checks every device copy's bounds). Any invalid access or undefined behaviour aborts the run.
+Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
+path are checked too."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from fake_ort_api import build_fake_driver
 
 from pakv_onnx import native_lib
 
@@ -51,7 +55,7 @@ def sanitized_library(tmp_path_factory) -> Path:
     return out
 
 
-def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
@@ -62,7 +66,7 @@ def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Pat
         ORT_LOGGING_LEVEL="3",
     )
     result = subprocess.run(
-        [sys.executable, str(SESSION), str(sanitized_library), str(SOURCES / "__init__.py"), "300"],
+        [sys.executable, str(SESSION), str(library), str(SOURCES / "__init__.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -72,3 +76,12 @@ def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Pat
     assert result.returncode == 0, f"exit {result.returncode}\n{report}"
     assert "runtime error" not in result.stderr and "AddressSanitizer" not in result.stderr, report
     assert "clean" in result.stdout
+    return result
+
+
+def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+    _sanitized_run(sanitized_library, "300")
+
+
+def test_device_entries_are_clean_under_asan_and_ubsan_through_the_fakes(sanitized_library: Path, tmp_path) -> None:
+    _sanitized_run(sanitized_library, "400", "--device", str(build_fake_driver(tmp_path)))

@@ -24,7 +24,15 @@ import pakv_onnx
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_OUTPUT = (".git", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".pytest_cache", ".hypothesis")
 # Files the tests import or compile besides the test modules (the sdist must ship them).
-TEST_HELPERS = ("tests/per_token_reference.py", "tests/broken_backend.py", "tests/native/fake_ort_driver.c")
+TEST_HELPERS = (
+    "tests/per_token_reference.py",
+    "tests/broken_backend.py",
+    "tests/native/fake_ort_driver.c",
+    "tests/native/fake_device_driver.c",
+    "tests/native/device_session.py",
+    "tests/device/gpu_check.py",
+    "tests/device/gpu_check.sh",
+)
 
 
 @pytest.fixture(scope="module")

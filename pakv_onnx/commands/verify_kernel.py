@@ -96,16 +96,19 @@ def _run_cpu(args, case_ids: list[str]):
 
 
 def _npu_outputs(case, op: str):
-    """(got, golden) pairs of one case run on the NPU."""
+    """(name, got, golden) of one case run on the NPU: the caches go there once (the pypto backend
+    works on the NPU's own buffers and refuses host caches); index tensors stay on the host."""
     if op == "scatter":
         from pakv_onnx.ops import scatter_pa_kv_cache
 
         key, value, key_cache, value_cache, slot_mapping = case.fresh_inputs()
-        scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, **case.attributes(), backend="pypto")
-        return zip(("key_cache", "value_cache"), (key_cache.cpu(), value_cache.cpu()), case.golden())
+        on_npu = [t.to("npu") for t in (key, value, key_cache, value_cache)]
+        scatter_pa_kv_cache(*on_npu, slot_mapping, **case.attributes(), backend="pypto")
+        return zip(("key_cache", "value_cache"), (on_npu[2].cpu(), on_npu[3].cpu()), case.golden())
     from pakv_onnx.ops import gather_pa_kv_cache
 
-    key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend="pypto")
+    key_cache, value_cache, *indices = case.inputs()
+    key, value = gather_pa_kv_cache(key_cache.to("npu"), value_cache.to("npu"), *indices, **case.attributes(), backend="pypto")
     return zip(("key", "value"), (key.cpu(), value.cpu()), case.golden())
 
 

@@ -1,7 +1,9 @@
 """The ``pypto`` backend: the PyPTO GatherPaKvCache kernel on an Ascend NPU.
 
 The kernel and its host side live in :mod:`pakv_onnx.pypto`; this module only says whether
-an NPU is here and moves tensors to it. Never imports pypto or torch_npu at import time.
+an NPU is here and hands the kernel NPU tensors: from Python, or ORT's device buffers through the
+library's CANNExecutionProvider entry. Caches in host memory are refused (see :data:`HOST_CACHES`).
+Never imports pypto or torch_npu at import time.
 """
 
 from __future__ import annotations
@@ -48,31 +50,54 @@ def unavailable_reason() -> str | None:
     return None
 
 
+# Why the kernel refuses caches in host memory (the old route copied both whole caches to the NPU
+# and back on every call: the seed's 812 MB caches, twice, per call).
+HOST_CACHES = (
+    "the caches are in host memory ({device}): the PyPTO kernel runs on the NPU's own buffers and does not "
+    "copy whole caches to the NPU and back on every call; in ONNX Runtime run the graph with the "
+    "CANNExecutionProvider (enable_cann_graph=False; its pakv entry hands the kernel ORT's device buffers: "
+    "docs/plugin-hosts.md), from Python pass NPU tensors, or use backend 'native' (CPU) / 'pypto-cpu' (the same "
+    "kernel on a CPU)"
+)
+
+
+def unsupported_reason(plan: GatherPlan, cache: torch.Tensor) -> str | None:
+    """:func:`host.unsupported_reason`, and caches must be NPU tensors (``auto`` then skips this
+    backend for host caches instead of copying them)."""
+    if cache.device.type != "npu":
+        return HOST_CACHES.format(device=cache.device)
+    return host.unsupported_reason(plan, cache)
+
+
 def gather_pypto(plan: GatherPlan, tensors: GatherTensors) -> None:
-    """Gather on the Ascend NPU (inputs already on the NPU stay there; CPU inputs are moved)."""
-    if tensors.key_cache.device.type == "npu":
-        host.run_kernel(plan, tensors, sim=False)
-        return
-    device = torch.device("npu", torch.npu.current_device())
-    on_device = GatherTensors(*(t.to(device) for t in tensors))
-    host.run_kernel(plan, on_device, sim=False)
-    tensors.key_out.copy_(on_device.key_out.cpu())
-    tensors.value_out.copy_(on_device.value_out.cpu())
+    """Gather on the Ascend NPU, on the NPU tensors given (ORT's buffers through the CANN entry:
+    the kernel writes ORT's outputs directly, no cache leaves the device)."""
+    if tensors.key_cache.device.type != "npu":  # the registry refuses such calls first; this guards direct callers
+        raise ValueError(f"the PyPTO kernel cannot run this call: {HOST_CACHES.format(device=tensors.key_cache.device)}")
+    host.run_kernel(plan, tensors, sim=False)
+
 
 def scatter_pypto(plan: ScatterPlan, tensors: ScatterTensors) -> None:
-    """Scatter on the Ascend NPU (caches on the NPU are written there; CPU caches are moved and back)."""
+    """Scatter on the Ascend NPU, into the NPU caches given (written there, in place)."""
     from pakv_onnx.pypto import scatter_host
 
     key, value, key_cache, value_cache = tensors
-    scatter_host.scatter_on_npu(scatter_host.from_validated(plan), key.contiguous(), value.contiguous(), key_cache, value_cache)
+    if key_cache.device.type != "npu":  # the registry refuses such calls first; this guards direct callers
+        raise ValueError(f"the PyPTO kernel cannot run this call: {HOST_CACHES.format(device=key_cache.device)}")
+    scatter_host.scatter_in_process(
+        scatter_host.from_validated(plan), key.contiguous(), value.contiguous(), key_cache, value_cache, sim=False
+    )
 
 
 def _unsupported_reason(plan, cache) -> str | None:
+    """Both ops: NPU caches only; then the scatter's or the gather's kernel refusals."""
     if type(plan) is ScatterPlan:
+        if cache.device.type != "npu":
+            return HOST_CACHES.format(device=cache.device)
         from pakv_onnx.pypto import scatter_host
 
         return scatter_host.unsupported_reason(scatter_host.from_validated(plan))
-    return host.unsupported_reason(plan, cache)
+    return unsupported_reason(plan, cache)
 
 
 BACKEND = Backend(

@@ -15,7 +15,9 @@ Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's 
 rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
 core (no ORT, no Python), ``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge,
 ``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
-test), ``ort_abi.h`` the ORT ABI subset.
+test), ``ort_abi.h`` the ORT ABI subset, ``pakv_ep.[ch]`` the execution providers (CPU, CUDA, CANN
+entries; ORT's stream and intra-op pool), ``pakv_device.[ch]`` the device copies through the CUDA /
+CANN driver opened with dlopen, ``device_abi.h`` those drivers' ABI subset.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class Request(ctypes.Structure):
         ("inputs", Tensor * NUM_INPUTS),
         ("ctx", ctypes.c_void_p),
         ("api", ctypes.c_void_p),
+        ("stream", ctypes.c_void_p),  # ORT's compute stream on a device EP, else NULL
         ("error", ctypes.c_char * ERROR_LEN),
     ]
 

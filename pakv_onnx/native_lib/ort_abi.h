@@ -18,6 +18,8 @@
 #define PAKV_ORT_API_OPSET_RANGE 17
 /* With a runtime of API >= 18 the write op declares its cache inputs aliased to its outputs. */
 #define PAKV_ORT_API_ALIAS_MAP 18
+/* KernelContext_ParallelFor (ORT's intra-op pool) exists from API 17 (ORT 1.17) on. */
+#define PAKV_ORT_API_PARALLEL_FOR 17
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtApi OrtApi;
@@ -27,12 +29,20 @@ typedef struct OrtKernelInfo OrtKernelInfo;
 typedef struct OrtKernelContext OrtKernelContext;
 typedef struct OrtValue OrtValue;
 typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef struct OrtMemoryInfo OrtMemoryInfo;
 
 /* OrtErrorCode */
 enum { PAKV_ORT_OK = 0, PAKV_ORT_FAIL = 1, PAKV_ORT_INVALID_ARGUMENT = 2 };
 
 /* OrtCustomOpInputOutputCharacteristic */
 enum { PAKV_ORT_REQUIRED = 0, PAKV_ORT_OPTIONAL = 1 };
+
+/* OrtMemType (what OrtCustomOp.GetInputMemoryType answers): CPUInput = the input is delivered in
+ * host memory to an op of a device execution provider. */
+enum { PAKV_ORT_MEM_CPU_INPUT = -2, PAKV_ORT_MEM_DEFAULT = 0 };
+
+/* OrtMemoryInfoDeviceType (MemoryInfoGetDeviceType) */
+enum { PAKV_ORT_DEVICE_CPU = 0, PAKV_ORT_DEVICE_GPU = 1, PAKV_ORT_DEVICE_FPGA = 2, PAKV_ORT_DEVICE_NPU = 3 };
 
 typedef struct OrtApiBase {
   const OrtApi* (*GetApi)(uint32_t version);
@@ -52,6 +62,7 @@ enum {
   PAKV_SLOT_GetDimensionsCount = 61,
   PAKV_SLOT_GetDimensions = 62,
   PAKV_SLOT_GetTensorTypeAndShape = 65,
+  PAKV_SLOT_MemoryInfoGetId = 72,
   PAKV_SLOT_KernelInfoGetAttribute_float = 85,
   PAKV_SLOT_KernelInfoGetAttribute_int64 = 86,
   PAKV_SLOT_KernelInfoGetAttribute_string = 87,
@@ -64,9 +75,13 @@ enum {
   PAKV_SLOT_AddSessionConfigEntry = 130,                /* API 5 */
   PAKV_SLOT_KernelInfoGetAttributeArray_float = 162,    /* API 8 */
   PAKV_SLOT_KernelInfoGetAttributeArray_int64 = 163,    /* API 8 */
+  PAKV_SLOT_KernelContext_GetGPUComputeStream = 193,    /* API 10 */
+  PAKV_SLOT_GetTensorMemoryInfo = 194,                  /* API 10 */
+  PAKV_SLOT_MemoryInfoGetDeviceType = 225,              /* API 14 */
   PAKV_SLOT_HasSessionConfigEntry = 237,                /* API 14 */
   PAKV_SLOT_GetSessionConfigEntry = 238,                /* API 14 */
-  PAKV_SLOT_COUNT_USED = 239,                           /* one past the highest slot used */
+  PAKV_SLOT_KernelContext_ParallelFor = 274,            /* API 17: call only on runtimes >= 1.17 */
+  PAKV_SLOT_COUNT_USED = 275,                           /* one past the highest slot used */
 };
 
 /* Function types of those slots. */
@@ -97,6 +112,12 @@ typedef OrtStatus* (*pakv_KernelContext_GetInput_fn)(const OrtKernelContext* ctx
 typedef OrtStatus* (*pakv_KernelContext_GetOutput_fn)(OrtKernelContext* ctx, size_t index, const int64_t* dims,
                                                       size_t n, OrtValue** out);
 typedef void (*pakv_ReleaseStatus_fn)(OrtStatus* status);
+typedef OrtStatus* (*pakv_MemoryInfoGetId_fn)(const OrtMemoryInfo* info, int* out);
+typedef OrtStatus* (*pakv_KernelContext_GetGPUComputeStream_fn)(const OrtKernelContext* ctx, void** out);
+typedef OrtStatus* (*pakv_GetTensorMemoryInfo_fn)(const OrtValue* value, const OrtMemoryInfo** out);
+typedef void (*pakv_MemoryInfoGetDeviceType_fn)(const OrtMemoryInfo* info, int* out); /* returns no status */
+typedef OrtStatus* (*pakv_KernelContext_ParallelFor_fn)(const OrtKernelContext* ctx, void (*fn)(void*, size_t),
+                                                       size_t total, size_t num_batch, void* data);
 typedef void (*pakv_ReleaseTensorTypeAndShapeInfo_fn)(OrtTensorTypeAndShapeInfo* info);
 
 /* OrtApi is an array of function pointers; fetch slot `slot` cast to its type. */

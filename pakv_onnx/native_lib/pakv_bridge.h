@@ -29,6 +29,7 @@ typedef struct pakv_request {
   pakv_tensor inputs[PAKV_NUM_INPUTS];
   OrtKernelContext* ctx;
   const OrtApi* api;
+  void* stream; /* ORT's compute stream on a device EP (cudaStream_t / aclrtStream), NULL on the CPU */
   char error[PAKV_ERR_LEN];
 } pakv_request;
 

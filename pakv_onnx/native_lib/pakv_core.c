@@ -147,9 +147,8 @@ static inline void copy_nz(const char* cache, int64_t stride, int64_t row, int64
   }
 }
 
-static void copy_rows(const pakv_range* r) {
-  const pakv_plan* p = r->plan;
-  const int64_t bs = p->block_size, lo = r->lo, hi = r->hi;
+int pakv_for_each_run(const pakv_plan* p, int64_t lo, int64_t hi, pakv_run_fn fn, void* ctx, int64_t* bad) {
+  const int64_t bs = p->block_size;
   for (int64_t q = 0; q < p->num_seqs; q++) {
     int64_t len = p->seq_lengths[q], start = p->out_starts[q];
     if (len == 0 || start >= hi || start + len <= lo) continue;
@@ -161,18 +160,41 @@ static void copy_rows(const pakv_range* r) {
       if (n > t_end - t) n = t_end - t;
       int64_t block = table_entry(p, q, p->col_starts[q] + t / bs);
       if (block < 0 || block >= p->num_blocks) {
-        atomic_store(r->bad, 1); /* changed since pakv_check_plan: skip, report after the copy */
-      } else if (p->layout == PAKV_LAYOUT_NORM) {
-        copy_norm(p->key_cache, p->key_block_stride, p->key_row_bytes, p->key_out, block, slot, n, start + t);
-        copy_norm(p->value_cache, p->value_block_stride, p->value_row_bytes, p->value_out, block, slot, n, start + t);
+        (*bad)++; /* changed since pakv_check_plan: skip, the caller reports it after the copy */
       } else {
-        copy_nz(p->key_cache, p->key_block_stride, p->key_row_bytes, bs, p->key_out, block, slot, n, start + t);
-        copy_nz(p->value_cache, p->value_block_stride, p->value_row_bytes, bs, p->value_out, block, slot, n,
-                start + t);
+        int rc = fn(ctx, block, slot, n, start + t);
+        if (rc) return rc;
       }
       t += n;
     }
   }
+  return 0;
+}
+
+int pakv_fail_changed_tables(const pakv_plan* p, pakv_err* err) {
+  return pakv_fail(err,
+                   "block_tables changed while the gather ran: an entry read during the copy is outside [0, %lld) "
+                   "(it was valid when checked); the outputs are incomplete",
+                   (long long)p->num_blocks);
+}
+
+static int copy_run(void* ctx, int64_t block, int64_t slot, int64_t n, int64_t out_row) {
+  const pakv_plan* p = (const pakv_plan*)ctx;
+  if (p->layout == PAKV_LAYOUT_NORM) {
+    copy_norm(p->key_cache, p->key_block_stride, p->key_row_bytes, p->key_out, block, slot, n, out_row);
+    copy_norm(p->value_cache, p->value_block_stride, p->value_row_bytes, p->value_out, block, slot, n, out_row);
+  } else {
+    copy_nz(p->key_cache, p->key_block_stride, p->key_row_bytes, p->block_size, p->key_out, block, slot, n, out_row);
+    copy_nz(p->value_cache, p->value_block_stride, p->value_row_bytes, p->block_size, p->value_out, block, slot, n,
+            out_row);
+  }
+  return 0;
+}
+
+static void copy_rows(const pakv_range* r) {
+  int64_t bad = 0;
+  pakv_for_each_run(r->plan, r->lo, r->hi, copy_run, (void*)r->plan, &bad);
+  if (bad) atomic_store(r->bad, 1);
 }
 
 /* Threading: only large copies are split (small ones would pay more for the thread than the copy). */
@@ -201,45 +223,71 @@ static int64_t split_point(int64_t T, int n, int i) {
   return base * i + (i < extra ? i : extra);
 }
 
-int pakv_run_plan(const pakv_plan* p, pakv_err* err) {
+/* Parts of a copy split over a caller's pool: about PAKV_PART_BYTES each (so a busy pool can
+ * balance them), at least 2, at most PAKV_MAX_PARTS. */
+#define PAKV_PART_BYTES ((int64_t)2 << 20)
+#define PAKV_MAX_PARTS 64
+
+typedef struct {
+  const pakv_plan* plan;
+  int64_t parts;
+  atomic_int* bad;
+} pakv_split;
+
+static void copy_part(void* data, size_t i) {
+  const pakv_split* s = (const pakv_split*)data;
+  pakv_range r = {s->plan, split_point(s->plan->num_tokens, (int)s->parts, (int)i),
+                  split_point(s->plan->num_tokens, (int)s->parts, (int)i + 1), s->bad};
+  copy_rows(&r);
+}
+
+static void copy_on_threads(const pakv_plan* p, int threads, atomic_int* bad) {
+  pthread_t tid[PAKV_MAX_THREADS];
+  pakv_range ranges[PAKV_MAX_THREADS];
+  int started[PAKV_MAX_THREADS] = {0};
+  for (int i = 0; i < threads; i++) {
+    ranges[i].plan = p;
+    ranges[i].lo = split_point(p->num_tokens, threads, i);
+    ranges[i].hi = split_point(p->num_tokens, threads, i + 1);
+    ranges[i].bad = bad;
+  }
+  for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, copy_range_thread, &ranges[i]) == 0;
+  copy_rows(&ranges[0]);
+  for (int i = 1; i < threads; i++) {
+    if (started[i])
+      pthread_join(tid[i], NULL);
+    else
+      copy_rows(&ranges[i]); /* could not start a thread: do its share here */
+  }
+}
+
+int pakv_run_plan_on(const pakv_plan* p, const pakv_parallel* par, pakv_err* err) {
   if (p->num_tokens > 0 && ((p->key_row_bytes > 0 && !p->key_out) || (p->value_row_bytes > 0 && !p->value_out)))
     return pakv_fail(err, "a NULL output pointer for a non-empty gather");
   pthread_once(&g_config_once, read_config);
   atomic_int bad = 0;
   /* bytes fits: pakv_check_plan checked num_tokens * (key_row_bytes + value_row_bytes). */
   int64_t bytes = p->num_tokens * (p->key_row_bytes + p->value_row_bytes);
+  int64_t parts = bytes / PAKV_PART_BYTES;
+  if (parts > PAKV_MAX_PARTS) parts = PAKV_MAX_PARTS;
+  if (parts < 2) parts = 2;
+  if (parts > p->num_tokens) parts = p->num_tokens;
   int threads = g_num_threads;
   if (threads > p->num_tokens) threads = (int)p->num_tokens;
-  if (threads < 2 || bytes < g_parallel_min_bytes) {
-    pakv_range all = {p, 0, p->num_tokens, &bad};
+  pakv_range all = {p, 0, p->num_tokens, &bad};
+  if (bytes < g_parallel_min_bytes || (par ? parts < 2 : threads < 2)) {
     copy_rows(&all);
+  } else if (par) {
+    pakv_split split = {p, parts, &bad};
+    if (par->run(par->host, copy_part, (size_t)parts, &split)) copy_rows(&all); /* the pool ran none: copy here */
   } else {
-    pthread_t tid[PAKV_MAX_THREADS];
-    pakv_range ranges[PAKV_MAX_THREADS];
-    int started[PAKV_MAX_THREADS] = {0};
-    for (int i = 0; i < threads; i++) {
-      ranges[i].plan = p;
-      ranges[i].lo = split_point(p->num_tokens, threads, i);
-      ranges[i].hi = split_point(p->num_tokens, threads, i + 1);
-      ranges[i].bad = &bad;
-    }
-    for (int i = 1; i < threads; i++)
-      started[i] = pthread_create(&tid[i], NULL, copy_range_thread, &ranges[i]) == 0;
-    copy_rows(&ranges[0]);
-    for (int i = 1; i < threads; i++) {
-      if (started[i])
-        pthread_join(tid[i], NULL);
-      else
-        copy_rows(&ranges[i]); /* could not start a thread: do its share here */
-    }
+    copy_on_threads(p, threads, &bad);
   }
-  if (atomic_load(&bad))
-    return pakv_fail(err,
-                     "block_tables changed while the gather ran: an entry read during the copy is outside [0, %lld) "
-                     "(it was valid when checked); the outputs are incomplete",
-                     (long long)p->num_blocks);
+  if (atomic_load(&bad)) return pakv_fail_changed_tables(p, err);
   return 0;
 }
+
+int pakv_run_plan(const pakv_plan* p, pakv_err* err) { return pakv_run_plan_on(p, NULL, err); }
 
 /* ------------------------------------------------------------------------------------------- */
 /* The scatter (ScatterPaKvCache)                                                              */

@@ -117,7 +117,32 @@ int pakv_check_scatter_plan(const pakv_scatter_plan* p, pakv_err* err);
 int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err);
 
 /* Run a checked plan. Block ids are bounds-checked again where they are read (a caller may change
- * block_tables while the copy runs); an id that became invalid is an error, never a wild read. */
+ * block_tables while the copy runs); an id that became invalid is an error, never a wild read.
+ * Large copies are split over the library's own threads (PAKV_ONNX_NUM_THREADS, default 2). */
 int pakv_run_plan(const pakv_plan* p, pakv_err* err);
+
+/* A caller's parallel-for (ONNX Runtime's intra-op pool): run(host, fn, parts, data) calls
+ * fn(data, i) for every i in [0, parts), on any threads, and returns when all are done; 0, or
+ * nonzero if it ran none of them (the copy then runs on the calling thread). */
+typedef struct pakv_parallel {
+  int (*run)(void* host, void (*fn)(void*, size_t), size_t parts, void* data);
+  void* host;
+} pakv_parallel;
+
+/* pakv_run_plan with large copies split over `par` instead (NULL: the library's own threads).
+ * Copies under PAKV_ONNX_PARALLEL_MIN_BYTES (default 4 MiB) never enter a parallel region. */
+int pakv_run_plan_on(const pakv_plan* p, const pakv_parallel* par, pakv_err* err);
+
+/* One contiguous run of a plan: n tokens of one sequence read from block `block`, slots
+ * [slot, slot + n), written to output rows [out_row, out_row + n). Return nonzero to stop. */
+typedef int (*pakv_run_fn)(void* ctx, int64_t block, int64_t slot, int64_t n, int64_t out_row);
+
+/* Call fn for every run of a checked plan that covers output rows [lo, hi), in output order.
+ * Block ids are read and bounds-checked here; an id outside [0, num_blocks) (block_tables changed
+ * since the check) is skipped and counted in *bad. Returns 0, or fn's nonzero result. */
+int pakv_for_each_run(const pakv_plan* p, int64_t lo, int64_t hi, pakv_run_fn fn, void* ctx, int64_t* bad);
+
+/* The message of a run that skipped block ids (pakv_for_each_run's *bad > 0); returns -1. */
+int pakv_fail_changed_tables(const pakv_plan* p, pakv_err* err);
 
 #endif /* PAKV_CORE_H */

@@ -6,7 +6,8 @@
  *
  * This file is ORT glue only: registration (one domain per backend, reused), the ops (one per
  * (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel and the
- * session is refused at creation), strict attributes, and compute: ORT's tensors become the
+ * session is refused at creation, and each pair once per execution provider of pakv_ep.h),
+ * strict attributes, and compute: ORT's tensors become the
  * validator's records (pakv_contract.c: every rule of the contract, with its message), the
  * outputs ORT hands back are validated too, and the copy core (pakv_core.c) runs the plan.
  * Python backends are reached through pakv_bridge.c.
@@ -24,19 +25,20 @@
 #include "pakv_contract.h"
 #include "pakv_core.h"
 #include "pakv_dtypes.h"
+#include "pakv_ep.h"
 
 #define PAKV_DOMAIN "pakv"
 #define PAKV_OPSET_VERSION 1
 #define PAKV_NUM_PAIRS (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES)
-/* The ops, each registered once per (key dtype, value dtype) pair. */
-enum { PAKV_GATHER = 0, PAKV_SCATTER = 1, PAKV_NUM_KINDS = 2 };
-static const char* const OP_TYPES[PAKV_NUM_KINDS] = {"GatherPaKvCache", "ScatterPaKvCache"};
-#define PAKV_NUM_OPS (PAKV_NUM_KINDS * PAKV_NUM_PAIRS)
+/* The ops (pakv_ep.h's PAKV_OP_GATHER / PAKV_OP_SCATTER), each registered once per execution
+ * provider (pakv_ep.h) and (key dtype, value dtype) pair: op n is EP n / (kinds x pairs), kind
+ * (n / pairs) % kinds, pair n % pairs. */
+#define PAKV_NUM_OPS (PAKV_NUM_EPS * PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS)
 #define PAKV_MAX_MODE_LEN 64
 /* Session config entry naming the backend these SessionOptions were registered for. */
 #define PAKV_CONFIG_KEY "pakv_onnx.backend"
 
-static const char* const INPUT_NAMES[PAKV_NUM_KINDS][PAKV_NUM_INPUTS] = {
+static const char* const INPUT_NAMES[PAKV_NUM_OP_KINDS][PAKV_NUM_INPUTS] = {
     {"key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"},
     {"key", "value", "key_cache", "value_cache", "slot_mapping"}};
 
@@ -151,26 +153,29 @@ static OrtStatus* read_cumsum(const OrtApi* api, const OrtKernelInfo* info, int6
 /* ------------------------------------------------------------------------------------------- */
 typedef struct {
   PakvOrtCustomOp base; /* first: ORT sees an OrtCustomOp* */
-  int kind;             /* PAKV_GATHER / PAKV_SCATTER */
+  int kind;             /* PAKV_OP_GATHER / PAKV_OP_SCATTER (pakv_ep.h) */
   int key_dtype;        /* index into PAKV_CACHE_DTYPES */
   int value_dtype;
   int backend;          /* bridge slot; PAKV_NATIVE_BACKEND = the C kernel */
+  int ep;               /* PAKV_EP_*: the execution provider of this entry */
+  int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
 } pakv_op;
 
 typedef struct {
   const OrtApi* api;
   int kind, backend, nz;
   int64_t cumsum;
+  int ep, parallel_for;
 } pakv_kernel;
 
-static const char* op_name(const PakvOrtCustomOp* op) { return OP_TYPES[((const pakv_op*)op)->kind]; }
-static const char* op_ep(const PakvOrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static const char* op_name(const PakvOrtCustomOp* op) { return pakv_op_type(((const pakv_op*)op)->kind); }
+static const char* op_ep(const PakvOrtCustomOp* op) { return pakv_ep_name(((const pakv_op*)op)->ep); }
 /* Gather: key_cache, value_cache, then index tensors. Scatter: key, value (of their caches'
  * dtypes), key_cache, value_cache, then slot_mapping. Index inputs are int32 or int64 (checked
  * at run time). */
 static int op_input_type(const PakvOrtCustomOp* op, size_t i) {
   const pakv_op* o = (const pakv_op*)op;
-  size_t caches = o->kind == PAKV_SCATTER ? 4 : 2;
+  size_t caches = o->kind == PAKV_OP_SCATTER ? 4 : 2;
   if (i >= caches) return PAKV_ONNX_UNDEFINED;
   return PAKV_CACHE_DTYPES[i % 2 == 0 ? o->key_dtype : o->value_dtype].onnx_type;
 }
@@ -181,10 +186,13 @@ static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
 }
 static size_t op_output_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_OUTPUTS; }
 static int op_input_char(const PakvOrtCustomOp* op, size_t i) {
-  return ((const pakv_op*)op)->kind == PAKV_GATHER && i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED;
+  return ((const pakv_op*)op)->kind == PAKV_OP_GATHER && i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED;
 }
 static int op_output_char(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return PAKV_ORT_REQUIRED; }
-static int op_mem_type(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; /* OrtMemTypeDefault */ }
+static int op_mem_type(const PakvOrtCustomOp* op, size_t i) {
+  const pakv_op* o = (const pakv_op*)op;
+  return pakv_ep_input_memory_type(o->ep, o->kind, i); /* a device entry's index inputs on the host */
+}
 static int op_min_arity(const PakvOrtCustomOp* op) { (void)op; return 1; }
 static int op_homogeneity(const PakvOrtCustomOp* op) { (void)op; return 0; }
 static int op_opset_version(const PakvOrtCustomOp* op) { (void)op; return PAKV_OPSET_VERSION; }
@@ -201,14 +209,16 @@ static void release_alias_map(int* inputs, int* outputs) { (void)inputs; (void)o
 static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   int nz, kind = ((const pakv_op*)op)->kind;
   int64_t cumsum = 1;
-  OrtStatus* st = read_cache_mode(api, info, OP_TYPES[kind], &nz);
-  if (!st && kind == PAKV_GATHER) st = read_cumsum(api, info, &cumsum);
+  OrtStatus* st = read_cache_mode(api, info, pakv_op_type(kind), &nz);
+  if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
   if (!k) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
   k->api = api;
   k->kind = kind;
   k->backend = ((const pakv_op*)op)->backend;
+  k->ep = ((const pakv_op*)op)->ep;
+  k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->nz = nz;
   k->cumsum = cumsum;
   *out = k;
@@ -221,14 +231,16 @@ static void kernel_destroy(void* kernel) { free(kernel); }
 /* Compute: ORT's tensors -> the validator's records -> the copy core (or a Python backend)    */
 /* ------------------------------------------------------------------------------------------- */
 /* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
- * are dense; on the CPU execution provider every input is host memory. */
-static int read_input(const OrtApi* api, OrtKernelContext* ctx, int kind, size_t count, size_t i, pakv_tensor* t,
+ * are dense; on the CPU execution provider every input is host memory, on a device EP its memory
+ * info says where it is. */
+static int read_input(const OrtApi* api, OrtKernelContext* ctx, const pakv_kernel* k, size_t count, size_t i,
+                      pakv_tensor* t,
                       pakv_err* err) {
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
   char what[64];
-  snprintf(what, sizeof(what), "reading input %s", INPUT_NAMES[kind][i]);
+  snprintf(what, sizeof(what), "reading input %s", INPUT_NAMES[k->kind][i]);
   if (take_status(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what)) return -1;
   if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
@@ -246,7 +258,7 @@ static int read_input(const OrtApi* api, OrtKernelContext* ctx, int kind, size_t
   if (take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
   pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
   t->host_data = data;
-  return 0;
+  return k->ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, k->ep, v, t, err);
 }
 
 void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
@@ -280,10 +292,10 @@ static int64_t* alloc_scratch(int64_t* len) {
 /* Output i of the call as a dense record on this EP (the buffer ORT hands back: a host may have
  * bound it to any buffer, so it is validated like an input). */
 static int output_record_of(const pakv_kernel* k, OrtKernelContext* ctx, int i, int elem_type, const int64_t* dims,
-                            int rank, pakv_tensor* t, pakv_err* err) {
+                            int rank, const char* device, pakv_tensor* t, pakv_err* err) {
   void* data = pakv_ort_output(k->api, ctx, i, dims, rank, err);
   if (!data) return -1;
-  pakv_dense_record(t, data, elem_type, rank, dims, "cpu");
+  pakv_dense_record(t, data, elem_type, rank, dims, device); /* ORT allocates them on the entry's device */
   return 0;
 }
 
@@ -295,12 +307,12 @@ static int run_gather(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
   int rc = pakv_validate_gather(records, k->nz, (int)k->cumsum, &plan, scratch, len, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++)
     rc = output_record_of(k, ctx, i, records[i].elem_type, i == 0 ? plan.key_out_dims : plan.value_out_dims,
-                          plan.out_rank, &records[PAKV_GATHER_KEY_OUT + i], err);
+                          plan.out_rank, records[PAKV_GATHER_KEY_CACHE].device, &records[PAKV_GATHER_KEY_OUT + i], err);
   if (!rc) rc = pakv_validate_gather_outputs(records, &plan, err);
   if (!rc) {
     plan.key_out = (void*)records[PAKV_GATHER_KEY_OUT].data;
     plan.value_out = (void*)records[PAKV_GATHER_VALUE_OUT].data;
-    rc = pakv_run_plan(&plan, err);
+    rc = pakv_ep_run_plan(k->api, ctx, k->ep, k->parallel_for, &plan, err);
   }
   free(scratch);
   return rc;
@@ -324,19 +336,20 @@ static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor*
   int rc = pakv_validate_scatter(records, k->nz, &plan, scratch, len, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
     const pakv_tensor* cache = &records[PAKV_SCATTER_KEY_CACHE + i];
-    rc = output_record_of(k, ctx, i, cache->elem_type, cache->dims, cache->ndim,
+    rc = output_record_of(k, ctx, i, cache->elem_type, cache->dims, cache->ndim, cache->device,
                           &records[PAKV_SCATTER_KEY_CACHE_OUT + i], err);
   }
   if (!rc) rc = pakv_validate_scatter_outputs(records, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
     const pakv_tensor *cache = &records[PAKV_SCATTER_KEY_CACHE + i], *out = &records[PAKV_SCATTER_KEY_CACHE_OUT + i];
-    if (out->data != cache->data && dense_bytes(cache) > 0) memcpy((void*)out->data, cache->data, (size_t)dense_bytes(cache));
+    if (out->data != cache->data)
+      rc = pakv_ep_copy(k->api, ctx, k->ep, (void*)out->data, cache->data, dense_bytes(cache), err);
     if (i == 0)
       plan.key_cache = (void*)out->data;
     else
       plan.value_cache = (void*)out->data;
   }
-  if (!rc) rc = pakv_run_scatter(&plan, err);
+  if (!rc) rc = pakv_ep_run_scatter(k->api, ctx, k->ep, &plan, err);
   free(scratch);
   return rc;
 }
@@ -360,17 +373,18 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, k->kind, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
+  if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
-    req->op = OP_TYPES[k->kind];
+    req->op = pakv_op_type(k->kind);
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
     req->is_seq_lens_cumsum = k->cumsum;
     req->ctx = ctx;
     req->api = api;
     if (pakv_call_python(k->backend, req)) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
   } else if (!rc) {
-    rc = k->kind == PAKV_SCATTER ? run_scatter(k, ctx, records, &err) : run_gather(k, ctx, records, &err);
+    rc = k->kind == PAKV_OP_SCATTER ? run_scatter(k, ctx, records, &err) : run_gather(k, ctx, records, &err);
   }
   if (rc) result = call_error(api, &err);
   free(records);
@@ -399,15 +413,17 @@ static size_t no_inplace(int** inputs, int** outputs) {
   return 0;
 }
 
-/* Every op of `backend`: PAKV_NUM_PAIRS gathers, then as many scatters. `api` is the runtime's API
- * version: it reads the opset range from 17 and the scatter's alias map from 18. */
+/* Every op of `backend` (PAKV_NUM_OPS, ordered as PAKV_NUM_OPS says). `api` is the runtime's API
+ * version: it reads the opset range and has ParallelFor from 17, reads the scatter's alias map
+ * from 18. */
 static void init_ops(pakv_op* ops, int backend, int api) {
   for (int n = 0; n < PAKV_NUM_OPS; n++) {
     pakv_op* o = &ops[n];
-    int kind = n / PAKV_NUM_PAIRS, d = n % PAKV_NUM_PAIRS;
+    int ep = n / (PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS), kind = (n / PAKV_NUM_PAIRS) % PAKV_NUM_OP_KINDS;
+    int d = n % PAKV_NUM_PAIRS;
     memset(o, 0, sizeof(*o));
     o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
-    if (kind == PAKV_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {
+    if (kind == PAKV_OP_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {
       o->base.version = PAKV_ORT_API_ALIAS_MAP;
       o->base.GetMayInplace = no_inplace;
       o->base.ReleaseMayInplace = release_alias_map;
@@ -436,6 +452,8 @@ static void init_ops(pakv_op* ops, int backend, int api) {
     o->key_dtype = d / PAKV_NUM_DTYPES;
     o->value_dtype = d % PAKV_NUM_DTYPES;
     o->backend = backend;
+    o->ep = ep;
+    o->parallel_for = api >= PAKV_ORT_API_PARALLEL_FOR;
   }
 }
 

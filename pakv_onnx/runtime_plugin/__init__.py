@@ -26,6 +26,7 @@ import torch
 
 from pakv_onnx import kernels, native_lib
 from pakv_onnx.native_lib import LibraryNotBuiltError, library_path
+from pakv_onnx.runtime_plugin import _device
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
 __all__ = [
@@ -166,9 +167,12 @@ def bind(
 ) -> Any:
     """An ``IOBinding`` of ``session`` over torch tensors, for serving loops that run it many times.
 
-    Inputs are bound in place (every contract dtype, BF16 and FP8 included; no copy). Outputs are
-    bound to the given ``out`` tensors (contiguous CPU tensors of the exact output shape and
-    dtype, which ORT then writes into: no allocation, no page faults on reuse) or left to ORT.
+    Inputs are bound in place (every contract dtype, BF16 and FP8 included; no copy), CPU tensors
+    or, for a session on the CUDA / CANN execution provider, CUDA / NPU tensors (bind the caches
+    there; the index inputs stay on the host, where the device entries read them). Outputs are
+    bound to the given ``out`` tensors (contiguous tensors of the exact output shape and dtype,
+    which ORT then writes into: no allocation, no page faults on reuse) or left to ORT, on the
+    device of the first feed in device memory (the caches), else on the host.
     ``None`` feeds (an absent optional input) are skipped. The binding holds references to the
     bound tensors (ORT only keeps their addresses); don't resize them while it is in use. Run it
     with ``session.run_with_iobinding(binding)``.
@@ -180,22 +184,40 @@ def bind(
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU tensor for the CPU execution provider, got {tensor.device}")
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous (ORT tensors are dense row-major): pass {name}.contiguous()")
-        binding.bind_input(name, "cpu", 0, onnx_type_of(tensor.dtype), list(tensor.shape), _address(tensor))
+        kind, index = _ort_device(name, tensor)
+        binding.bind_input(name, kind, index, onnx_type_of(tensor.dtype), list(tensor.shape), _address(tensor))
     names = list(output_names) if output_names is not None else [o.name for o in session.get_outputs()]
     out = out or {}
+    on_device = _device_feed(feeds)
+    default_device = _ort_device("a feed", on_device) if on_device is not None else ("cpu", 0)
     for name in names:
         given = out.get(name)
         if given is None:
-            binding.bind_output(name, "cpu")
+            binding.bind_output(name, *default_device)
             continue
-        if not given.is_contiguous() or given.device.type != "cpu":
-            raise ValueError(f"out[{name!r}] must be a contiguous CPU tensor")
-        binding.bind_output(name, "cpu", 0, onnx_type_of(given.dtype), list(given.shape), _address(given))
+        if not given.is_contiguous():
+            raise ValueError(f"out[{name!r}] must be a contiguous tensor")
+        kind, index = _ort_device(f"out[{name!r}]", given)
+        binding.bind_output(name, kind, index, onnx_type_of(given.dtype), list(given.shape), _address(given))
     return binding
+
+
+def _device_feed(feeds: Mapping[str, torch.Tensor | None]) -> torch.Tensor | None:
+    """The first feed in device memory (the caches, for the plugin's models), or None."""
+    return next((t for t in feeds.values() if isinstance(t, torch.Tensor) and t.device.type != "cpu"), None)
+
+
+# torch device type -> ORT's IOBinding device name.
+_ORT_DEVICES = {"cpu": "cpu", "cuda": "cuda", "npu": "cann"}
+
+
+def _ort_device(name: str, tensor: torch.Tensor) -> tuple[str, int]:
+    kind = _ORT_DEVICES.get(tensor.device.type)
+    if kind is None:
+        raise ValueError(f"{name} is on {tensor.device}: ORT binds cpu, cuda (CUDA EP) or npu (CANN EP) tensors")
+    return kind, tensor.device.index or 0
 
 
 def _address(tensor: torch.Tensor) -> int:
@@ -231,5 +253,12 @@ def run(
             dtype = ORT_TYPE_TO_TORCH[value.data_type()]
         except KeyError:
             raise TypeError(f"output {name} has type {value.data_type()}, which has no torch dtype here") from None
-        result[name] = view(value.data_ptr(), tuple(value.shape()), dtype, owner=value)
+        if value.device_name().lower() == "cpu":
+            result[name] = view(value.data_ptr(), tuple(value.shape()), dtype, owner=value)
+        else:  # ORT's buffer on the feeds' device: a DLPack view; the OrtValue lives with the tensor object
+            on_device = _device_feed(feeds)
+            label = str(on_device.device) if on_device is not None else "cuda:0"
+            tensor = _device.tensor_at(value.data_ptr(), tuple(value.shape()), dtype, label)
+            tensor.pakv_owner = value  # (a view taken from it does not keep the buffer: keep this tensor)
+            result[name] = tensor
     return result

@@ -5,6 +5,10 @@ tensors to :func:`_serve`; it views them as torch tensors (no copy), validates t
 :func:`pakv_onnx.validator.plan_gather`, picks the backend with :func:`pakv_onnx.kernels.resolve_backend`
 (exactly what :func:`pakv_onnx.gather_pa_kv_cache` does), asks ORT for the outputs and lets the
 backend write into them. Any exception becomes the kernel's ORT error, message kept.
+
+On the library's CUDA / CANN entries the caches and outputs are ORT's device buffers: they become
+device tensors through DLPack (:mod:`._device`, no copy), the index inputs stay host tensors, and
+the backend runs with ORT's compute stream as torch's current stream.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import time
 
 from pakv_onnx import native_lib
 from pakv_onnx.ops import gather_with, scatter_with
+from pakv_onnx.runtime_plugin import _device
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
 from pakv_onnx.spec import GATHER, SCATTER
 
@@ -36,14 +41,15 @@ _SHUTDOWN_LEAVE_S = 5.0
 # a description of memory (it owns nothing, like a fresh one): reusing it saves building a ctypes
 # buffer and a tensor per input and output. Bounded: emptied when it holds _VIEW_CACHE_SIZE views.
 _VIEW_CACHE_SIZE = 256
-_views: dict[tuple[int, tuple[int, ...], object], object] = {}
+_views: dict[tuple[int, tuple[int, ...], object, str], object] = {}
+_CPU = "cpu"
 
 
-def _view(address: int, shape: tuple[int, ...], dtype):
-    key = (address, shape, dtype)
+def _view(address: int, shape: tuple[int, ...], dtype, device: str = _CPU):
+    key = (address, shape, dtype, device)
     tensor = _views.get(key)
     if tensor is None:
-        tensor = view(address, shape, dtype)
+        tensor = view(address, shape, dtype) if device == _CPU else _device.tensor_at(address, shape, dtype, device)
         if len(_views) >= _VIEW_CACHE_SIZE:
             _views.clear()
         _views[key] = tensor
@@ -57,7 +63,13 @@ _INPUTS_BLOCK = ctypes.c_char * _INPUTS_BYTES
 
 
 # A record unpacked: data, host_data, present, elem_type, ndim, reserved, device, dims, strides.
-_DIMS_AT = 7
+_DEVICE_AT, _DIMS_AT = 6, 7
+
+
+def _device_of(record: tuple) -> str:
+    """A record's device label ("cpu", "cuda:0", "npu:0": the C glue's)."""
+    label = record[_DEVICE_AT]
+    return _CPU if label.startswith(b"cpu\0") else (label.split(b"\0", 1)[0].decode() or _CPU)
 
 
 def _input(name: str, record: tuple[int, ...]):
@@ -69,7 +81,7 @@ def _input(name: str, record: tuple[int, ...]):
         raise TypeError(f"{name} has ONNX element type {elem_type}, which is outside the contract")
     if not 0 <= ndim <= native_lib.MAX_RANK:
         raise ValueError(f"{name} has rank {ndim}, more than {native_lib.MAX_RANK}")
-    return _view(data or 0, record[_DIMS_AT : _DIMS_AT + ndim], dtype)
+    return _view(data or 0, record[_DIMS_AT : _DIMS_AT + ndim], dtype, _device_of(record))
 
 
 class _Dims(threading.local):
@@ -81,7 +93,7 @@ class _Dims(threading.local):
 _dims = _Dims()
 
 
-def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype):
+def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype, device: str):
     scratch = _dims
     dims = scratch.dims
     for i, size in enumerate(shape):  # rank <= 4 (the ops' outputs: gathered rows, updated caches)
@@ -89,42 +101,44 @@ def _output(req_ptr, req_address: int, index: int, shape: tuple[int, ...], dtype
     address = native_lib.request_output(req_address, index, scratch.address, len(shape))
     if not address:
         raise RuntimeError(req_ptr.contents.error.decode(errors="replace"))
-    return _view(address, shape, dtype)
+    return _view(address, shape, dtype, device)
 
 
 def _serve(req_ptr) -> None:
     req = req_ptr.contents
     req_address = ctypes.addressof(req)
     block = _INPUTS_BLOCK.from_address(req_address + _INPUTS_OFFSET)
+    records = tuple(native_lib.TENSOR_RECORD.iter_unpack(block))
     scatter = req.op == SCATTER.op_type.encode()
     names = (SCATTER if scatter else GATHER).input_names
-    inputs = tuple(_input(name, record) for name, record in zip(names, native_lib.TENSOR_RECORD.iter_unpack(block)))
-    if scatter:
+    inputs = tuple(_input(name, record) for name, record in zip(names, records))
+    device = _device_of(records[2 if scatter else 0])  # the caches' (the entry's); ORT allocates the outputs there
+
+    def caches_from_ort():  # the scatter's updated caches: ORT's outputs, the caches' shapes and dtypes
         key_cache, value_cache = inputs[2], inputs[3]
-
-        def caches_from_ort():  # the updated caches: ORT's outputs, the caches' shapes and dtypes
-            return (
-                _output(req_ptr, req_address, 0, tuple(key_cache.shape), key_cache.dtype),
-                _output(req_ptr, req_address, 1, tuple(value_cache.shape), value_cache.dtype),
-            )
-
-        scatter_with(inputs, cache_mode=req.cache_mode.decode(), backend=req.backend.decode(), allocate=caches_from_ort)
-        return
+        return (
+            _output(req_ptr, req_address, 0, tuple(key_cache.shape), key_cache.dtype, device),
+            _output(req_ptr, req_address, 1, tuple(value_cache.shape), value_cache.dtype, device),
+        )
 
     def allocate_from_ort(plan):
         # Each output takes its own cache's dtype (key and value caches may differ).
         return (
-            _output(req_ptr, req_address, 0, plan.key_out_shape, plan.key_dtype),
-            _output(req_ptr, req_address, 1, plan.value_out_shape, plan.value_dtype),
+            _output(req_ptr, req_address, 0, plan.key_out_shape, plan.key_dtype, device),
+            _output(req_ptr, req_address, 1, plan.value_out_shape, plan.value_dtype, device),
         )
 
-    gather_with(
-        inputs,
-        cache_mode=req.cache_mode.decode(),
-        is_seq_lens_cumsum=bool(req.is_seq_lens_cumsum),
-        backend=req.backend.decode(),
-        allocate=allocate_from_ort,
-    )
+    with _device.stream_context(device, req.stream or 0):
+        if scatter:
+            scatter_with(inputs, cache_mode=req.cache_mode.decode(), backend=req.backend.decode(), allocate=caches_from_ort)
+            return
+        gather_with(
+            inputs,
+            cache_mode=req.cache_mode.decode(),
+            is_seq_lens_cumsum=bool(req.is_seq_lens_cumsum),
+            backend=req.backend.decode(),
+            allocate=allocate_from_ort,
+        )
 
 
 def _entry(req_ptr) -> int:

@@ -1,9 +1,14 @@
+#define _POSIX_C_SOURCE 200809L /* setenv */
 /* Drives libpakv_ort.so through a fake OrtApi table (no ONNX Runtime), for valgrind/ASan runs:
  * random valid and invalid calls, every input allocated at its exact size so any out-of-bounds
  * read is reported, every accepted call checked byte-for-byte against a per-token reference.
  * The slot numbers, the op struct, the dtype table and the plan struct come from the library's
  * own headers (compile with -I pakv_onnx/native_lib), so nothing here is a second copy.
- * usage: fake_ort_driver <libpakv_ort.so> <iterations> <seed>    exit 0 = all good */
+ * With a fake device driver (tests/native/fake_device_driver.c) the CUDA and CANN entries run too:
+ * caches and outputs labelled device memory, index inputs host memory (now and then not: refused),
+ * every driver call checked for ORT's stream; large CPU copies go through a fake ParallelFor.
+ * usage: fake_ort_driver <libpakv_ort.so> <iterations> <seed> [<libfake_device_driver.so>]
+ * exit 0 = all good */
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -13,12 +18,13 @@
 #include "ort_abi.h"
 #include "pakv_core.h"
 #include "pakv_dtypes.h"
+#include "pakv_ep.h"
 
 typedef struct { int code; char msg[1100]; } Status;
-typedef struct { int type; size_t nd; int64_t dims[16]; void* data; } Value;
-typedef struct { Value* in[5]; size_t nin; Value out[2]; } Ctx;
+typedef struct { int type; size_t nd; int64_t dims[16]; void* data; int mem_type, mem_id; } Value;
+typedef struct { Value* in[5]; size_t nin; Value out[2]; int out_mem; long parallel_calls; } Ctx;
 typedef struct { const char* mode; int64_t cumsum; } Info; /* cumsum < 0: absent */
-typedef struct { const PakvOrtCustomOp* ops[2 * PAKV_NUM_DTYPES * PAKV_NUM_DTYPES + 8]; int n; } Domain;
+typedef struct { const PakvOrtCustomOp* ops[PAKV_NUM_DTYPES * PAKV_NUM_DTYPES * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + 8]; int n; } Domain;
 typedef struct { char key[64]; char value[64]; int set; } Options;
 
 static Status* CreateStatus(int code, const char* msg) {
@@ -61,7 +67,19 @@ static Status* GetOutput(Ctx* c, size_t i, const int64_t* dims, size_t n, Value*
   Value* v = &c->out[i]; int64_t count = 1;
   v->nd = n; for (size_t d = 0; d < n; d++) { v->dims[d] = dims[d]; count *= dims[d]; }
   v->type = c->in[i]->type; /* each output takes its own cache's dtype */
+  v->mem_type = c->out_mem; v->mem_id = 0;
   v->data = malloc(count * elem_size(v->type) + 1); *out = v; return NULL;
+}
+/* Memory infos (each value is its own), ORT's stream, ORT's pool (parts run here, last first). */
+#define FAKE_STREAM ((void*)0x5EED0)
+static Status* GetMemoryInfo(const Value* v, const Value** out) { *out = v; return NULL; }
+static void GetDeviceType(const Value* v, int* out) { *out = v->mem_type; }
+static Status* GetDeviceId(const Value* v, int* out) { *out = v->mem_id; return NULL; }
+static Status* GetStream(const Ctx* c, void** out) { (void)c; *out = FAKE_STREAM; return NULL; }
+static Status* ParallelFor(Ctx* c, void (*fn)(void*, size_t), size_t total, size_t batch, void* data) {
+  (void)batch; c->parallel_calls++;
+  for (size_t i = total; i-- > 0;) fn(data, i);
+  return NULL;
 }
 static void ReleaseStatus(Status* s) { free(s); }
 static void ReleaseInfo(void* p) { (void)p; }
@@ -161,13 +179,27 @@ int main(int argc, char** argv) {
   SET(KernelContext_GetOutputCount, GetOutputCount); SET(KernelContext_GetInput, GetInput); SET(KernelContext_GetOutput, GetOutput);
   SET(ReleaseStatus, ReleaseStatus); SET(ReleaseTensorTypeAndShapeInfo, ReleaseInfo);
   SET(AddSessionConfigEntry, AddConfig); SET(HasSessionConfigEntry, HasConfig); SET(GetSessionConfigEntry, GetConfig);
+  SET(GetTensorMemoryInfo, GetMemoryInfo); SET(MemoryInfoGetDeviceType, GetDeviceType); SET(MemoryInfoGetId, GetDeviceId);
+  SET(KernelContext_GetGPUComputeStream, GetStream); SET(KernelContext_ParallelFor, ParallelFor);
+  /* The device entries' driver (a fake doing host memcpy), opened by the library on first use. */
+  void* fake_driver = NULL;
+  long (*driver_count)(const char*) = NULL;
+  if (argc > 4) {
+    setenv("PAKV_ONNX_CUDA_DRIVER", argv[4], 1); setenv("PAKV_ONNX_CANN_DRIVER", argv[4], 1);
+    fake_driver = dlopen(argv[4], RTLD_NOW);
+    if (!fake_driver) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    void (*reset)(void*, int) = (void (*)(void*, int))dlsym(fake_driver, "fake_driver_reset");
+    driver_count = (long (*)(const char*))dlsym(fake_driver, "fake_driver_count");
+    reset(FAKE_STREAM, 1);
+  }
   void* lib = dlopen(argv[1], RTLD_NOW);
   if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 2; }
   Status* (*reg)(void*, const OrtApiBase*) = (Status * (*)(void*, const OrtApiBase*)) dlsym(lib, "RegisterCustomOps");
   Options options = {{0}, {0}, 0}, other = {{0}, {0}, 0};
   int npairs = PAKV_NUM_DTYPES * PAKV_NUM_DTYPES;
-  /* The gathers (one per dtype pair), then as many scatters. */
-  if (reg(&options, &g_base) || !g_domain || g_domain->n != 2 * npairs) { fprintf(stderr, "registration failed\n"); return 3; }
+  /* Per EP: the gathers (one per dtype pair), then as many scatters. */
+  if (reg(&options, &g_base) || !g_domain || g_domain->n != npairs * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS) {
+    fprintf(stderr, "registration failed\n"); return 3; }
   if (strcmp(g_domain->ops[0]->GetName(g_domain->ops[0]), "GatherPaKvCache") ||
       strcmp(g_domain->ops[npairs]->GetName(g_domain->ops[npairs]), "ScatterPaKvCache")) {
     fprintf(stderr, "ops not registered in order\n"); return 3; }
@@ -179,10 +211,14 @@ int main(int argc, char** argv) {
   ReleaseStatus(again);
   Domain* kept = g_domain;
   if (reg(&other, &g_base) || g_domain != kept) { fprintf(stderr, "domain not reused\n"); return 3; }
-  long iters = atol(argv[2]), ok = 0, refused = 0, wrong = 0;
+  long iters = atol(argv[2]), ok = 0, refused = 0, wrong = 0, parallel = 0, device_ok = 0;
   for (long it = 0; it < iters; it++) {
     int kd = (int)rnd(PAKV_NUM_DTYPES), vd = rnd(3) ? kd : (int)rnd(PAKV_NUM_DTYPES), nz = (int)rnd(2), cumsum = (int)rnd(2);
-    const PakvOrtCustomOp* op = g_domain->ops[kd * PAKV_NUM_DTYPES + vd];
+    int ep = fake_driver ? (int)rnd(PAKV_NUM_EPS) : PAKV_EP_CPU; /* entries are registered EP by EP */
+    int device = ep == PAKV_EP_CUDA ? 1 : ep == PAKV_EP_CANN ? 3 : 0; /* OrtMemoryInfoDeviceType */
+    const PakvOrtCustomOp* op = g_domain->ops[ep * npairs * PAKV_NUM_OP_KINDS + kd * PAKV_NUM_DTYPES + vd];
+    if (strcmp(op->GetExecutionProviderType(op), ep == PAKV_EP_CPU ? "CPUExecutionProvider" : ep == PAKV_EP_CUDA
+               ? "CUDAExecutionProvider" : "CANNExecutionProvider")) { fprintf(stderr, "entry %d: wrong EP\n", ep); return 3; }
     Info info = {rnd(10) ? (nz ? "PA_NZ" : "Norm") : "bogus", rnd(10) ? cumsum : (rnd(2) ? 7 : -1)};
     if (!rnd(20)) info.mode = NULL; /* absent: Norm */
     if (!info.mode) nz = 0;
@@ -217,16 +253,26 @@ int main(int argc, char** argv) {
     c.nin = rnd(3) ? 5 : 4;
     if (c.nin == 5) { int64_t n = rnd(15) ? Q : Q + 1; c.in[4] = make(rnd(2) ? 7 : 6, 1, &n);
       for (int64_t i = 0; i < n; i++) put(c.in[4], i, rnd(10) ? rnd(2 * bs + 1) : rnd(5) - 2); } /* any offset: floor rule */
+    /* Caches and outputs in the entry's device memory; index inputs on the host, now and then not. */
+    c.in[0]->mem_type = c.in[1]->mem_type = c.out_mem = device;
+    if (device && !rnd(30)) c.in[2 + rnd(c.nin - 2)]->mem_type = device;
+    if (device && !rnd(30)) c.in[1]->mem_id = 1; /* value cache on another device */
     st = (Status*)op->KernelComputeV2(kernel, (OrtKernelContext*)&c);
     if (st) { refused++; ReleaseStatus(st); }
     else if (check(&c, nz, cumsum)) { wrong++; fprintf(stderr, "iteration %ld: output differs\n", it); }
-    else ok++;
+    else { ok++; device_ok += device != 0; }
+    parallel += c.parallel_calls;
     op->KernelDestroy(kernel);
     for (int i = 0; i < 5; i++) if (c.in[i]) { free(c.in[i]->data); free(c.in[i]); }
     for (int i = 0; i < 2; i++) free(c.out[i].data);
   }
   wrong += check_direct(lib);
   free(g_domain);
-  printf("ok=%ld refused=%ld wrong=%ld\n", ok, refused, wrong);
+  if (driver_count && (driver_count("wrong_stream") || driver_count("misuse"))) {
+    fprintf(stderr, "driver calls off ORT's stream: %ld, refused by the driver: %ld\n", driver_count("wrong_stream"),
+            driver_count("misuse"));
+    wrong++;
+  }
+  printf("ok=%ld refused=%ld wrong=%ld device_ok=%ld parallel=%ld\n", ok, refused, wrong, device_ok, parallel);
   return wrong ? 1 : (ok > 0 && refused > 0 ? 0 : 4);
 }

@@ -1,8 +1,15 @@
 """Run an ASan+UBSan build of the C library inside ONNX Runtime (no torch, no pakv_onnx package).
 
-usage: python sanitizer_session.py <sanitized libpakv_ort.so> <pakv_onnx/native_lib/__init__.py>
+usage: python sanitizer_session.py <sanitized libpakv_ort.so> <pakv_onnx/native_lib/__init__.py> [N]
+       python sanitizer_session.py <sanitized libpakv_ort.so> <...__init__.py> N --device <fake driver .so>
 Started by tests/test_native_sanitizers.py with LD_PRELOAD=libasan.so; any invalid access or
 undefined behaviour aborts the process (-fno-sanitize-recover), so exit 0 means clean.
+
+With --device (a process of its own: the library keeps its first registration, here the fake
+runtime's) the CPU, CUDA and CANN entries run through the fake ORT runtime (tests/fake_ort_api.py)
+and the fake driver (tests/native/fake_device_driver.c, host memcpy: ASan checks every copy's
+bounds): random valid and invalid calls against the numpy reference, ORT's ParallelFor on the CPU
+entry, driver failures.
 
 Covers: random valid and invalid calls checked against a per-token numpy reference (both layouts,
 both seq_lens forms, mixed key/value dtypes, any seq_offset), strict attributes, extreme shapes
@@ -324,6 +331,74 @@ def bound_outputs_over_inputs():
         expect_error(lambda: s.run_with_iobinding(binding), text)
         assert np.array_equal(kc, before)
 
+
+def device_entries(iterations, driver_path):
+    """Random calls through the fake runtime's CPU/CUDA/CANN entries; every accepted one exact."""
+    import os
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fake runtime
+    from fake_ort_api import DEVICE_GPU, DEVICE_NPU, EPS, FakeDriver, FakeOrtError, FakeRuntime, FakeTensor
+
+    os.environ["PAKV_ONNX_CUDA_DRIVER"] = os.environ["PAKV_ONNX_CANN_DRIVER"] = driver_path
+    runtime = FakeRuntime(api_version=17)
+    runtime.register(ctypes.CDLL(LIB))
+    driver = FakeDriver(Path(driver_path))
+    driver.reset(runtime.stream)
+    counts = {"ok": 0, "refused": 0, "failed": 0}
+    itemsize = {t: np.dtype(n).itemsize for t, n in NUMPY.items()}
+    for i in range(iterations):
+        kt, vt = rng.choice(list(CACHE)), rng.choice(list(CACHE))
+        nz, cumsum = bool(rng.integers(2)), bool(rng.integers(2))
+        nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+
+        def cache(t):
+            e = 32 // np.dtype(t).itemsize
+            shape = (nb, int(rng.integers(1, 3)), bs, e) if nz else (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
+            return rng.integers(0, 100, shape).astype(t)
+
+        kc, vc = cache(kt), cache(vt)
+        lengths = rng.integers(0, 3 * bs + 1, q)
+        offsets = rng.integers(0, 2 * bs + 1, q)
+        cols = int(max([0, *(o // bs + -(-n // bs) for o, n in zip(offsets, lengths))]))
+        bt = rng.integers(0, max(nb, 1), (q, cols)).astype(rng.choice(list(INDEX)))
+        if bt.size and rng.integers(4) == 0:
+            bt.flat[rng.integers(bt.size)] = rng.choice([-1, nb, 2**31 - 1])
+        sl = (np.concatenate([[0], np.cumsum(lengths)]) if cumsum else lengths).astype(rng.choice(list(INDEX)))
+        so = offsets.astype(rng.choice(list(INDEX))) if rng.integers(3) else None
+        ep = EPS[int(rng.integers(len(EPS)))]
+        device = {"CUDAExecutionProvider": DEVICE_GPU, "CANNExecutionProvider": DEVICE_NPU}.get(ep, 0)
+        arrays = [kc, vc, bt, sl, so]
+        onnx = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type], None if so is None else INDEX[so.dtype.type]]
+        feeds = [None if a is None else FakeTensor(a.ctypes.data, t, a.shape, device if k < 2 else 0)
+                 for k, (a, t) in enumerate(zip(arrays, onnx))]  # fmt: skip
+        if so is None:
+            feeds.pop()
+        op = runtime.find_op(ep, CACHE[kt], CACHE[vt])
+        kernel = runtime.create_kernel(op, {"cache_mode": "PA_NZ" if nz else "Norm", "is_seq_lens_cumsum": int(cumsum)})
+        failing = device and rng.integers(10) == 0
+        if failing:
+            driver.fail_at(int(rng.integers(0, 3)), 700)
+        try:
+            outputs = runtime.compute(op, kernel, feeds, out_device=(device, 0))
+        except FakeOrtError as exc:
+            counts["failed" if "failed with" in str(exc) else "refused"] += 1
+            continue
+        finally:
+            runtime.destroy_kernel(op, kernel)
+            driver.reset(runtime.stream)
+        want = reference(kc, vc, bt, sl, so, nz, cumsum)
+        for (tensor, buffer), expected in zip(outputs, want):
+            got = np.frombuffer(buffer, np.uint8)[: expected.nbytes].view(expected.dtype).reshape(expected.shape)
+            assert itemsize[tensor.elem_type] == expected.itemsize and np.array_equal(got, expected), (i, ep)
+        counts["ok"] += 1
+    assert counts["ok"] > 20 and counts["refused"] > 20 and driver.count("wrong_stream") == 0, counts
+    return counts
+
+
+if "--device" in sys.argv:
+    print("clean", device_entries(int(sys.argv[3]), sys.argv[sys.argv.index("--device") + 1]), flush=True)
+    sys.exit(0)
 
 counts = {"ok": 0, "refused": 0}
 for i in range(int(sys.argv[3]) if len(sys.argv) > 3 else 400):

@@ -1,0 +1,78 @@
+/* The few accelerator driver calls the device entries make, declared from the vendors' public
+ * documentation (the CUDA Driver API reference; CANN's AscendCL runtime API reference). No CUDA
+ * or CANN header is included and neither library is linked: pakv_device.c opens the driver with
+ * dlopen on first use and looks these symbols up, so the plugin still loads on CPU-only hosts.
+ *
+ * This is the only place their signatures, structs and constants are written (as ort_abi.h is
+ * for ONNX Runtime); tests/native/fake_device_driver.c implements them from this header.
+ */
+#ifndef PAKV_DEVICE_ABI_H
+#define PAKV_DEVICE_ABI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* ------------------------------------------------------------------------------------------- */
+/* CUDA driver API (libcuda.so.1). cudaStream_t and CUstream are the same handle type.          */
+/* ------------------------------------------------------------------------------------------- */
+#define PAKV_CUDA_DRIVER_LIBRARY "libcuda.so.1"
+
+typedef int pakv_CUresult; /* CUDA_SUCCESS = 0 */
+typedef unsigned long long pakv_CUdeviceptr; /* the _v2 entry points' 64-bit device pointer */
+typedef void* pakv_CUstream;
+typedef void* pakv_CUcontext;
+
+enum { PAKV_CUDA_SUCCESS = 0, PAKV_CUDA_ERROR_INVALID_VALUE = 1 };
+/* CUmemorytype */
+enum { PAKV_CU_MEMORYTYPE_HOST = 1, PAKV_CU_MEMORYTYPE_DEVICE = 2, PAKV_CU_MEMORYTYPE_ARRAY = 3,
+       PAKV_CU_MEMORYTYPE_UNIFIED = 4 };
+
+/* CUDA_MEMCPY2D (the _v2 layout: size_t offsets and pitches), in the reference's field order. */
+typedef struct {
+  size_t srcXInBytes;
+  size_t srcY;
+  int srcMemoryType; /* CUmemorytype */
+  const void* srcHost;
+  pakv_CUdeviceptr srcDevice;
+  void* srcArray;
+  size_t srcPitch;
+  size_t dstXInBytes;
+  size_t dstY;
+  int dstMemoryType;
+  void* dstHost;
+  pakv_CUdeviceptr dstDevice;
+  void* dstArray;
+  size_t dstPitch;
+  size_t WidthInBytes; /* must not exceed srcPitch or dstPitch */
+  size_t Height;
+} pakv_CUDA_MEMCPY2D;
+
+typedef pakv_CUresult (*pakv_cuInit_fn)(unsigned int flags);
+typedef pakv_CUresult (*pakv_cuMemcpyDtoDAsync_fn)(pakv_CUdeviceptr dst, pakv_CUdeviceptr src, size_t bytes,
+                                                   pakv_CUstream stream);
+typedef pakv_CUresult (*pakv_cuMemcpy2DAsync_fn)(const pakv_CUDA_MEMCPY2D* copy, pakv_CUstream stream);
+typedef pakv_CUresult (*pakv_cuGetErrorName_fn)(pakv_CUresult error, const char** name);
+typedef pakv_CUresult (*pakv_cuCtxGetCurrent_fn)(pakv_CUcontext* ctx);
+typedef pakv_CUresult (*pakv_cuStreamGetCtx_fn)(pakv_CUstream stream, pakv_CUcontext* ctx);
+typedef pakv_CUresult (*pakv_cuCtxSetCurrent_fn)(pakv_CUcontext ctx);
+
+/* ------------------------------------------------------------------------------------------- */
+/* AscendCL runtime (libascendcl.so). aclrtStream is an opaque handle.                          */
+/* ------------------------------------------------------------------------------------------- */
+#define PAKV_CANN_DRIVER_LIBRARY "libascendcl.so"
+
+typedef int pakv_aclError; /* ACL_SUCCESS = 0 */
+enum { PAKV_ACL_SUCCESS = 0, PAKV_ACL_ERROR_INVALID_PARAM = 100000 };
+/* aclrtMemcpyKind */
+enum { PAKV_ACL_MEMCPY_HOST_TO_HOST = 0, PAKV_ACL_MEMCPY_HOST_TO_DEVICE = 1, PAKV_ACL_MEMCPY_DEVICE_TO_HOST = 2,
+       PAKV_ACL_MEMCPY_DEVICE_TO_DEVICE = 3 };
+/* aclrtMemcpy2dAsync: height at most 5 * 1024 * 1024 rows, width at most 5,000,000 bytes. */
+#define PAKV_ACL_MEMCPY2D_MAX_HEIGHT ((size_t)5 * 1024 * 1024)
+
+typedef pakv_aclError (*pakv_aclrtMemcpyAsync_fn)(void* dst, size_t dest_max, const void* src, size_t count,
+                                                 int kind, void* stream);
+typedef pakv_aclError (*pakv_aclrtMemcpy2dAsync_fn)(void* dst, size_t dpitch, const void* src, size_t spitch,
+                                                    size_t width, size_t height, int kind, void* stream);
+typedef const char* (*pakv_aclGetRecentErrMsg_fn)(void);
+
+#endif /* PAKV_DEVICE_ABI_H */
