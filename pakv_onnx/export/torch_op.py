@@ -56,8 +56,21 @@ def torch_schema() -> str:
     return f"({', '.join(tensors + attributes)}) -> ({outputs})"
 
 
-@torch.library.custom_op(QUALIFIED_NAME, mutates_args=(), schema=torch_schema())
-def gather_pa_kv_cache(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+# The ops' definitions (kept alive with this module). Each is a plain Python kernel behind the
+# dispatcher (CompositeExplicitAutograd) with a fake kernel for tracing: torch.library.custom_op's
+# wrappers (autograd, dynamo guards, alias checks) cost about 12 us a call, more than the gather.
+_LIBRARY = torch.library.Library(DOMAIN, "FRAGMENT")
+
+
+def _define(name: str, schema: str, kernel, fake) -> torch._ops.OpOverloadPacket:
+    """``torch.ops.pakv.<name>``: defined with ``schema``, ``kernel`` eager, ``fake`` under tracing."""
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{DOMAIN}::{name}", fake, lib=_LIBRARY)
+    return getattr(getattr(torch.ops, DOMAIN), name)
+
+
+def _gather_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """GatherPaKvCache as a torch op; arguments (spec.PARAMETER_NAMES) and results as :func:`pakv_onnx.gather_pa_kv_cache`."""
     if not kwargs and len(args) <= len(INPUT_NAMES):
         # The dispatcher passes the tensors positionally and leaves out attributes at their
@@ -69,7 +82,6 @@ def gather_pa_kv_cache(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-@gather_pa_kv_cache.register_fake
 def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     bound = bind_arguments(args, kwargs)
     key_cache, value_cache, block_tables, seq_lens, seq_offset = (bound[name] for name in INPUT_NAMES)
@@ -92,6 +104,9 @@ def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tenso
     key = key_cache.new_empty((num_tokens, *token_shape(key_cache.shape, mode)))
     value = value_cache.new_empty((num_tokens, *token_shape(value_cache.shape, mode)))
     return key, value
+
+
+gather_pa_kv_cache = _define(OP_NAME, torch_schema(), _gather_kernel, _gather_pa_kv_cache_fake)
 
 
 def op_overload() -> torch._ops.OpOverload:
@@ -120,20 +135,17 @@ def scatter_torch_schema(functional: bool) -> str:
     return f"({', '.join(tensors + attributes)}) -> {returns}"
 
 
-@torch.library.custom_op(f"{DOMAIN}::{SCATTER_OP_NAME}", mutates_args=_MUTATED, schema=scatter_torch_schema(False))
-def scatter_pa_kv_cache(*args, **kwargs) -> None:
+def _scatter_kernel(*args, **kwargs) -> None:
     """ScatterPaKvCache in place; arguments (spec.SCATTER) as :func:`pakv_onnx.scatter_pa_kv_cache`."""
     bound = SCATTER.bind(args, kwargs)
     ops.scatter_pa_kv_cache(*(bound[n] for n in SCATTER.input_names), cache_mode=bound[ATTR_CACHE_MODE])
 
 
-@scatter_pa_kv_cache.register_fake
 def _scatter_fake(*args, **kwargs) -> None:
     return None
 
 
-@torch.library.custom_op(f"{DOMAIN}::{SCATTER_FUNCTIONAL_OP_NAME}", mutates_args=(), schema=scatter_torch_schema(True))
-def scatter_pa_kv_cache_functional(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+def _scatter_functional_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """ScatterPaKvCache returning updated copies of the caches (the form a traced graph records; in
     eager it copies both pools, so eager code calls the in-place op)."""
     bound = SCATTER.bind(args, kwargs)
@@ -144,10 +156,15 @@ def scatter_pa_kv_cache_functional(*args, **kwargs) -> tuple[torch.Tensor, torch
     return key_cache, value_cache
 
 
-@scatter_pa_kv_cache_functional.register_fake
 def _scatter_functional_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     bound = SCATTER.bind(args, kwargs)
     return torch.empty_like(bound["key_cache"]), torch.empty_like(bound["value_cache"])
+
+
+scatter_pa_kv_cache = _define(SCATTER_OP_NAME, scatter_torch_schema(False), _scatter_kernel, _scatter_fake)
+scatter_pa_kv_cache_functional = _define(
+    SCATTER_FUNCTIONAL_OP_NAME, scatter_torch_schema(True), _scatter_functional_kernel, _scatter_functional_fake
+)
 
 
 def scatter_functional_overload() -> torch._ops.OpOverload:
