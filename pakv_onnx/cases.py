@@ -24,6 +24,7 @@ from pakv_onnx.spec import (
     CACHE_DTYPES,
     CacheMode,
     cache_dtype,
+    index_dtype,
     nz_last_dim,
 )
 
@@ -404,6 +405,24 @@ class ScatterCase:
         """The same case with caches of its own (a scatter writes them)."""
         return dataclasses.replace(self, key_cache=self.key_cache.clone(), value_cache=self.value_cache.clone())
 
+    def fresh_inputs(self) -> tuple[torch.Tensor, ...]:
+        """:meth:`inputs` with the caches cloned (a run writes into them)."""
+        return self.fresh().inputs()
+
+    def attributes(self) -> dict:
+        """The node's attributes as keywords."""
+        return {"cache_mode": self.cache_mode.value}
+
+    def summary(self) -> str:
+        """One line naming the dtypes, shapes and how many slots are written (not padding)."""
+        written = int((self.slot_mapping >= 0).sum())
+        return (
+            f"{cache_dtype(self.key.dtype).name}/{cache_dtype(self.value.dtype).name} {self.cache_mode.value} "
+            f"key={list(self.key.shape)} value={list(self.value.shape)} key_cache={list(self.key_cache.shape)} "
+            f"value_cache={list(self.value_cache.shape)} slot_mapping={index_dtype(self.slot_mapping.dtype).name} "
+            f"T={self.key.shape[0]} written={written}"
+        )
+
     def golden(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(key_cache, value_cache) after the torch reference wrote copies of them."""
         from pakv_onnx.ops import scatter_pa_kv_cache
@@ -429,7 +448,11 @@ def random_scatter_case(
     gen = torch.Generator().manual_seed(seed)
     mode = cache_mode if cache_mode is not None else rng.choice(list(CacheMode))
     key_dtype = dtype if dtype is not None else rng.choice(CACHE_DTYPES).torch_dtype
-    vdtype = value_dtype if value_dtype is not None else (key_dtype if rng.random() < 0.7 else rng.choice(CACHE_DTYPES).torch_dtype)
+    vdtype = (
+        value_dtype
+        if value_dtype is not None
+        else (key_dtype if rng.random() < 0.7 else rng.choice(CACHE_DTYPES).torch_dtype)
+    )
     block_size, num_blocks = rng.choice([1, 2, 4, 16]), rng.randint(2, 10)
     capacity = num_blocks * block_size
     tokens = num_tokens if num_tokens is not None else rng.randint(0, min(capacity, 24))

@@ -16,12 +16,11 @@ Cases are named, never pickled, so a subprocess rebuilds the same bytes from the
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import torch
 
-from pakv_onnx.cases import random_cache
+from pakv_onnx.cases import ScatterCase, cache_layout, random_cache
 from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
 from pakv_onnx.spec import CacheMode, nz_last_dim
 
@@ -29,56 +28,8 @@ SMALL_NUM_BLOCKS = 24
 FEATURE_CASES = ("scatter-mixed-norm", "scatter-mixed-nz", "scatter-pad")
 
 
-@dataclasses.dataclass(frozen=True)
-class ScatterCase:
-    """The inputs and attribute of one ScatterPaKvCache call (the caches as they are before it)."""
-
-    case_id: str
-    description: str
-    key: torch.Tensor
-    value: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    cache_mode: CacheMode = CacheMode.NORM
-
-    def inputs(self) -> tuple[torch.Tensor, ...]:
-        """(key, value, key_cache, value_cache, slot_mapping): the contract's order."""
-        return (self.key, self.value, self.key_cache, self.value_cache, self.slot_mapping)
-
-    def fresh_inputs(self) -> tuple[torch.Tensor, ...]:
-        """:meth:`inputs` with the caches cloned (a run writes into them)."""
-        return (self.key, self.value, self.key_cache.clone(), self.value_cache.clone(), self.slot_mapping)
-
-    def attributes(self) -> dict:
-        return {"cache_mode": self.cache_mode.value}
-
-    def golden(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The caches after the scatter, from the torch reference (on clones)."""
-        from pakv_onnx.ops import scatter_pa_kv_cache
-
-        key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
-        return scatter_pa_kv_cache(self.key, self.value, key_cache, value_cache, self.slot_mapping, cache_mode=self.cache_mode, backend="golden")
-
-    def summary(self) -> str:
-        written = int((self.slot_mapping >= 0).sum())
-        return (
-            f"{dtype_name(self.key.dtype)}/{dtype_name(self.value.dtype)} {self.cache_mode.value} "
-            f"key={list(self.key.shape)} value={list(self.value.shape)} key_cache={list(self.key_cache.shape)} "
-            f"value_cache={list(self.value_cache.shape)} slot_mapping={dtype_name(self.slot_mapping.dtype)} "
-            f"T={self.key.shape[0]} written={written}"
-        )
-
-
 def dtype_by_name() -> dict[str, torch.dtype]:
     return {dtype_name(d): d for d in SUPPORTED_DTYPES}
-
-
-def _cache_shape(mode: CacheMode, num_blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype):
-    if mode is CacheMode.NORM:
-        return (num_blocks, block_size, heads, dim)
-    e_dim = nz_last_dim(dtype.itemsize)
-    return (num_blocks, heads * dim // e_dim, block_size, e_dim)
 
 
 def prefill_slots(lengths, block_size: int, pool: list[int], start_rows=None) -> list[int]:
@@ -133,8 +84,8 @@ def build_case(
     num_tokens = len(slots)
     key = random_cache((num_tokens, *key_hd), key_dtype, generator)
     value = random_cache((num_tokens, *value_hd), value_dtype, generator)
-    key_shape = _cache_shape(mode, num_blocks, block_size, *key_hd, key_dtype)
-    value_shape = _cache_shape(mode, num_blocks, block_size, *value_hd, value_dtype)
+    key_shape = cache_layout(mode, num_blocks, block_size, *key_hd, key_dtype.itemsize)
+    value_shape = cache_layout(mode, num_blocks, block_size, *value_hd, value_dtype.itemsize)
     if zero_caches:
         key_cache, value_cache = torch.zeros(key_shape, dtype=key_dtype), torch.zeros(value_shape, dtype=value_dtype)
     else:
