@@ -11,7 +11,7 @@ import torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.demo import ATTENTION_ATOL, SAMPLE_GRAPHS
 from pakv_onnx.models import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES, GqaPagedAttention, MlaContextAttention
-from pakv_onnx.models.attention import masked_attention, ragged_attention, ragged_causal_mask
+from pakv_onnx.models.attention import cached_ragged_attention, masked_attention, ragged_attention, ragged_causal_mask
 from pakv_onnx.spec import bitwise_equal
 
 # (num_tokens, num_seqs, seed): several batch layouts through one exported graph.
@@ -76,6 +76,28 @@ def test_ragged_attention_with_past_tokens() -> None:
         mask = torch.ones(length, length, dtype=torch.bool).tril()
         want = masked_attention(full_q, keys, values, mask)[past[s] :]
         assert torch.allclose(got[n_cu[s] : n_cu[s + 1]], want, atol=1e-6, rtol=0), s
+
+
+def test_cached_ragged_attention_equals_the_past_then_new_form() -> None:
+    """Keys read back per sequence (past then new, one run each: the decoder step's layout) give
+    what ragged_attention gives on the past-then-new layout; heads-first too."""
+    generator = torch.Generator().manual_seed(4)
+    past, new = [4, 0, 6, 9], [2, 3, 1, 0]
+    q = torch.randn(sum(new), 2, 4, generator=generator)
+    k_past, k_new = torch.randn(sum(past), 2, 4, generator=generator), torch.randn(sum(new), 2, 4, generator=generator)
+    v_past, v_new = torch.randn(sum(past), 2, 6, generator=generator), torch.randn(sum(new), 2, 6, generator=generator)
+    cum = lambda xs: torch.tensor([0, *xs]).cumsum(0).to(torch.int32)  # noqa: E731
+    p_cu, n_cu = cum(past).tolist(), cum(new).tolist()
+    runs = lambda a, b: torch.cat([torch.cat((a[p_cu[s] : p_cu[s + 1]], b[n_cu[s] : n_cu[s + 1]])) for s in range(4)])  # noqa: E731
+    want = ragged_attention(q, torch.cat((k_past, k_new)), torch.cat((v_past, v_new)), cum(new), cum(past))
+    kv_lens = cum([p + n for p, n in zip(past, new)])
+    got = cached_ragged_attention(q, runs(k_past, k_new), runs(v_past, v_new), cum(new), kv_lens)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    head_major = [x.transpose(0, 1).contiguous() for x in (q, runs(k_past, k_new), runs(v_past, v_new))]
+    got_hm = cached_ragged_attention(*head_major, cum(new), kv_lens, heads_first=True)
+    assert torch.allclose(got_hm.transpose(0, 1), want, atol=1e-6, rtol=0)
+    shifted = cached_ragged_attention(q, runs(k_past, k_new), runs(v_past, v_new), cum(new), cum([p + n + 1 for p, n in zip(past, new)][:3] + [0]))
+    assert not torch.allclose(shifted, want, atol=1e-3)  # a wrong run boundary is seen
 
 
 @pytest.mark.parametrize("model", [MlaContextAttention(), GqaPagedAttention(block_size=16)], ids=["mla", "gqa"])
