@@ -125,6 +125,8 @@ def decode_steps(step_fn, config, prompts: torch.Tensor, steps: int, block_size:
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers, geometry=cache_geometry(config), num_blocks=num_blocks, block_size=block_size
     )
+    for pool in (*cache.key_pools, *cache.value_pools):
+        pool.fill_(0)  # touch every page now, as a server that allocated its pools at start-up
     ids = list(range(prompts.shape[0]))
     for i in ids:
         cache.add_sequence(i)

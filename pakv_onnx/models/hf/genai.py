@@ -9,8 +9,8 @@ large), ``genai_config.json`` (``engine.dynamic_batching``, the ``paged_kv`` sta
 and the tokenizer files of the source folder when it has them. Nothing here imports
 onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
 
-What og.Engine needs that its documentation does not say (0.18.0 on a CPU): see
-:data:`GENAI_NOTES` (also in docs/decoders.md).
+What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
+docs/decoders.md ("Serve it with ORT GenAI").
 """
 
 from __future__ import annotations
@@ -51,30 +51,6 @@ TOKENIZER_FILES = (
 )
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
-
-GENAI_NOTES = (
-    "og.Engine serves a model as paged when genai_config.json has engine.dynamic_batching (block_size, "
-    "num_blocks, max_batch_size); its documentation says CUDA only, but 0.18.0 runs it on the CPU provider "
-    "once every node has a CPU kernel (here: the plugin's, loaded through session_options.custom_ops_library, "
-    "a path relative to the model folder without '..').",
-    "It allocates every layer's key and value pool with one shape, [num_blocks, block_size, "
-    "decoder.num_key_value_heads, decoder.head_size], in the dtype of past_key_values.0.key: a model whose "
-    "key and value rows differ (DeepSeek-V3's MLA latent 512 + rope 64) cannot be served this way.",
-    "It binds each present.<l>.* output to the same OrtValue as its past_key_values.<l>.* input and expects "
-    "the graph to write the step's rows into it: nothing on the host writes the cache.",
-    "past_sequence_lengths is the number of tokens already in the cache (the write position of the "
-    "request's first new token), not the total after the step; input_ids is int64 [num_tokens] packed in "
-    "request order, cumulative_sequence_lengths int32 [batch+1] its boundaries.",
-    "The block table has one row per scheduled request, as wide as the longest row, padded with -1; a row "
-    "may list more blocks than the tokens need (blocks reserved ahead).",
-    "The logits output is read as one row per request only if its first dimension is named 'batch_size'; "
-    "any other name means one row per packed token.",
-    "attention_metadata is fed only when the graph has an input of that name; position ids are not fed "
-    "at all (the graph derives positions from past_sequence_lengths).",
-    "A request object with no Python reference left is closed; a sequence stops at eos_token_id unless "
-    "TurnOptions.set_min_generated_tokens holds it.",
-)
-
 
 class UnsupportedModelError(ValueError):
     """The model cannot be exported as an og.Engine paged model (the message says why)."""
