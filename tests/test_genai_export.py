@@ -56,7 +56,7 @@ def genai_dir(tmp_path_factory) -> Path:
     code = cli.main(
         [
             "export", str(hf), str(out), "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
-            "--max-batch-size", "8", "--threads", "1",
+            "--max-batch-size", "8", "--threads", "1", "--external-data",
         ]
     )  # fmt: skip
     assert code == 0
@@ -92,12 +92,18 @@ def test_export_refuses_a_model_og_engine_cannot_serve(tmp_path: Path, capsys: p
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    build_model("deepseek", SEED).save_pretrained(tmp_path / "deepseek")
+    assert cli.main(["export", str(tmp_path / "deepseek"), str(tmp_path / "out")]) == 2  # refused before any export
+    assert "og.Engine allocates both pools of a layer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow  # the module's one export
 def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     names = {p.name for p in genai_dir.iterdir()}
-    assert {"model.onnx", "genai_config.json", "libpakv_ort.so", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert {"model.onnx", "model.onnx.data", "genai_config.json", "libpakv_ort.so", "tokenizer.json"} <= names
+    assert "tokenizer_config.json" in names  # the source folder's tokenizer files, copied
+    assert (genai_dir / "model.onnx").stat().st_size < (genai_dir / "model.onnx.data").stat().st_size  # --external-data
     config = json.loads((genai_dir / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     model = onnx.load(str(genai_dir / "model.onnx"))
