@@ -17,6 +17,7 @@ from pakv_onnx.spec import bitwise_equal
 # (num_tokens, num_seqs, seed): several batch layouts through one exported graph.
 LAYOUTS = [(64, 1, 11), (200, 4, 12), (333, 7, 13)]
 PLUGIN_BACKENDS = ("native", "golden", "torch")
+ORT_MINOR = int(onnxruntime.__version__.split(".")[1])
 
 
 def assert_matches_reference(outputs: dict[str, torch.Tensor], reference: tuple, runner: str) -> None:
@@ -174,6 +175,9 @@ def test_onnx_graph_matches_reference_on_every_backend(exported) -> None:
         for runner, session in sessions.items():
             feeds = dict(zip(MODEL_INPUT_NAMES, (hidden, *batch.step_inputs())))  # fresh caches, rows missing
             assert_matches_reference(runtime_plugin.run(session, feeds), reference, f"{runner} T={num_tokens}")
+            if runner.startswith("plugin:"):  # the updated caches feed only the gather: the alias route
+                in_place = bitwise_equal(feeds["key_cache"], batch.key_cache)
+                assert in_place == (ORT_MINOR >= 18), f"{runner}: onnxruntime {onnxruntime.__version__}, in place {in_place}"
 
 
 # Run in a child process under a 4 GiB address-space cap: 128 sequences of 64 tokens (T = 8192).
