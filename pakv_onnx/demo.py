@@ -193,7 +193,7 @@ def run_graph(
         try:
             session = make()
             feeds = dict(zip(MODEL_INPUT_NAMES, fresh_inputs()))
-            outputs, ms = _timed_runs(lambda: runtime_plugin.run(session, feeds), timed_runs)
+            outputs, ms = _timed_runs(lambda feeds=feeds: runtime_plugin.run(session, feeds), timed_runs)
             results.append(compare(runner, outputs, reference, ms))
         except Exception as err:  # a failing runner is a FAIL row, not a crash of the demo
             results.append(

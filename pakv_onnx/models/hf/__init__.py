@@ -74,8 +74,8 @@ __all__ = [
     "run_step_torch",
     "session_step",
     "step_feeds",
-    "step_inputs",
     "step_input_names",
+    "step_inputs",
     "step_output_names",
     "step_slots",
 ]
