@@ -27,6 +27,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.verify_kernel",
     "pakv_onnx.commands.tune",
     "pakv_onnx.commands.generate",
+    "pakv_onnx.commands.export",
     "pakv_onnx.commands.cache",
 )
 

@@ -1,11 +1,13 @@
 """The end-to-end demo: export each sample model, run its ONNX graph every way, compare.
 
 For every sample graph: build the model and a random paged batch (shuffled block ids, ragged
-lengths, non-zero ``seq_offset``), export it with the project's exporter, then run the graph
-in ONNX Runtime with the plugin (each requested backend) and on stock ORT through the
-fallback function body, and compare each run's outputs with the model's torch reference
-forward (the golden gather + fp32 attention): gathered key/value bit-exact, attention output
-within :data:`ATTENTION_ATOL`.
+lengths, non-zero ``seq_offset``), laid out as one step that writes the last tokens of every
+sequence (ScatterPaKvCache) before it reads past + new back (GatherPaKvCache), export it with the
+project's exporter, then run the graph in ONNX Runtime with the plugin (each requested backend)
+and on stock ORT through the fallback function bodies, and compare each run's outputs with the
+model's torch reference forward (the golden gather of the whole batch + fp32 attention):
+gathered key/value bit-exact, attention output within :data:`ATTENTION_ATOL`. Every runner
+starts from fresh caches with the step's rows missing, so a write that does not happen fails.
 """
 
 from __future__ import annotations
@@ -147,9 +149,12 @@ def run_graph(
     model = graph.build(seed).eval()
     batch = model.random_batch(num_tokens, graph.num_seqs, seed)
     hidden = model.random_hidden_states(num_tokens, seed)
-    inputs = (hidden, *batch.gather_inputs())
+
+    def fresh_inputs() -> tuple[torch.Tensor, ...]:  # the step's rows not yet in the caches
+        return (hidden, *batch.step_inputs())
+
+    inputs = fresh_inputs()
     reference = model.reference_forward(hidden, batch)
-    feeds = dict(zip(MODEL_INPUT_NAMES, inputs))
 
     path = out_dir / f"{graph.name}.onnx"
     progress(f"exporting {graph.name} to {path} ...")
@@ -157,7 +162,7 @@ def run_graph(
     model.export_onnx(inputs, path)
     progress(f"exported {graph.name} in {time.perf_counter() - start:.1f}s")
     if on_data is not None:
-        on_data(feeds, dict(zip(MODEL_OUTPUT_NAMES, reference)))
+        on_data(dict(zip(MODEL_INPUT_NAMES, fresh_inputs())), dict(zip(MODEL_OUTPUT_NAMES, reference)))
 
     with torch.no_grad():
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
@@ -187,7 +192,8 @@ def run_graph(
         progress(f"running {graph.name} on {runner} ...")
         try:
             session = make()
-            outputs, ms = _timed_runs(lambda: runtime_plugin.run(session, feeds), timed_runs)
+            feeds = dict(zip(MODEL_INPUT_NAMES, fresh_inputs()))
+            outputs, ms = _timed_runs(lambda feeds=feeds: runtime_plugin.run(session, feeds), timed_runs)
             results.append(compare(runner, outputs, reference, ms))
         except Exception as err:  # a failing runner is a FAIL row, not a crash of the demo
             results.append(

@@ -8,7 +8,7 @@ import onnx
 import pytest
 import torch
 
-from pakv_onnx import cli, gather_pa_kv_cache, kernels
+from pakv_onnx import cli, gather_pa_kv_cache, kernels, scatter_pa_kv_cache
 from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH
 from pakv_onnx.spec import INPUT_NAMES, bitwise_equal
@@ -51,7 +51,10 @@ def check_saved_sample_data(out_dir, name: str) -> None:
     assert inputs["key_cache"].dtype == torch.bfloat16 and inputs["hidden_states"].dtype == torch.float32
     graph = onnx.load(str(out_dir / f"{name}.onnx"))
     assert [i.name for i in graph.graph.input] == list(MODEL_INPUT_NAMES)
-    key, value = gather_pa_kv_cache(*(inputs[n] for n in INPUT_NAMES), backend="golden")
+    written = scatter_pa_kv_cache(
+        *(inputs[n] for n in ("new_key", "new_value", "key_cache", "value_cache", "slot_mapping")), backend="golden"
+    )  # the step's write, then its read
+    key, value = gather_pa_kv_cache(*written, *(inputs[n] for n in INPUT_NAMES[2:]), backend="golden")
     assert bitwise_equal(key, expected["key"]) and bitwise_equal(value, expected["value"])
     assert expected["output"].shape == inputs["hidden_states"].shape
 

@@ -1,11 +1,12 @@
-"""The paged cache of the transformers path: block allocator, step layout, host writes."""
+"""The paged cache of the transformers path: block allocator, step layout (ORT GenAI's paged
+convention), the slots the graph computes, and the step's own writes read back through the gather."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pakv_onnx.models.hf import BlockAllocator, OutOfBlocksError, PagedKVCache
+from pakv_onnx.models.hf import BlockAllocator, OutOfBlocksError, PagedKVCache, StepCache, step_slots
 from pakv_onnx.models.hf.configs import CacheGeometry
 from pakv_onnx.ops import gather_pa_kv_cache
 from pakv_onnx.spec import bitwise_equal
@@ -50,39 +51,93 @@ def _cache(num_blocks: int = 40, block_size: int = 4) -> PagedKVCache:
     )
 
 
-def test_written_rows_come_back_through_the_gather_in_order() -> None:
-    """Host writes over several steps, then the op (golden) reads each sequence's rows back bit-exact."""
+def test_layout_follows_genai_paged_convention() -> None:
+    cache = _cache()
+    for s in range(3):
+        cache.add_sequence(s)
+    layout = cache.prepare_step([0, 1, 2], [5, 9, 1])
+    cache.commit([0, 1, 2], [5, 9, 1], {})
+    layout = cache.prepare_step([2, 0, 1], [3, 1, 1])
+    assert layout.cumulative_sequence_lengths.dtype == torch.int32
+    assert layout.cumulative_sequence_lengths.tolist() == [0, 3, 4, 5]
+    assert layout.past_sequence_lengths.dtype == torch.int32
+    assert layout.past_sequence_lengths.tolist() == [1, 5, 9]
+    table = layout.block_table
+    assert table.dtype == torch.int32 and table.shape == (3, 3)  # 10 tokens of sequence 1 in blocks of 4
+    for row, seq in enumerate([2, 0, 1]):
+        blocks = cache.sequences[seq].blocks
+        assert table[row, : len(blocks)].tolist() == blocks  # from column 0
+        assert (table[row, len(blocks) :] == -1).all()  # -1 padded
+
+
+def test_the_graph_computes_the_host_slots() -> None:
+    """step_slots (what the exported graph computes from its inputs) equals the layout's host-side slots."""
+    cache = _cache(block_size=4)
+    for s in range(3):
+        cache.add_sequence(s)
+    for counts in ([5, 9, 1], [1, 1, 1], [3, 1, 6]):
+        layout = cache.prepare_step([0, 1, 2], counts)
+        positions, slots = step_slots(
+            sum(counts), layout.cumulative_sequence_lengths, layout.past_sequence_lengths, layout.block_table, 4
+        )
+        assert slots.tolist() == layout.slots.tolist()
+        starts = [cache.sequences[s].length for s in range(3)]
+        assert positions.tolist() == [p for start, n in zip(starts, counts) for p in range(start, start + n)]
+        cache.commit([0, 1, 2], counts, {})
+
+
+def test_step_cache_writes_the_rows_and_reads_past_and_new_back() -> None:
+    """StepCache.update (eager: the in-place write op) over several steps; the gather then reads
+    each sequence's rows back bit-exact, and only the written slots ever changed."""
     cache = _cache()
     seqs = [0, 1, 2]
     for s in seqs:
         cache.add_sequence(s)
     history: dict[int, list[torch.Tensor]] = {s: [] for s in seqs}
     generator = torch.Generator().manual_seed(0)
-    for counts in ([5, 9, 1], [1, 1, 1], [3, 1, 6]):  # prompt chunks, decode, more chunks
+    pool_before = cache.key_pools[1]
+    for counts in ([5, 9, 1], [1, 1, 1], [3, 1, 6]):
         layout = cache.prepare_step(seqs, counts)
         total = sum(counts)
-        rows_k = [torch.randn(total, 2, 3, generator=generator) for _ in range(2)]
-        rows_v = [torch.randn(total, 1, 5, generator=generator) for _ in range(2)]
+        kv = (layout.past_sequence_lengths + torch.tensor(counts, dtype=torch.int32)).cumsum(0)
+        kv_seq_lens = torch.cat((torch.zeros(1, dtype=torch.int32), kv.to(torch.int32)))
+        step = StepCache(cache.key_pools, cache.value_pools, layout.block_table, kv_seq_lens, layout.slots)
+        new_k = torch.randn(1, 2, total, 3, generator=generator)  # [1, H, N, D] as transformers hands them
+        new_v = torch.randn(1, 1, total, 5, generator=generator)
+        untouched = cache.key_pools[1].clone()
+        keys, values = step.update(new_k, new_v, 1)
+        written = torch.zeros(cache.key_pools[1].view(-1, 2, 3).shape[0], dtype=torch.bool)
+        written[layout.slots] = True
+        flat_before, flat_after = untouched.view(-1, 2, 3), cache.key_pools[1].view(-1, 2, 3)
+        assert bitwise_equal(flat_after[~written], flat_before[~written])  # nothing else changed
         start = 0
         for s, n in zip(seqs, counts):
-            history[s].append(rows_k[1][start : start + n])
+            history[s].append(new_k[0].transpose(0, 1)[start : start + n])
             start += n
-        cache.write(seqs, counts, layout, rows_k, rows_v)
+        # update returns every sequence's past + new rows [1, H, T, D], in batch order
+        want = torch.cat([torch.cat(history[s]) for s in seqs])
+        assert bitwise_equal(keys[0].transpose(0, 1).contiguous(), want)
+        assert values.shape == (1, 1, want.shape[0], 5)
+        cache.commit(seqs, counts, {})
+    assert cache.key_pools[1] is pool_before  # written in place, never replaced
     assert [cache.sequences[s].length for s in seqs] == [9, 11, 8]
     layout = cache.prepare_step(seqs, [1, 1, 1])
-    assert layout.seq_lens.tolist() == [0, 9, 20, 28]
-    assert layout.query_seq_lens.tolist() == [0, 1, 2, 3]
-    assert all(int(o) % cache.block_size == 0 for o in layout.seq_offset)
-    assert any(int(o) > 0 for o in layout.seq_offset)  # some rows start past junk columns
+    seq_lens = torch.cat((torch.zeros(1, dtype=torch.int32), layout.past_sequence_lengths.cumsum(0).to(torch.int32)))
     key, _ = gather_pa_kv_cache(
-        cache.key_pools[1],
-        cache.value_pools[1],
-        layout.block_tables,
-        layout.seq_lens,
-        layout.seq_offset,
-        backend="golden",
+        cache.key_pools[1], cache.value_pools[1], layout.block_table, seq_lens, backend="golden"
     )
     assert bitwise_equal(key, torch.cat([torch.cat(history[s]) for s in seqs]))
+
+
+def test_commit_adopts_a_copied_pool() -> None:
+    """A runner that returned a copy of a pool (stock ORT with unbound outputs): the copy becomes the pool."""
+    cache = _cache()
+    cache.add_sequence(0)
+    cache.prepare_step([0], [2])
+    copy = cache.key_pools[0].clone()
+    same = cache.value_pools[0]
+    cache.commit([0], [2], {"present.0.key": copy, "present.0.value": same})
+    assert cache.key_pools[0] is copy and cache.value_pools[0] is same and cache.sequences[0].length == 2
 
 
 def test_release_returns_blocks_and_slots_are_distinct() -> None:
@@ -90,7 +145,7 @@ def test_release_returns_blocks_and_slots_are_distinct() -> None:
     for s in range(3):
         cache.add_sequence(s)
     layout = cache.prepare_step([0, 1, 2], [7, 8, 9])
-    assert len(set(layout.write_slots.tolist())) == 24
+    assert len(set(layout.slots.tolist())) == 24
     assert cache.allocator.num_free == 12 - (2 + 2 + 3)
     cache.release(1)
     assert cache.allocator.num_free == 12 - 5

@@ -27,6 +27,8 @@ from pakv_onnx.models.hf import (
     make_workload,
     new_cache,
     run_step_torch,
+    session_step,
+    step_inputs,
 )
 from pakv_onnx.models.hf import check
 
@@ -53,20 +55,61 @@ def test_workload_has_ragged_prompts_and_staggered_ends() -> None:
 
 
 @pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
-def test_export_has_one_gather_per_layer(exported) -> None:
+def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None:
     arch, path, _, _ = exported
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
-    gathers = [n for n in model.graph.node if n.op_type == "GatherPaKvCache" and n.domain == "pakv"]
     layers = build_model(arch, SEED).config.num_hidden_layers
-    assert len(gathers) == layers
-    pools = {i for n in gathers for i in n.input[:2]}
-    assert pools == {f"{kind}_cache_{layer}" for kind in ("key", "value") for layer in range(layers)}
-    assert [i.name for i in model.graph.input][:6] == [
-        "input_ids", "position_ids", "query_seq_lens", "seq_lens", "seq_offset", "block_tables"
+    pakv = [n for n in model.graph.node if n.domain == "pakv"]
+    assert [n.op_type for n in pakv] == ["ScatterPaKvCache", "GatherPaKvCache"] * layers
+    outputs = [o.name for o in model.graph.output]
+    for layer, (scatter, gather) in enumerate(zip(pakv[::2], pakv[1::2])):
+        # the layer's pools in, the updated pools are the present outputs and feed the gather
+        assert list(scatter.input[2:4]) == [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+        assert list(scatter.output) == [f"present.{layer}.key", f"present.{layer}.value"]
+        assert list(gather.input[:2]) == list(scatter.output)
+    assert [i.name for i in model.graph.input][:4] == [
+        "input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table"
     ]
+    types = {i.name: i.type.tensor_type for i in model.graph.input}
+    assert [types[n].elem_type for n in ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")] == [
+        onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT32, onnx.TensorProto.INT32
+    ]
+    assert len(types["input_ids"].shape.dim) == 1  # packed tokens [num_tokens]
+    assert outputs[0] == "logits" and model.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch_size"
     # Per-sequence attention is a Loop per layer, not a [T, T] mask over the packed batch.
     assert sum(n.op_type == "Loop" for n in model.graph.node) == layers
+
+
+@pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
+def test_plugin_writes_the_callers_pools_in_place(exported) -> None:
+    """The present outputs bound to the input pools: every step's outputs are the cache's own pool
+    tensors (never a copy), and each step changed exactly its new tokens' slots."""
+    arch, path, workload, _ = exported
+    config = build_model(arch, SEED).config
+    session = check.make_runner_session("plugin:native", path)
+    cache = new_cache(config, workload, BLOCK_SIZE, SEED)
+    pools = [*cache.key_pools, *cache.value_pools]
+    ids = list(range(len(workload.prompts)))
+    for i in ids:
+        cache.add_sequence(i)
+    step = session_step(session)
+    pending = [list(p) for p in workload.prompts]
+    for _ in range(3):
+        before = [p.clone() for p in pools]
+        counts, layout, feeds = step_inputs(cache, ids, pending)
+        outputs = step(feeds)
+        for layer in range(config.num_hidden_layers):
+            assert outputs[f"present.{layer}.key"] is cache.key_pools[layer]
+            assert outputs[f"present.{layer}.value"] is cache.value_pools[layer]
+        for pool, old in zip(pools, before):
+            flat, flat_old = pool.view(-1, *pool.shape[2:]), old.view(-1, *old.shape[2:])
+            changed = (flat != flat_old).flatten(1).any(dim=1).nonzero().flatten()
+            assert set(changed.tolist()) <= set(layout.slots.tolist())  # only this step's rows
+            assert len(changed) > 0.9 * len(layout.slots)
+        cache.commit(ids, counts, outputs)
+        pending = [[int(t)] for t in outputs["logits"].argmax(-1)]
+    assert [*cache.key_pools, *cache.value_pools] == pools  # the same tensors throughout
 
 
 @pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)
@@ -100,6 +143,19 @@ def test_broken_backend_fails(exported, monkeypatch: pytest.MonkeyPatch) -> None
     result = check.run_runner("plugin:broken", path, config, workload, BLOCK_SIZE, SEED, reference)
     assert not result.passed
     assert result.max_logit_err > check.LOGIT_ATOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_eager_step_generates_like_transformers(arch: str) -> None:
+    """No export: the step module in eager torch, writing the pools in place (quick set)."""
+    workload = make_workload(batch=3, new_tokens=4, vocab_size=256, seed=2)
+    reference = generate_reference(build_model(arch, SEED), workload)
+    step = PagedDecoderStep(build_model(arch, SEED))
+    cache = new_cache(step.model.config, workload, 4, SEED)
+    pools = [*cache.key_pools, *cache.value_pools]
+    result = generate_paged(lambda feeds: run_step_torch(step, feeds), cache, workload)
+    assert compare(result, reference)[0] and compare(result, reference)[1] <= check.LOGIT_ATOL
+    assert [*cache.key_pools, *cache.value_pools] == pools and any(bool(p.any()) for p in pools)
 
 
 def test_compare_sees_one_wrong_token() -> None:

@@ -11,12 +11,13 @@ import torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.demo import ATTENTION_ATOL, SAMPLE_GRAPHS
 from pakv_onnx.models import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES, GqaPagedAttention, MlaContextAttention
-from pakv_onnx.models.attention import masked_attention, ragged_attention, ragged_causal_mask
+from pakv_onnx.models.attention import cached_ragged_attention, masked_attention, ragged_attention, ragged_causal_mask
 from pakv_onnx.spec import bitwise_equal
 
 # (num_tokens, num_seqs, seed): several batch layouts through one exported graph.
 LAYOUTS = [(64, 1, 11), (200, 4, 12), (333, 7, 13)]
 PLUGIN_BACKENDS = ("native", "golden", "torch")
+ORT_MINOR = int(onnxruntime.__version__.split(".")[1])
 
 
 def assert_matches_reference(outputs: dict[str, torch.Tensor], reference: tuple, runner: str) -> None:
@@ -78,14 +79,56 @@ def test_ragged_attention_with_past_tokens() -> None:
         assert torch.allclose(got[n_cu[s] : n_cu[s + 1]], want, atol=1e-6, rtol=0), s
 
 
+def test_cached_ragged_attention_equals_the_past_then_new_form() -> None:
+    """Keys read back per sequence (past then new, one run each: the decoder step's layout) give
+    what ragged_attention gives on the past-then-new layout; heads-first too."""
+    generator = torch.Generator().manual_seed(4)
+    past, new = [4, 0, 6, 9], [2, 3, 1, 0]
+    q = torch.randn(sum(new), 2, 4, generator=generator)
+    k_past, k_new = torch.randn(sum(past), 2, 4, generator=generator), torch.randn(sum(new), 2, 4, generator=generator)
+    v_past, v_new = torch.randn(sum(past), 2, 6, generator=generator), torch.randn(sum(new), 2, 6, generator=generator)
+    cum = lambda xs: torch.tensor([0, *xs]).cumsum(0).to(torch.int32)  # noqa: E731
+    p_cu, n_cu = cum(past).tolist(), cum(new).tolist()
+    runs = lambda a, b: torch.cat([torch.cat((a[p_cu[s] : p_cu[s + 1]], b[n_cu[s] : n_cu[s + 1]])) for s in range(4)])  # noqa: E731
+    want = ragged_attention(q, torch.cat((k_past, k_new)), torch.cat((v_past, v_new)), cum(new), cum(past))
+    kv_lens = cum([p + n for p, n in zip(past, new)])
+    got = cached_ragged_attention(q, runs(k_past, k_new), runs(v_past, v_new), cum(new), kv_lens)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    head_major = [x.transpose(0, 1).contiguous() for x in (q, runs(k_past, k_new), runs(v_past, v_new))]
+    got_hm = cached_ragged_attention(*head_major, cum(new), kv_lens, heads_first=True)
+    assert torch.allclose(got_hm.transpose(0, 1), want, atol=1e-6, rtol=0)
+    shifted = cached_ragged_attention(q, runs(k_past, k_new), runs(v_past, v_new), cum(new), cum([p + n + 1 for p, n in zip(past, new)][:3] + [0]))
+    assert not torch.allclose(shifted, want, atol=1e-3)  # a wrong run boundary is seen
+
+
 @pytest.mark.parametrize("model", [MlaContextAttention(), GqaPagedAttention(block_size=16)], ids=["mla", "gqa"])
 def test_eager_forward_matches_reference(model) -> None:
     for num_tokens, num_seqs, seed in LAYOUTS:
         batch = model.random_batch(num_tokens, num_seqs, seed)
         hidden = model.random_hidden_states(num_tokens, seed)
         with torch.no_grad():
-            outputs = dict(zip(MODEL_OUTPUT_NAMES, model(hidden, *batch.gather_inputs())))
+            step = batch.step_inputs()
+            outputs = dict(zip(MODEL_OUTPUT_NAMES, model(hidden, *step)))
         assert_matches_reference(outputs, model.reference_forward(hidden, batch), "eager")
+        assert bitwise_equal(step[2], batch.key_cache) and bitwise_equal(step[3], batch.value_cache)  # written in place
+
+
+def test_step_inputs_leave_the_written_rows_out_of_the_caches() -> None:
+    """The step's rows are missing from its caches until the write op puts them there."""
+    model = GqaPagedAttention(block_size=16)
+    batch = model.random_batch(100, 3, 4)
+    new_key, new_value, key_cache, value_cache, slots, *_ = batch.step_inputs()
+    assert slots.dtype == torch.int32 and int(slots[-1]) == -1  # one padding row
+    lengths = (batch.seq_lens[1:] - batch.seq_lens[:-1]).tolist()
+    assert len(slots) == sum(max(1, n // 4) for n in lengths if n) + 1
+    assert not bitwise_equal(key_cache, batch.key_cache)
+    rows = key_cache.view(-1, *key_cache.shape[2:])
+    assert int(rows[slots[:-1].long()].abs().sum()) == 0
+    assert bitwise_equal(new_key[:-1], batch.key_cache.view(-1, *key_cache.shape[2:])[slots[:-1].long()])
+    hidden = model.random_hidden_states(100, 4)
+    with torch.no_grad():  # every slot -1 (nothing written): the gather reads the holes
+        _, key, _ = model(hidden, new_key, new_value, key_cache, value_cache, torch.full_like(slots, -1), *batch.step_inputs()[5:])
+    assert not bitwise_equal(key, model.reference_forward(hidden, batch)[1])
 
 
 def test_reference_sees_a_wrong_block() -> None:
@@ -97,8 +140,9 @@ def test_reference_sees_a_wrong_block() -> None:
     row = int((batch.seq_lens[1:] - batch.seq_lens[:-1]).argmax())
     used = [c for c in range(tables.shape[1]) if int(tables[row, c]) >= 0]
     tables[row, used[0]], tables[row, used[1]] = int(tables[row, used[1]]), int(tables[row, used[0]])
+    new_key, new_value, key_cache, value_cache, slots, _, seq_lens, seq_offset = batch.step_inputs()
     with torch.no_grad():
-        out, key, _ = model(hidden, batch.key_cache, batch.value_cache, tables, batch.seq_lens, batch.seq_offset)
+        out, key, _ = model(hidden, new_key, new_value, key_cache, value_cache, slots, tables, seq_lens, seq_offset)
     _, ref_key, _ = model.reference_forward(hidden, batch)
     assert not bitwise_equal(key, ref_key)
 
@@ -109,7 +153,7 @@ def exported(request, tmp_path_factory) -> tuple:
     model = graph.build(0).eval()
     num_tokens, num_seqs, seed = LAYOUTS[1]
     batch = model.random_batch(num_tokens, num_seqs, seed)
-    inputs = (model.random_hidden_states(num_tokens, seed), *batch.gather_inputs())
+    inputs = (model.random_hidden_states(num_tokens, seed), *batch.step_inputs())
     path = Path(tmp_path_factory.mktemp("models")) / f"{graph.name}.onnx"
     model.export_onnx(inputs, path)
     return model, path
@@ -128,9 +172,12 @@ def test_onnx_graph_matches_reference_on_every_backend(exported) -> None:
         batch = model.random_batch(num_tokens, num_seqs, seed)
         hidden = model.random_hidden_states(num_tokens, seed)
         reference = model.reference_forward(hidden, batch)
-        feeds = dict(zip(MODEL_INPUT_NAMES, (hidden, *batch.gather_inputs())))
         for runner, session in sessions.items():
+            feeds = dict(zip(MODEL_INPUT_NAMES, (hidden, *batch.step_inputs())))  # fresh caches, rows missing
             assert_matches_reference(runtime_plugin.run(session, feeds), reference, f"{runner} T={num_tokens}")
+            if runner.startswith("plugin:"):  # the updated caches feed only the gather: the alias route
+                in_place = bitwise_equal(feeds["key_cache"], batch.key_cache)
+                assert in_place == (ORT_MINOR >= 18), f"{runner}: onnxruntime {onnxruntime.__version__}, in place {in_place}"
 
 
 # Run in a child process under a 4 GiB address-space cap: 128 sequences of 64 tokens (T = 8192).
@@ -152,13 +199,15 @@ g = torch.Generator().manual_seed(0)
 tables = torch.randperm(blocks, generator=g).to(torch.int32).reshape(seqs, length // bs)
 caches = [torch.randn(blocks, bs, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2)]
 seq_lens = torch.arange(0, tokens + 1, length, dtype=torch.int32)
-inputs = (torch.randn(tokens, 128, generator=g), *caches, tables, seq_lens, torch.zeros(seqs, dtype=torch.int32))
+pad = (torch.zeros(1, 2, 32).to(torch.bfloat16),) * 2  # the step writes nothing (one padding row, slot -1)
+no_slot = torch.tensor([-1], dtype=torch.int32)
+inputs = (torch.randn(tokens, 128, generator=g), *pad, *caches, no_slot, tables, seq_lens, torch.zeros(seqs, dtype=torch.int32))
 session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
 out = runtime_plugin.run(session, dict(zip(MODEL_INPUT_NAMES, inputs)))
 # Spot-check one sequence against the eager model on just that sequence.
 q = 77
 rows = slice(q * length, (q + 1) * length)
-one = (inputs[0][rows], *caches, tables[q:q + 1], seq_lens[:2], torch.zeros(1, dtype=torch.int32))
+one = (inputs[0][rows], *pad, *caches, no_slot, tables[q:q + 1], seq_lens[:2], torch.zeros(1, dtype=torch.int32))
 with torch.no_grad():
     ref = model(*one)[0]
 err = float((out["output"][rows] - ref).abs().max())

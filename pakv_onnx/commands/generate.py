@@ -61,8 +61,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a transformers decoder generating over a paged KV cache in ONNX Runtime, checked against transformers",
         description=(
             "Build a small transformers decoder with seeded random weights (no downloads): Llama-style "
-            "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer reads its KV cache from a paged "
-            "block pool through pakv::GatherPaKvCache. One model step (prefill and decode share it) is "
+            "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer writes the step's K/V into its "
+            "paged block pools with pakv::ScatterPaKvCache and reads past + new back through "
+            "pakv::GatherPaKvCache, inside the graph (ORT GenAI's paged inputs and outputs; the pools are "
+            "bound in place). One model step (prefill and decode share it) is "
             "exported to ONNX and drives greedy generation for a batch of prompts of different lengths "
             "(sequences finish at different steps and return their blocks) on each runner: the plugin "
             "with each --backend, plugin:pypto-cpu when that backend is registered and the case is "

@@ -7,6 +7,8 @@ exporter with a data-dependent T.
 :func:`ragged_attention` is what the models run: a loop over sequences (``torch.while_loop``,
 an ONNX ``Loop``) so attention scores exist for one sequence at a time and memory grows with
 the longest sequence's ``len^2``, not with ``T^2`` of the packed batch.
+:func:`cached_ragged_attention` is the decoder step's form: each sequence's keys are one run read back
+from the cache after the step's own tokens were written into it.
 :func:`ragged_causal_mask` + :func:`masked_attention` are the dense ``[T, T]`` form, kept as an
 independent reference for tests.
 """
@@ -120,6 +122,72 @@ def ragged_attention(
         _, out = while_loop(more, one_sequence, (i, out))
         return out
     # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
+    while bool(more(i, out)):
+        i, out = one_sequence(i, out)
+    return out
+
+
+def cached_ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_seq_lens: torch.Tensor,
+    kv_seq_lens: torch.Tensor,
+    scale: float | None = None,
+    *,
+    heads_first: bool = False,
+) -> torch.Tensor:
+    """:func:`ragged_attention` over keys read back from a cache the new tokens were already written to.
+
+    Sequence q's key/value rows are one contiguous run ``kv_seq_lens[q] .. kv_seq_lens[q+1]``
+    (its past tokens, then its ``n_q`` new ones: what GatherPaKvCache returns after the step's
+    ScatterPaKvCache), so its new query ``j`` sits at position ``len_q - n_q + j`` and attends to
+    the run's rows ``0 .. len_q - n_q + j``. Sequences never see each other.
+
+    Args:
+        q: fp32 ``[N, H, Dqk]``, the new tokens packed by ``query_seq_lens``.
+        k, v: fp32 ``[T, H, D]`` packed by ``kv_seq_lens``, each sequence's run at least its ``n_q``.
+        query_seq_lens: int ``[Q+1]`` cumulative new-token counts starting at 0 (ends at N).
+        kv_seq_lens: int ``[Q+1]`` cumulative cached-token counts (past + new) starting at 0 (ends at T).
+        scale, heads_first: as :func:`ragged_attention` (head-major ``[H, tokens, D]`` when set).
+
+    Returns:
+        fp32 ``[N, H, Dv]`` (``[H, N, Dv]`` head-major). Peak memory holds one sequence's scores.
+    """
+    tok = 1 if heads_first else 0
+    spec_scores, spec_out = ("htd,hsd->hts", "hts,hsd->htd") if heads_first else ("thd,shd->hts", "hts,shd->thd")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q_cu = query_seq_lens.to(torch.int64)
+    kv_cu = kv_seq_lens.to(torch.int64)
+    active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
+    bounds = torch.stack((q_cu[:-1], q_cu[1:], kv_cu[:-1], kv_cu[1:]), dim=1).index_select(0, active)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+
+    def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return i < bounds.shape[0]
+
+    def one_sequence(i: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        row = bounds.index_select(0, i.reshape(1)).reshape(4)
+        q_start, q_end, kv_start, kv_end = (row[j].item() for j in range(4))
+        torch._check(q_start >= 0)
+        torch._check(q_end > q_start)
+        torch._check(kv_start >= 0)
+        torch._check(kv_end - kv_start >= q_end - q_start)
+        query_rows = torch.arange(q_start, q_end)
+        key_rows = torch.arange(kv_start, kv_end)
+        past = (kv_end - kv_start) - (q_end - q_start)
+        scores = torch.einsum(spec_scores, q.index_select(tok, query_rows), k.index_select(tok, key_rows)) * scale
+        key_pos = torch.arange(key_rows.shape[0])
+        query_pos = torch.arange(query_rows.shape[0]) + past
+        allowed = key_pos[None, :] <= query_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
+        attended = torch.einsum(spec_out, probs, v.index_select(tok, key_rows))
+        return i + 1, out.index_copy(tok, query_rows, attended)
+
+    i = torch.zeros((), dtype=torch.int64)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        _, out = while_loop(more, one_sequence, (i, out))
+        return out
     while bool(more(i, out)):
         i, out = one_sequence(i, out)
     return out

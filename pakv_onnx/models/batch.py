@@ -41,6 +41,33 @@ class PagedBatch:
         """The five GatherPaKvCache inputs in the contract's order."""
         return (self.key_cache, self.value_cache, self.block_tables, self.seq_lens, self.seq_offset)
 
+    def step_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The batch as one step that writes before it reads (what the sample graphs take):
+        ``(new_key, new_value, key_cache, value_cache, slot_mapping, block_tables, seq_lens, seq_offset)``.
+
+        The step's new tokens are the last quarter (at least one) of every non-empty sequence:
+        ``new_key`` / ``new_value`` ``[N + 1, H, D]`` hold their rows (plus one padding row whose
+        slot is -1), ``slot_mapping`` int32 their slots, and the caches are copies of the batch's
+        with those rows zeroed. Written with ScatterPaKvCache, the caches are the batch's again,
+        so the gather after the write reads exactly :meth:`gather_inputs`' tokens.
+        """
+        bs = self.key_cache.shape[1]
+        lengths = (self.seq_lens[1:] - self.seq_lens[:-1]).tolist()
+        slots = []
+        for q, length in enumerate(lengths):
+            first_col = int(self.seq_offset[q]) // bs
+            for t in range(length - max(1, length // 4) if length else 0, length):
+                slots.append(int(self.block_tables[q, first_col + t // bs]) * bs + t % bs)
+        index = torch.tensor(slots, dtype=torch.int64)
+        key_rows, value_rows = (c.reshape(-1, *c.shape[2:]) for c in (self.key_cache, self.value_cache))
+        new_key = torch.cat((key_rows[index], torch.zeros_like(key_rows[:1])))
+        new_value = torch.cat((value_rows[index], torch.zeros_like(value_rows[:1])))
+        key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
+        for cache in (key_cache, value_cache):
+            cache.view(-1, *cache.shape[2:])[index] = 0
+        slot_mapping = torch.tensor([*slots, -1], dtype=torch.int32)
+        return (new_key, new_value, key_cache, value_cache, slot_mapping, self.block_tables, self.seq_lens, self.seq_offset)
+
 
 def ragged_lengths(num_tokens: int, num_seqs: int, rng: random.Random) -> list[int]:
     """``num_seqs`` random non-negative lengths summing to ``num_tokens`` (at least one > 0)."""

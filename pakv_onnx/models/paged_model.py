@@ -1,9 +1,14 @@
-"""The shape every sample model shares: gather the paged caches, then attend.
+"""The shape every sample model shares: write the step's K/V into the paged caches, gather
+past + new back through the updated caches, then attend.
 
-``forward`` calls the exportable custom op ``torch.ops.pakv.gather_pa_kv_cache`` (one
-``pakv::GatherPaKvCache`` node in ONNX); ``reference_forward`` runs the same attention on
-the golden's gather. Both return ``(output, key, value)`` so the gathered tensors can be
-compared bit-exact and the attention output within a stated fp32 tolerance.
+``forward`` calls the exportable custom ops: ``torch.ops.pakv.scatter_pa_kv_cache_functional``
+(one ``pakv::ScatterPaKvCache`` node; eager, the in-place ``scatter_pa_kv_cache`` on the caller's
+caches) and ``torch.ops.pakv.gather_pa_kv_cache`` on its outputs (one ``pakv::GatherPaKvCache``
+node). The updated caches feed only the gather, so on ONNX Runtime >= 1.18 the plugin's alias map
+makes them the caller's cache buffers: written in place, never copied. ``reference_forward`` runs
+the same attention on the golden's gather of the batch. Both return ``(output, key, value)`` so
+the gathered tensors can be compared bit-exact and the attention output within a stated fp32
+tolerance.
 """
 
 from __future__ import annotations
@@ -18,7 +23,17 @@ from pakv_onnx.models.batch import PagedBatch
 from pakv_onnx.ops import gather_pa_kv_cache
 
 # Input and output names of the exported graphs.
-MODEL_INPUT_NAMES = ("hidden_states", "key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
+MODEL_INPUT_NAMES = (
+    "hidden_states",
+    "new_key",
+    "new_value",
+    "key_cache",
+    "value_cache",
+    "slot_mapping",
+    "block_tables",
+    "seq_lens",
+    "seq_offset",
+)
 MODEL_OUTPUT_NAMES = ("output", "key", "value")
 
 
@@ -26,8 +41,10 @@ class PagedAttentionModel(torch.nn.Module, abc.ABC):
     """Attention over a paged KV cache for a packed batch of ragged sequences (cumsum seq_lens).
 
     Inputs of ``forward``: ``hidden_states`` fp32 ``[T, hidden]`` (one row per gathered token),
-    then the contract's five gather inputs. Outputs: ``output`` fp32 ``[T, hidden]`` and the
-    gathered ``key`` / ``value`` (cache dtype, ``[T, H, D]``).
+    the step's ``new_key`` / ``new_value`` rows with their ``slot_mapping`` (ScatterPaKvCache's
+    inputs with the caches), then the gather's ``block_tables``, ``seq_lens`` (past + new) and
+    ``seq_offset``. Outputs: ``output`` fp32 ``[T, hidden]`` and the gathered ``key`` / ``value``
+    (cache dtype, ``[T, H, D]``).
     """
 
     hidden_size: int
@@ -45,12 +62,21 @@ class PagedAttentionModel(torch.nn.Module, abc.ABC):
     def forward(
         self,
         hidden_states: torch.Tensor,
+        new_key: torch.Tensor,
+        new_value: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         seq_offset: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            key_cache, value_cache = torch.ops.pakv.scatter_pa_kv_cache_functional(
+                new_key, new_value, key_cache, value_cache, slot_mapping
+            )
+        else:  # eager: in place on the caller's caches, as ORT's alias route writes them
+            torch.ops.pakv.scatter_pa_kv_cache(new_key, new_value, key_cache, value_cache, slot_mapping)
         key, value = torch.ops.pakv.gather_pa_kv_cache(
             key_cache, value_cache, block_tables, seq_lens, seq_offset, "Norm", True
         )
@@ -80,6 +106,6 @@ class PagedAttentionModel(torch.nn.Module, abc.ABC):
         export(self.eval(), inputs, path, input_names=MODEL_INPUT_NAMES, output_names=MODEL_OUTPUT_NAMES)
 
     def example_inputs(self, num_tokens: int, num_seqs: int, seed: int) -> tuple[torch.Tensor, ...]:
-        """``forward``'s inputs for a random batch: ``(hidden_states, *gather inputs)``."""
+        """``forward``'s inputs for a random batch: ``(hidden_states, *batch.step_inputs())``."""
         batch = self.random_batch(num_tokens, num_seqs, seed)
-        return (self.random_hidden_states(num_tokens, seed), *batch.gather_inputs())
+        return (self.random_hidden_states(num_tokens, seed), *batch.step_inputs())

@@ -1,17 +1,26 @@
 """transformers decoders generating over a paged KV cache read through GatherPaKvCache.
 
 - :mod:`~pakv_onnx.models.hf.configs`: small Llama (GQA) and DeepSeek-V3 (MLA) with seeded weights.
-- :mod:`~pakv_onnx.models.hf.cache`: block allocator, per-layer pools, block tables, host writes,
-  and the duck-typed ``cache=`` object whose ``update`` gathers through the op.
+- :mod:`~pakv_onnx.models.hf.cache`: block allocator, per-layer pools, block tables laid out in
+  ORT GenAI's paged convention, and the duck-typed ``cache=`` object whose ``update`` writes the
+  step's rows with ScatterPaKvCache and reads past + new back with GatherPaKvCache.
 - :mod:`~pakv_onnx.models.hf.step`: one step (prefill and decode share it) as an exportable module,
   with the per-sequence attention function registered in transformers' AttentionInterface.
-- :mod:`~pakv_onnx.models.hf.generate`: greedy generation over any step runner, and transformers'
-  own ``generate`` as the reference.
+- :mod:`~pakv_onnx.models.hf.generate`: greedy generation over any step runner, the per-step
+  pieces a serving engine calls (:func:`step_inputs`, :func:`session_step`, :func:`run_step`), and
+  transformers' own ``generate`` as the reference.
 
 Needs the ``hf`` extra (transformers); importing this package does not import transformers.
 """
 
-from pakv_onnx.models.hf.cache import BlockAllocator, OutOfBlocksError, PagedKVCache, StepCache, StepLayout
+from pakv_onnx.models.hf.cache import (
+    BlockAllocator,
+    OutOfBlocksError,
+    PagedKVCache,
+    StepCache,
+    StepLayout,
+    step_slots,
+)
 from pakv_onnx.models.hf.configs import ARCHS, build_model, cache_geometry, make_config
 from pakv_onnx.models.hf.generate import (
     Generation,
@@ -21,12 +30,16 @@ from pakv_onnx.models.hf.generate import (
     generate_reference,
     make_workload,
     new_cache,
+    run_step,
+    session_step,
+    step_inputs,
 )
 from pakv_onnx.models.hf.step import (
     ATTN_IMPLEMENTATION,
     PagedDecoderStep,
     export_step,
     paged_attention,
+    present_bindings,
     register_attention,
     run_step_torch,
     step_feeds,
@@ -55,9 +68,14 @@ __all__ = [
     "make_workload",
     "new_cache",
     "paged_attention",
+    "present_bindings",
     "register_attention",
+    "run_step",
     "run_step_torch",
+    "session_step",
     "step_feeds",
     "step_input_names",
+    "step_inputs",
     "step_output_names",
+    "step_slots",
 ]

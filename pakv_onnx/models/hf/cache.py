@@ -2,16 +2,16 @@
 
 Host side (:class:`BlockAllocator`, :class:`PagedKVCache`) is what a serving engine keeps between
 steps: one key pool and one value pool per layer ``[num_blocks, block_size, H, D]``, a free list
-of block ids, and each live sequence's blocks, length and table offset. Graph side
-(:class:`StepCache`) is the duck-typed ``cache=`` object a transformers model calls
-``update(new_k, new_v, layer_idx)`` on during one step: it reads the layer's past tokens through
-``torch.ops.pakv.gather_pa_kv_cache`` and records the step's new rows.
+of block ids, and each live sequence's blocks and length. It lays out a step the way ORT GenAI's
+paged engine does (:class:`StepLayout`: a block table padded with -1, cumulative new-token counts,
+past lengths) and never touches the pools' contents.
 
-Where the write happens: on the host, after the step. The step's graph outputs only the new K/V
-rows of each layer; :meth:`PagedKVCache.write` copies them into their slots (a few rows per step).
-Writing inside the graph (ScatterND, pools as outputs) makes ONNX Runtime copy every layer's whole
-pool every step, so cost would grow with the pool instead of the batch; host writes keep the pools
-as plain inputs that are bound zero-copy.
+Graph side (:class:`StepCache`) is the duck-typed ``cache=`` object a transformers model calls
+``update(new_k, new_v, layer_idx)`` on during one step: it writes the step's new rows into the
+layer's pools with ``ScatterPaKvCache`` (slots computed in the graph from the step's inputs), then
+reads each sequence's past and new rows back through the *updated* pools with ``GatherPaKvCache``.
+The updated pools are the step's ``present.<l>.*`` outputs; a host binds each to its input pool's
+buffer (as ORT GenAI does), so the write op writes only the step's rows and no pool is copied.
 """
 
 from __future__ import annotations
@@ -22,12 +22,15 @@ from collections.abc import Mapping
 
 import torch
 
-import pakv_onnx.export  # noqa: F401  registers torch.ops.pakv.gather_pa_kv_cache
+import pakv_onnx.export  # noqa: F401  registers torch.ops.pakv.gather_pa_kv_cache / scatter_pa_kv_cache*
 from pakv_onnx.models.hf.configs import CacheGeometry
 
-# Names of one step's new rows of layer l among the step graph's outputs.
-NEW_KEY_OUTPUT = "new_key_{}"
-NEW_VALUE_OUTPUT = "new_value_{}"
+# ORT GenAI's names of layer l's pools among a paged step's inputs and outputs (genai_config's
+# decoder.inputs.past_key_names / outputs.present_key_names, "%d" the layer).
+PAST_KEY = "past_key_values.{}.key"
+PAST_VALUE = "past_key_values.{}.value"
+PRESENT_KEY = "present.{}.key"
+PRESENT_VALUE = "present.{}.value"
 
 
 class OutOfBlocksError(RuntimeError):
@@ -79,26 +82,27 @@ class SequenceState:
 
     blocks: list[int]
     length: int  # tokens already in the cache
-    offset_cols: int  # leading block-table columns it does not use (its seq_offset // block_size)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepLayout:
-    """The cache inputs of one model step for a batch of live sequences, in batch order.
+    """The cache inputs of one model step for a batch of live sequences, in batch order (ORT GenAI's
+    paged convention).
 
     Attributes:
-        block_tables: int32 ``[B, cols]``; unused columns hold -1 (never read).
-        seq_lens: int32 ``[B+1]`` cumulative past-token counts (what the gather reads).
-        seq_offset: int32 ``[B]`` multiples of block_size: each row's first used column x block_size.
-        query_seq_lens: int32 ``[B+1]`` cumulative new-token counts.
-        write_slots: int64 ``[N]`` flat slot ``block * block_size + slot`` of each new token, in packed order.
+        block_table: int32 ``[B, max_blocks]``: row b lists sequence b's blocks from column 0, -1 after.
+        cumulative_sequence_lengths: int32 ``[B+1]`` cumulative new-token counts (the packed
+            ``input_ids`` boundaries).
+        past_sequence_lengths: int32 ``[B]`` tokens each sequence already has in the cache: its new
+            token ``j`` goes to position ``past + j``.
+        slots: int64 ``[N]`` flat slot ``block * block_size + row`` of each new token, in packed
+            order. Not an input: the graph computes the same slots; kept for checks.
     """
 
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    seq_offset: torch.Tensor
-    query_seq_lens: torch.Tensor
-    write_slots: torch.Tensor
+    block_table: torch.Tensor
+    cumulative_sequence_lengths: torch.Tensor
+    past_sequence_lengths: torch.Tensor
+    slots: torch.Tensor
 
 
 class PagedKVCache:
@@ -106,7 +110,8 @@ class PagedKVCache:
 
     Pools: ``key_pools[l]`` ``[num_blocks, block_size, *geometry.key_shape]`` and
     ``value_pools[l]`` ``[num_blocks, block_size, *geometry.value_shape]``, ``dtype`` (fp32 by
-    default, so generation matches transformers' dense fp32 cache token for token).
+    default, so generation matches transformers' dense fp32 cache token for token). A step writes
+    them (inside the graph); the host only lays steps out and keeps lengths.
     """
 
     def __init__(
@@ -130,13 +135,12 @@ class PagedKVCache:
             torch.zeros(num_blocks, block_size, *geometry.value_shape, dtype=dtype) for _ in range(num_layers)
         ]
         self.sequences: dict[int, SequenceState] = {}
-        self._rng = random.Random(seed + 1)
 
     def add_sequence(self, seq_id: int) -> None:
-        """Register an empty sequence; some get a non-zero seq_offset (junk leading table columns)."""
+        """Register an empty sequence."""
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id} is already live")
-        self.sequences[seq_id] = SequenceState(blocks=[], length=0, offset_cols=self._rng.choice((0, 1, 2)))
+        self.sequences[seq_id] = SequenceState(blocks=[], length=0)
 
     def release(self, seq_id: int) -> None:
         """A finished sequence: its blocks go back to the free list."""
@@ -152,86 +156,98 @@ class PagedKVCache:
             if need > 0:
                 state.blocks.extend(self.allocator.allocate(need))
         states = [self.sequences[s] for s in seq_ids]
-        cols = max(s.offset_cols + len(s.blocks) for s in states)
-        tables = torch.full((len(states), cols), -1, dtype=torch.int32)
+        cols = max(len(s.blocks) for s in states)
+        table = torch.full((len(states), cols), -1, dtype=torch.int32)
         slots = []
         for row, (state, count) in enumerate(zip(states, new_tokens)):
-            tables[row, state.offset_cols : state.offset_cols + len(state.blocks)] = torch.tensor(state.blocks)
+            table[row, : len(state.blocks)] = torch.tensor(state.blocks, dtype=torch.int32)
             for pos in range(state.length, state.length + count):
                 slots.append(state.blocks[pos // bs] * bs + pos % bs)
-        past = torch.tensor([0] + [s.length for s in states]).cumsum(0)
-        queries = torch.tensor([0, *new_tokens]).cumsum(0)
         return StepLayout(
-            block_tables=tables,
-            seq_lens=past.to(torch.int32),
-            seq_offset=torch.tensor([s.offset_cols * bs for s in states], dtype=torch.int32),
-            query_seq_lens=queries.to(torch.int32),
-            write_slots=torch.tensor(slots, dtype=torch.int64),
+            block_table=table,
+            cumulative_sequence_lengths=torch.tensor([0, *new_tokens]).cumsum(0).to(torch.int32),
+            past_sequence_lengths=torch.tensor([s.length for s in states], dtype=torch.int32),
+            slots=torch.tensor(slots, dtype=torch.int64),
         )
 
-    def write(
-        self, seq_ids: list[int], new_tokens: list[int], layout: StepLayout, new_keys: list, new_values: list
-    ) -> None:
-        """Copy each layer's new rows ``[N, H, D]`` into their slots and advance the sequences' lengths."""
-        for pool, rows in zip(self.key_pools, new_keys):
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, layout.write_slots, rows.to(pool.dtype))
-        for pool, rows in zip(self.value_pools, new_values):
-            pool.view(-1, *pool.shape[2:]).index_copy_(0, layout.write_slots, rows.to(pool.dtype))
+    def commit(self, seq_ids: list[int], new_tokens: list[int], outputs: Mapping[str, torch.Tensor]) -> None:
+        """After a step ran: the sequences' lengths advance, and a ``present.<l>.*`` output that is
+        not its pool's own buffer (a runner that copied the pool, e.g. stock ORT's ScatterND with
+        unbound outputs) becomes the pool."""
+        for layer in range(len(self.key_pools)):
+            for pools, name in ((self.key_pools, PRESENT_KEY), (self.value_pools, PRESENT_VALUE)):
+                present = outputs.get(name.format(layer))
+                if present is not None and present.data_ptr() != pools[layer].data_ptr():
+                    pools[layer] = present
         for seq_id, count in zip(seq_ids, new_tokens):
             self.sequences[seq_id].length += count
 
-    def write_step_outputs(
-        self, seq_ids: list[int], new_tokens: list[int], layout: StepLayout, outputs: Mapping[str, torch.Tensor]
-    ) -> None:
-        """:meth:`write` the rows a step graph returned as ``new_key_<l>`` / ``new_value_<l>``."""
-        layers = range(len(self.key_pools))
-        self.write(
-            seq_ids,
-            new_tokens,
-            layout,
-            [outputs[NEW_KEY_OUTPUT.format(layer)] for layer in layers],
-            [outputs[NEW_VALUE_OUTPUT.format(layer)] for layer in layers],
-        )
+
+def step_slots(
+    num_tokens: int,
+    cumulative_sequence_lengths: torch.Tensor,
+    past_sequence_lengths: torch.Tensor,
+    block_table: torch.Tensor,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each packed new token's position and flat cache slot, from the step's inputs (exportable).
+
+    Token ``t`` of row ``b`` (``cu[b] <= t < cu[b+1]``) is at position ``past[b] + t - cu[b]``
+    and goes to slot ``block_table[b, pos // block_size] * block_size + pos % block_size``.
+    Returns int64 ``(positions [N], slots [N])``.
+    """
+    cu = cumulative_sequence_lengths.to(torch.int64)
+    token = torch.arange(num_tokens)
+    row = (token[:, None] >= cu[1:][None, :]).sum(dim=-1)  # sequences ending at or before t
+    position = past_sequence_lengths.to(torch.int64).index_select(0, row) + token - cu.index_select(0, row)
+    column = torch.div(position, block_size, rounding_mode="floor")
+    block = block_table.to(torch.int64)[row, column]
+    return position, block * block_size + position % block_size
 
 
 class StepCache:
     """The duck-typed transformers cache of one step (traced into the exported graph).
 
-    ``update(new_k, new_v, layer_idx)`` receives the layer's new rows ``[1, H, N, D]``, gathers the
-    layer's past tokens from its pools with ``torch.ops.pakv.gather_pa_kv_cache`` and returns
-    past-then-new rows ``[1, H, P + N, D]`` (the layout :func:`~pakv_onnx.models.attention.ragged_attention`
-    reads). The new rows are kept in :attr:`new_keys` / :attr:`new_values` as ``[N, H, D]`` for the
-    step's outputs. Only ``update`` is needed: a name registered with transformers'
-    AttentionInterface but not its mask interface makes the model skip mask building.
+    ``update(new_k, new_v, layer_idx)`` receives the layer's new rows ``[1, H, N, D]``, writes them
+    into the layer's pools at ``slots`` with ScatterPaKvCache, reads every sequence's past and new
+    rows back through the updated pools with GatherPaKvCache (``kv_seq_lens``: cumulative past +
+    new) and returns them ``[1, H, T, D]`` (the layout
+    :func:`~pakv_onnx.models.attention.cached_ragged_attention` reads). The updated pools are kept
+    in :attr:`key_pools` / :attr:`value_pools` for the step's ``present.<l>.*`` outputs.
+
+    Traced (export), the write is ``torch.ops.pakv.scatter_pa_kv_cache_functional``: one
+    ``pakv::ScatterPaKvCache`` node whose outputs are the updated pools. Eager, it is the in-place
+    ``torch.ops.pakv.scatter_pa_kv_cache`` on the caller's pools (what a bound ORT run does).
+    Only ``update`` is needed: a name registered with transformers' AttentionInterface but not its
+    mask interface makes the model skip mask building.
     """
 
     def __init__(
         self,
         key_pools: list[torch.Tensor],
         value_pools: list[torch.Tensor],
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_offset: torch.Tensor,
+        block_table: torch.Tensor,
+        kv_seq_lens: torch.Tensor,
+        slots: torch.Tensor,
     ) -> None:
-        self.key_pools, self.value_pools = key_pools, value_pools
-        self.block_tables, self.seq_lens, self.seq_offset = block_tables, seq_lens, seq_offset
-        self.new_keys: list[torch.Tensor | None] = [None] * len(key_pools)
-        self.new_values: list[torch.Tensor | None] = [None] * len(key_pools)
+        self.key_pools, self.value_pools = list(key_pools), list(value_pools)
+        self.block_table, self.kv_seq_lens, self.slots = block_table, kv_seq_lens, slots
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        new_k = key_states[0].transpose(0, 1)  # [N, H, D]
-        new_v = value_states[0].transpose(0, 1)
-        self.new_keys[layer_idx], self.new_values[layer_idx] = new_k, new_v
-        past_k, past_v = torch.ops.pakv.gather_pa_kv_cache(
-            self.key_pools[layer_idx],
-            self.value_pools[layer_idx],
-            self.block_tables,
-            self.seq_lens,
-            self.seq_offset,
-            "Norm",
-            True,
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        new_k = key_states[0].transpose(0, 1).to(key_pool.dtype).contiguous()  # [N, H, D]
+        new_v = value_states[0].transpose(0, 1).to(value_pool.dtype).contiguous()
+        if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+            key_pool, value_pool = torch.ops.pakv.scatter_pa_kv_cache_functional(
+                new_k, new_v, key_pool, value_pool, self.slots
+            )
+        else:
+            torch.ops.pakv.scatter_pa_kv_cache(new_k, new_v, key_pool, value_pool, self.slots)
+        self.key_pools[layer_idx], self.value_pools[layer_idx] = key_pool, value_pool
+        all_k, all_v = torch.ops.pakv.gather_pa_kv_cache(
+            key_pool, value_pool, self.block_table, self.kv_seq_lens, None, "Norm", True
         )
-        # Head-major like transformers' own caches: only the past is transposed, once.
-        keys = torch.cat((past_k.to(key_states.dtype).transpose(0, 1).unsqueeze(0), key_states), dim=2)
-        values = torch.cat((past_v.to(value_states.dtype).transpose(0, 1).unsqueeze(0), value_states), dim=2)
+        # Head-major like transformers' own caches.
+        keys = all_k.to(key_states.dtype).transpose(0, 1).unsqueeze(0)
+        values = all_v.to(value_states.dtype).transpose(0, 1).unsqueeze(0)
         return keys, values

@@ -129,9 +129,7 @@ def make_runner_session(runner: str, path: Path, intra_op_threads: int = 0):
     return runtime_plugin.make_session(path, backend=runner.removeprefix("plugin:"), sess_options=options)
 
 
-def session_step(session) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """A step function over an ORT session: torch in (bound zero-copy), torch out."""
-    return lambda feeds: runtime_plugin.run(session, feeds)
+session_step = generate.session_step  # (kept here for callers of check.session_step)
 
 
 def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> None:

@@ -1,10 +1,15 @@
 """Greedy generation over a paged cache, and transformers' own greedy generation to compare with.
 
 :func:`generate_paged` is a small continuous-batching loop: every live sequence feeds its pending
-tokens (the whole prompt first, then one token per step) into one step, the step's new K/V rows
-are written into the pools, each sequence takes the argmax of its logits, and a sequence that has
+tokens (the whole prompt first, then one token per step) into one step, which writes its new K/V
+rows into the pools itself, each sequence takes the argmax of its logits, and a sequence that has
 its token budget leaves the batch and returns its blocks. The step is any callable from named
-feeds to named outputs: an ONNX Runtime session (plugin or stock) or the eager module.
+feeds to named outputs: an ONNX Runtime session (:func:`session_step`: plugin or stock, the
+``present.<l>.*`` outputs bound to the input pools) or the eager module.
+
+The per-step pieces a serving engine calls itself: :func:`step_inputs` (lay out a step and make
+its feeds), :func:`session_step` (run it in ORT, pools written in place), :func:`run_step` (both,
+then :meth:`PagedKVCache.commit`).
 """
 
 from __future__ import annotations
@@ -16,9 +21,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from pakv_onnx import runtime_plugin
 from pakv_onnx.models.hf.cache import PagedKVCache, StepLayout
 from pakv_onnx.models.hf.configs import cache_geometry
-from pakv_onnx.models.hf.step import step_feeds
+from pakv_onnx.models.hf.step import present_bindings, step_feeds
 
 StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
 
@@ -83,24 +89,29 @@ def step_inputs(
     cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]]
 ) -> tuple[list[int], StepLayout, dict[str, torch.Tensor]]:
     """Lay out one step in which sequence ``seq_ids[k]`` feeds ``tokens[k]`` (at the positions after
-    its cached tokens): ``(new token counts, layout, the graph's named feeds)``."""
+    its cached tokens): ``(new token counts, layout, the graph's named feeds)``. Reserves the
+    blocks the new tokens need."""
     counts = [len(t) for t in tokens]
     layout = cache.prepare_step(seq_ids, counts)
-    starts = [cache.sequences[i].length for i in seq_ids]
-    input_ids = torch.tensor([[t for chunk in tokens for t in chunk]], dtype=torch.int64)
-    positions = [p for start, n in zip(starts, counts) for p in range(start, start + n)]
-    position_ids = torch.tensor([positions], dtype=torch.int64)
-    return counts, layout, step_feeds(cache, layout, input_ids, position_ids)
+    input_ids = torch.tensor([t for chunk in tokens for t in chunk], dtype=torch.int64)
+    return counts, layout, step_feeds(cache, layout, input_ids)
+
+
+def session_step(session) -> StepFn:
+    """A step function over an ORT session (plugin or stock): torch feeds bound zero-copy, each
+    ``present.<l>.*`` output bound to its input pool's buffer (as ORT GenAI binds them), so the
+    plugin's write op writes only the step's rows into the caller's pools."""
+    return lambda feeds: runtime_plugin.run(session, feeds, out=present_bindings(feeds))
 
 
 def run_step(
     step: StepFn, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]]
 ) -> Mapping[str, torch.Tensor]:
-    """One step laid out by :func:`step_inputs`, run through ``step``, its new K/V rows written into
-    the pools; returns the step's outputs."""
-    counts, layout, feeds = step_inputs(cache, seq_ids, tokens)
+    """One step laid out by :func:`step_inputs`, run through ``step`` (which writes the pools),
+    committed to the cache (:meth:`PagedKVCache.commit`); returns the step's outputs."""
+    counts, _, feeds = step_inputs(cache, seq_ids, tokens)
     outputs = step(feeds)
-    cache.write_step_outputs(seq_ids, counts, layout, outputs)
+    cache.commit(seq_ids, counts, outputs)
     return outputs
 
 

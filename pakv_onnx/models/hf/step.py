@@ -1,44 +1,61 @@
-"""One model step over a paged cache, as a module that exports to one ONNX graph.
+"""One model step over a paged cache, as a module that exports to one ONNX graph (ORT GenAI's
+paged-model convention).
 
 A step takes a batch of live sequences, each with ``n >= 1`` new tokens (a prompt chunk or one
-decoded token: prefill and decode are the same graph), packed as ``input_ids [1, N]``. Every layer
-reads its past through GatherPaKvCache (:class:`~pakv_onnx.models.hf.cache.StepCache`) and attends
-per sequence through :func:`paged_attention`, registered with transformers'
-``AttentionInterface`` under :data:`ATTN_IMPLEMENTATION` — no transformers module is patched.
+decoded token: prefill and decode are the same graph), packed as ``input_ids [N]``. The graph
+computes each token's position and cache slot from the step's inputs, and every layer writes its
+new K/V rows into its pools with ScatterPaKvCache and reads past + new back through the updated
+pools with GatherPaKvCache (:class:`~pakv_onnx.models.hf.cache.StepCache`), then attends per
+sequence through :func:`paged_attention`, registered with transformers' ``AttentionInterface``
+under :data:`ATTN_IMPLEMENTATION` — no transformers module is patched. No host write remains.
 
-Graph inputs (:func:`step_input_names`): ``input_ids`` int64 ``[1, N]``, ``position_ids`` int64
-``[1, N]``, ``query_seq_lens`` int32 ``[B+1]`` (cumulative new tokens), ``seq_lens`` int32 ``[B+1]``
-(cumulative past tokens), ``seq_offset`` int32 ``[B]``, ``block_tables`` int32 ``[B, cols]``, then
-``key_cache_<l>`` and ``value_cache_<l>`` per layer ``[num_blocks, block_size, H, D]``.
-Outputs (:func:`step_output_names`): ``logits`` fp32 ``[B, vocab]`` (each sequence's last new
-token) and ``new_key_<l>`` / ``new_value_<l>`` ``[N, H, D]`` (the rows the host writes into the pools).
+Graph inputs (:func:`step_input_names`), the names og.Engine feeds: ``input_ids`` int64 ``[N]``,
+``cumulative_sequence_lengths`` int32 ``[B+1]`` (cumulative new tokens), ``past_sequence_lengths``
+int32 ``[B]`` (tokens already cached), ``block_table`` int32 ``[B, max_blocks]`` (-1 padded), then
+``past_key_values.<l>.key`` / ``.value`` per layer ``[num_blocks, block_size, H, D]``.
+Outputs (:func:`step_output_names`): ``logits`` fp32 ``[batch_size, vocab]`` (each sequence's last
+new token; the dim is named ``batch_size``, which tells og.Engine the rows are per request) and
+``present.<l>.key`` / ``.value``: the updated pools, which a host binds to the input pools'
+buffers (:func:`present_bindings`) so they are written in place.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Mapping
 
 import onnx
 import torch
 
 from pakv_onnx.export import export
-from pakv_onnx.models.attention import ragged_attention
-from pakv_onnx.models.hf.cache import NEW_KEY_OUTPUT, NEW_VALUE_OUTPUT, PagedKVCache, StepCache, StepLayout
+from pakv_onnx.models.attention import cached_ragged_attention
+from pakv_onnx.models.hf.cache import (
+    PAST_KEY,
+    PAST_VALUE,
+    PRESENT_KEY,
+    PRESENT_VALUE,
+    PagedKVCache,
+    StepCache,
+    StepLayout,
+    step_slots,
+)
 
 ATTN_IMPLEMENTATION = "pakv_paged"
 QUERY_SEQ_LENS_KWARG = "pakv_query_seq_lens"
-PAST_SEQ_LENS_KWARG = "pakv_past_seq_lens"
-FIXED_INPUT_NAMES = ("input_ids", "position_ids", "query_seq_lens", "seq_lens", "seq_offset", "block_tables")
+KV_SEQ_LENS_KWARG = "pakv_kv_seq_lens"
+FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
+LOGITS_BATCH_DIM = "batch_size"
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: per-sequence causal attention over past-then-new rows.
+    """transformers attention function: per-sequence causal attention over the cache's rows.
 
     Args:
         query: ``[1, Hq, N, Dqk]`` new tokens packed by ``kwargs[QUERY_SEQ_LENS_KWARG]``.
-        key, value: ``[1, Hk, P + N, D]`` from :meth:`StepCache.update` (past rows packed by
-            ``kwargs[PAST_SEQ_LENS_KWARG]``, then the new rows). ``Hq`` a multiple of ``Hk`` (GQA).
+        key, value: ``[1, Hk, T, D]`` from :meth:`StepCache.update`: each sequence's past and new
+            rows, one run per sequence packed by ``kwargs[KV_SEQ_LENS_KWARG]``. ``Hq`` a multiple
+            of ``Hk`` (GQA).
         attention_mask: ignored (None: the model builds no mask for this implementation).
 
     Returns:
@@ -49,8 +66,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     if groups > 1:  # GQA: query head h uses KV head h // groups (transformers' repeat_kv)
         k = k.repeat_interleave(groups, dim=0)
         v = v.repeat_interleave(groups, dim=0)
-    out = ragged_attention(
-        q, k, v, kwargs[QUERY_SEQ_LENS_KWARG], kwargs[PAST_SEQ_LENS_KWARG], scaling, heads_first=True
+    out = cached_ragged_attention(
+        q, k, v, kwargs[QUERY_SEQ_LENS_KWARG], kwargs[KV_SEQ_LENS_KWARG], scaling, heads_first=True
     )
     return out.transpose(0, 1).unsqueeze(0), None
 
@@ -65,16 +82,16 @@ def register_attention() -> None:
 def step_input_names(num_layers: int) -> list[str]:
     return [
         *FIXED_INPUT_NAMES,
-        *(f"key_cache_{layer}" for layer in range(num_layers)),
-        *(f"value_cache_{layer}" for layer in range(num_layers)),
+        *(PAST_KEY.format(layer) for layer in range(num_layers)),
+        *(PAST_VALUE.format(layer) for layer in range(num_layers)),
     ]
 
 
 def step_output_names(num_layers: int) -> list[str]:
     return [
         "logits",
-        *(NEW_KEY_OUTPUT.format(layer) for layer in range(num_layers)),
-        *(NEW_VALUE_OUTPUT.format(layer) for layer in range(num_layers)),
+        *(PRESENT_KEY.format(layer) for layer in range(num_layers)),
+        *(PRESENT_VALUE.format(layer) for layer in range(num_layers)),
     ]
 
 
@@ -82,7 +99,7 @@ class PagedDecoderStep(torch.nn.Module):
     """A transformers causal LM run for one step over paged pools (see the module docstring).
 
     The pools are two named list arguments (not ``*varargs``, whose flat dynamic shapes
-    torch.export cannot match).
+    torch.export cannot match). The block size is the pools' (static) second dimension.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -95,88 +112,101 @@ class PagedDecoderStep(torch.nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        query_seq_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        seq_offset: torch.Tensor,
-        block_tables: torch.Tensor,
+        cumulative_sequence_lengths: torch.Tensor,
+        past_sequence_lengths: torch.Tensor,
+        block_table: torch.Tensor,
         key_pools: list[torch.Tensor],
         value_pools: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
-        cache = StepCache(list(key_pools), list(value_pools), block_tables, seq_lens, seq_offset)
-        last_rows = query_seq_lens[1:].to(torch.int64) - 1  # each sequence's last new token
+        cu = cumulative_sequence_lengths
+        block_size = key_pools[0].shape[1]
+        positions, slots = step_slots(input_ids.shape[0], cu, past_sequence_lengths, block_table, block_size)
+        new_counts = cu[1:] - cu[:-1]
+        kv_seq_lens = torch.cat((cu[:1], (past_sequence_lengths + new_counts).cumsum(0).to(cu.dtype)))
+        cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
+        last_rows = cu[1:].to(torch.int64) - 1  # each sequence's last new token
         out = self.model(
-            input_ids=input_ids,
-            position_ids=position_ids,
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
             cache=cache,
             logits_to_keep=last_rows,
-            **{QUERY_SEQ_LENS_KWARG: query_seq_lens, PAST_SEQ_LENS_KWARG: seq_lens},
+            **{QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens},
         )
-        return (out.logits[0], *cache.new_keys, *cache.new_values)
+        return (out.logits[0], *cache.key_pools, *cache.value_pools)
 
 
-def step_feeds(
-    cache: PagedKVCache, layout: StepLayout, input_ids: torch.Tensor, position_ids: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The graph's named inputs for one step (torch tensors; pools by reference, not copied)."""
+def step_feeds(cache: PagedKVCache, layout: StepLayout, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The graph's named inputs for one step (torch tensors; pools by reference, not copied).
+
+    ``input_ids``: int64 ``[N]``, every live sequence's new tokens packed in batch order.
+    """
     feeds = {
         "input_ids": input_ids,
-        "position_ids": position_ids,
-        "query_seq_lens": layout.query_seq_lens,
-        "seq_lens": layout.seq_lens,
-        "seq_offset": layout.seq_offset,
-        "block_tables": layout.block_tables,
+        "cumulative_sequence_lengths": layout.cumulative_sequence_lengths,
+        "past_sequence_lengths": layout.past_sequence_lengths,
+        "block_table": layout.block_table,
     }
     for layer, (k, v) in enumerate(zip(cache.key_pools, cache.value_pools)):
-        feeds[f"key_cache_{layer}"] = k
-        feeds[f"value_cache_{layer}"] = v
+        feeds[PAST_KEY.format(layer)] = k
+        feeds[PAST_VALUE.format(layer)] = v
     return feeds
 
 
+def present_bindings(feeds: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{present.<l>.key: the past_key_values.<l>.key feed, ...}``: the outputs to bind to the
+    input pools' buffers (IOBinding), so the step's write op writes only its rows into the pools."""
+    out = {}
+    for name, tensor in feeds.items():
+        for past, present in ((PAST_KEY, PRESENT_KEY), (PAST_VALUE, PRESENT_VALUE)):
+            prefix, suffix = past.split("{}")
+            if name.startswith(prefix) and name.endswith(suffix):
+                out[present.format(name[len(prefix) : len(name) - len(suffix)])] = tensor
+    return out
+
+
 def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The step in eager torch, outputs named like the graph's."""
+    """The step in eager torch, outputs named like the graph's (the pools are written in place:
+    each ``present.<l>.*`` is its input pool)."""
     layers = step.num_layers
     args = [feeds[name] for name in FIXED_INPUT_NAMES]
-    keys = [feeds[f"key_cache_{layer}"] for layer in range(layers)]
-    values = [feeds[f"value_cache_{layer}"] for layer in range(layers)]
+    keys = [feeds[PAST_KEY.format(layer)] for layer in range(layers)]
+    values = [feeds[PAST_VALUE.format(layer)] for layer in range(layers)]
     with torch.no_grad():
         outputs = step(*args, keys, values)
     return dict(zip(step_output_names(layers), outputs))
 
 
-def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike) -> onnx.ModelProto:
-    """Export ``step`` (traced on one step's ``feeds``) to ``path`` with the project's exporter.
+def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None) -> onnx.ModelProto:
+    """Export ``step`` (traced on one step's ``feeds``) with the project's exporter; saved to
+    ``path`` unless it is ``None``.
 
     Dynamic: the packed token count N, the batch B, the block-table width and num_blocks.
     Static: block_size and every per-token width (a symbolic block size breaks the export of
-    ``pos % block_size``).
+    ``pos % block_size``). The logits' first dim is named ``batch_size`` (og.Engine reads that
+    name as "one row per request").
     """
     dyn = torch.export.Dim.DYNAMIC
     layers = step.num_layers
     args = (
         *(feeds[name] for name in FIXED_INPUT_NAMES),
-        [feeds[f"key_cache_{layer}"] for layer in range(layers)],
-        [feeds[f"value_cache_{layer}"] for layer in range(layers)],
+        [feeds[PAST_KEY.format(layer)] for layer in range(layers)],
+        [feeds[PAST_VALUE.format(layer)] for layer in range(layers)],
     )
     pool_shape = [{0: dyn} for _ in range(layers)]
-    dynamic_shapes = (
-        {1: dyn},
-        {1: dyn},
-        {0: dyn},
-        {0: dyn},
-        {0: dyn},
-        {0: dyn, 1: dyn},
-        pool_shape,
-        list(pool_shape),
-    )
+    dynamic_shapes = ({0: dyn}, {0: dyn}, {0: dyn}, {0: dyn, 1: dyn}, pool_shape, list(pool_shape))
     with torch.no_grad(), warnings.catch_warnings():
         # transformers' output-capturing global shows up as a traced side effect; it is not one of ours.
         warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
-        return export(
+        model = export(
             step.eval(),
             args,
-            path,
+            None,
             dynamic_shapes=dynamic_shapes,
             input_names=step_input_names(layers),
             output_names=step_output_names(layers),
         )
+    logits = next(o for o in model.graph.output if o.name == "logits")
+    logits.type.tensor_type.shape.dim[0].dim_param = LOGITS_BATCH_DIM
+    if path is not None:
+        onnx.save_model(model, os.fspath(path))
+    return model

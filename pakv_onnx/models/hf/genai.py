@@ -1,0 +1,225 @@
+"""A Hugging Face model folder -> an ORT GenAI model folder that og.Engine serves with continuous
+batching: what ``pakv-onnx export`` runs.
+
+The folder holds ``model.onnx`` (the paged step of :mod:`~pakv_onnx.models.hf.step`: packed
+``input_ids``, ``past_key_values.<l>.*`` pools bound to their ``present.<l>.*`` outputs, the write
+and the read of every layer inside the graph; ``model.onnx.data`` beside it when the weights are
+large), ``genai_config.json`` (``engine.dynamic_batching``, the ``paged_kv`` state group, and
+``session_options.custom_ops_library`` naming the plugin), the plugin library copied next to it,
+and the tokenizer files of the source folder when it has them. Nothing here imports
+onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
+
+What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
+docs/decoders.md ("Serve it with ORT GenAI").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import onnx
+import torch
+
+from pakv_onnx.models.hf.cache import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, PagedKVCache
+from pakv_onnx.models.hf.configs import cache_geometry
+from pakv_onnx.models.hf.generate import step_inputs
+from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
+from pakv_onnx.native_lib import LIBRARY_NAME, library_path
+
+MODEL_FILE = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+# Written beside model.onnx when the weights exceed EXTERNAL_DATA_BYTES (protobuf stops at 2 GB).
+EXTERNAL_DATA_FILE = "model.onnx.data"
+EXTERNAL_DATA_BYTES = 1 << 30
+# Copied from the source folder when present (og.Tokenizer reads them; og.Engine itself does not).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+# genai_config's model.type: the generic decoder-only type og accepts for any such graph.
+GENAI_MODEL_TYPE = "decoder"
+
+class UnsupportedModelError(ValueError):
+    """The model cannot be exported as an og.Engine paged model (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenaiExport:
+    """What :func:`export_genai` wrote."""
+
+    out_dir: Path
+    files: list[str]  # written or copied, relative to out_dir
+    config: dict
+    seconds: float
+    external_data: bool
+
+
+def load_hf_model(hf_dir: str | os.PathLike) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` of a local folder (config + weights), fp32, eval; never
+    fetches anything (``local_files_only``)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.fspath(hf_dir), local_files_only=True, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def check_servable(config) -> tuple[int, int]:
+    """``(num_key_value_heads, head_size)`` of the pools og.Engine will allocate for ``config``.
+
+    Raises:
+        UnsupportedModelError: the model's key and value rows differ in shape (og.Engine gives both
+            pools one shape), or it is not a decoder with a KV cache.
+    """
+    try:
+        geometry = cache_geometry(config)
+    except AttributeError as err:
+        raise UnsupportedModelError(f"{type(config).__name__} is not a decoder with a KV cache: {err}") from None
+    if geometry.key_shape != geometry.value_shape:
+        raise UnsupportedModelError(
+            f"{config.model_type}: one layer caches key rows {list(geometry.key_shape)} and value rows "
+            f"{list(geometry.value_shape)} per token; og.Engine allocates both pools of a layer as "
+            "[num_blocks, block_size, num_key_value_heads, head_size], so it cannot serve this model "
+            "(pakv-onnx generate runs it over pools of each shape)"
+        )
+    return geometry.key_shape
+
+
+def genai_config(
+    config, *, block_size: int, num_blocks: int, max_batch_size: int, intra_op_threads: int | None = None
+) -> dict:
+    """The genai_config.json of the exported step of ``config`` (a transformers config)."""
+    kv_heads, head_size = check_servable(config)
+    layers = config.num_hidden_layers
+    context = int(getattr(config, "max_position_embeddings", 0) or 4096)
+    session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": [], "custom_ops_library": LIBRARY_NAME}
+    if intra_op_threads:
+        session_options["intra_op_num_threads"] = intra_op_threads
+
+    def token_id(name: str, default: int | None) -> int | list[int] | None:
+        value = getattr(config, name, None)
+        return default if value is None else value
+
+    return {
+        "model": {
+            "type": GENAI_MODEL_TYPE,
+            "bos_token_id": token_id("bos_token_id", 0),
+            "eos_token_id": token_id("eos_token_id", 0),
+            "pad_token_id": token_id("pad_token_id", token_id("eos_token_id", 0)),
+            "vocab_size": config.vocab_size,
+            "context_length": context,
+            "decoder": {
+                "session_options": session_options,
+                "filename": MODEL_FILE,
+                "head_size": head_size,
+                "hidden_size": config.hidden_size,
+                "num_attention_heads": config.num_attention_heads,
+                "num_hidden_layers": layers,
+                "num_key_value_heads": kv_heads,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "block_table": "block_table",
+                    "cumulative_sequence_lengths": "cumulative_sequence_lengths",
+                    "past_sequence_lengths": "past_sequence_lengths",
+                    "past_key_names": PAST_KEY.replace("{}", "%d"),
+                    "past_value_names": PAST_VALUE.replace("{}", "%d"),
+                },
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": PRESENT_KEY.replace("{}", "%d"),
+                    "present_value_names": PRESENT_VALUE.replace("{}", "%d"),
+                },
+                "state_groups": [{"kind": "paged_kv", "layer_ids": list(range(layers))}],
+            },
+        },
+        "search": {"max_length": context, "do_sample": False, "num_beams": 1},
+        "engine": {
+            "dynamic_batching": {"block_size": block_size, "num_blocks": num_blocks, "max_batch_size": max_batch_size}
+        },
+    }
+
+
+def trace_feeds(step: PagedDecoderStep, block_size: int) -> dict[str, torch.Tensor]:
+    """One step's feeds to trace ``step`` on: two sequences, one with cached tokens (every dim >= 2,
+    so torch.export keeps them dynamic), over small zero pools (num_blocks is dynamic)."""
+    config = step.model.config
+    cache = PagedKVCache(
+        num_layers=config.num_hidden_layers, geometry=cache_geometry(config), num_blocks=16, block_size=block_size
+    )
+    for seq in (0, 1):
+        cache.add_sequence(seq)
+    counts, _, _ = step_inputs(cache, [0, 1], [[1] * (block_size + 1), [2, 3]])
+    cache.commit([0, 1], counts, {})
+    return step_inputs(cache, [0, 1], [[4, 5], [6, 7, 8]])[2]
+
+
+def export_genai(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    block_size: int = 16,
+    num_blocks: int = 256,
+    max_batch_size: int = 16,
+    intra_op_threads: int | None = None,
+    external_data: bool | None = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> GenaiExport:
+    """Export the Hugging Face model in ``hf_dir`` to an ORT GenAI model folder ``out_dir`` (see the
+    module docstring). ``external_data``: weights in ``model.onnx.data`` (default: when above
+    :data:`EXTERNAL_DATA_BYTES`).
+
+    Raises:
+        UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`).
+        OSError: the source folder cannot be read or ``out_dir`` written.
+    """
+    start = time.perf_counter()
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    progress(f"loading {hf_dir} ...")
+    model = load_hf_model(hf_dir)
+    config = genai_config(
+        model.config,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_batch_size=max_batch_size,
+        intra_op_threads=intra_op_threads,
+    )  # refuses an unservable model before the export
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    step = PagedDecoderStep(model)
+    progress(f"exporting one paged step ({weight_bytes / 1e6:.1f} MB of weights) ...")
+    proto = export_step(step, trace_feeds(step, block_size), None)
+    external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
+    files = [MODEL_FILE]
+    for stale in (out_dir / MODEL_FILE, out_dir / EXTERNAL_DATA_FILE):
+        stale.unlink(missing_ok=True)
+    if external:
+        onnx.save_model(
+            proto, str(out_dir / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
+            location=EXTERNAL_DATA_FILE, size_threshold=1024,
+        )  # fmt: skip
+        files.append(EXTERNAL_DATA_FILE)
+    else:
+        onnx.save_model(proto, str(out_dir / MODEL_FILE))
+    shutil.copyfile(library_path(), out_dir / LIBRARY_NAME)
+    files.append(LIBRARY_NAME)
+    for name in TOKENIZER_FILES:
+        if (hf_dir / name).is_file():
+            shutil.copyfile(hf_dir / name, out_dir / name)
+            files.append(name)
+    (out_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    files.append(GENAI_CONFIG)
+    return GenaiExport(out_dir, files, config, time.perf_counter() - start, external)

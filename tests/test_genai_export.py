@@ -1,0 +1,172 @@
+"""``pakv-onnx export``: a Hugging Face folder becomes an ORT GenAI model folder that og.Engine serves
+on a CPU with continuous batching, and that a plain onnxruntime host (no torch, no pakv_onnx) decodes
+with; every request's tokens equal transformers' greedy generate.
+
+Tests that use the ``genai_dir`` fixture are slow (one export, ~20-40 s on the shared machine). The
+og.Engine tests need onnxruntime-genai (the ``genai`` extra, which CI installs: under CI a missing
+package fails instead of skipping).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from pakv_onnx import cli
+from pakv_onnx.models.hf import Workload, build_model, generate_reference, make_config
+from pakv_onnx.models.hf import genai
+
+SEED = 0
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+HERE = Path(__file__).resolve().parent
+
+
+def onnxruntime_genai():
+    if os.environ.get("CI"):
+        import onnxruntime_genai as og  # CI installs the genai extra: missing is a failure
+
+        return og
+    return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
+
+
+def write_hf_folder(path: Path) -> Path:
+    """A tiny Llama with seeded weights as save_pretrained writes it, plus a WordLevel tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    build_model("llama", SEED).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(make_config("llama").vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def genai_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("genai")
+    hf = write_hf_folder(root / "hf")
+    out = root / "genai"
+    code = cli.main(
+        [
+            "export", str(hf), str(out), "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
+            "--max-batch-size", "8", "--threads", "1", "--external-data",
+        ]
+    )  # fmt: skip
+    assert code == 0
+    return out
+
+
+def reference(workload: Workload) -> list[list[int]]:
+    return generate_reference(build_model("llama", SEED), workload).tokens
+
+
+def test_config_follows_genai_paged_convention() -> None:
+    """genai_config without an export: the names og.Engine binds, the paged state group, the plugin."""
+    config = genai.genai_config(make_config("llama"), block_size=8, num_blocks=100, max_batch_size=4)
+    decoder = config["model"]["decoder"]
+    assert config["engine"] == {"dynamic_batching": {"block_size": 8, "num_blocks": 100, "max_batch_size": 4}}
+    assert decoder["state_groups"] == [{"kind": "paged_kv", "layer_ids": [0, 1]}]
+    assert decoder["session_options"]["custom_ops_library"] == "libpakv_ort.so"
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (2, 32)  # the pools og.Engine allocates
+    assert decoder["inputs"] == {
+        "input_ids": "input_ids",
+        "block_table": "block_table",
+        "cumulative_sequence_lengths": "cumulative_sequence_lengths",
+        "past_sequence_lengths": "past_sequence_lengths",
+        "past_key_names": "past_key_values.%d.key",
+        "past_value_names": "past_key_values.%d.value",
+    }
+    assert decoder["outputs"]["present_key_names"] == "present.%d.key"
+
+
+def test_export_refuses_a_model_og_engine_cannot_serve(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(genai.UnsupportedModelError, match="key rows \\[1, 512\\] and value rows \\[1, 64\\]"):
+        genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=8, max_batch_size=2)
+    assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    build_model("deepseek", SEED).save_pretrained(tmp_path / "deepseek")
+    assert cli.main(["export", str(tmp_path / "deepseek"), str(tmp_path / "out")]) == 2  # refused before any export
+    assert "og.Engine allocates both pools of a layer" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow  # the module's one export
+def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
+    names = {p.name for p in genai_dir.iterdir()}
+    assert {"model.onnx", "model.onnx.data", "genai_config.json", "libpakv_ort.so", "tokenizer.json"} <= names
+    assert "tokenizer_config.json" in names  # the source folder's tokenizer files, copied
+    assert (genai_dir / "model.onnx").stat().st_size < (genai_dir / "model.onnx.data").stat().st_size  # --external-data
+    config = json.loads((genai_dir / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
+    model = onnx.load(str(genai_dir / "model.onnx"))
+    assert [n.op_type for n in model.graph.node if n.domain == "pakv"] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
+    pool = next(i for i in model.graph.input if i.name == "past_key_values.0.key").type.tensor_type
+    assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, 2, 32]
+
+
+@pytest.mark.slow  # the module's one export
+def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Path) -> None:
+    """Three ragged requests start; a fourth is added while they run and joins the running batch;
+    every request's greedy tokens equal transformers' generate."""
+    og = onnxruntime_genai()
+    import numpy as np
+
+    workload = Workload(
+        prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4], [77, 78, 79, 80, 81]],
+        budgets=[9, 12, 6, 8],
+    )
+    want = reference(workload)
+    engine = og.Engine(og.Model(str(genai_dir)))
+    requests, order = [], []  # keep a reference to every request: og closes unreferenced ones
+
+    def submit(k: int) -> None:
+        request = engine.create_request()
+        options = og.TurnOptions(request)
+        options.set_do_sample(False)
+        options.set_max_generated_tokens(workload.budgets[k])
+        options.set_min_generated_tokens(workload.budgets[k])  # no early stop at eos
+        request.begin_turn(np.array(workload.prompts[k], dtype=np.int32), options)
+        requests.append(request)
+
+    for k in range(3):
+        submit(k)
+    got: list[list[int]] = [[] for _ in workload.prompts]
+    events = engine.create_event_buffer(64)
+    joined = False
+    while engine.has_pending_requests():
+        for event in engine.run(events):
+            k = next(i for i, r in enumerate(requests) if r == event.request or r is event.request)
+            got[k].append(int(event.token))
+            order.append(k)
+        if not joined and min(len(t) for t in got[:3]) >= 2:
+            submit(3)  # the others are mid-generation
+            joined = True
+    assert got == want
+    first_of_late = order.index(3)
+    assert any(k != 3 for k in order[first_of_late + 1 :]), "the late request ran alone, not in the batch"
+    assert len(order[:first_of_late]) < sum(workload.budgets[:3])  # it started before the others finished
+
+
+@pytest.mark.slow  # the module's one export
+def test_plain_onnxruntime_host_decodes_like_transformers(genai_dir: Path, tmp_path: Path) -> None:
+    """onnxruntime + numpy only (no torch, no pakv_onnx imported), pools bound as input and present."""
+    workload = Workload(prompts=[[9, 8, 7, 6, 5, 4], [3, 1], [100, 101, 102, 103, 104, 105, 106, 107, 108]], budgets=[6, 9, 4])
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"prompts": workload.prompts, "budgets": workload.budgets, "num_blocks": NUM_BLOCKS}))
+    result = subprocess.run(
+        [sys.executable, str(HERE / "plain_ort_host.py"), str(genai_dir / "model.onnx"),
+         str(genai_dir / "libpakv_ort.so"), str(job)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["imported"] == []
+    assert report["tokens"] == reference(workload)
