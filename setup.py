@@ -7,6 +7,7 @@ and editable installs (``pip install -e .`` builds it in place).
 
 Sources (pakv_onnx/native_lib/):
     pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
+    pakv_attention.c the PagedAttention core: causal GQA attention read through the block table in place
     pakv_contract.c  the contract's validator: every rule and its message, tensor records -> plan
     pakv_ort.c       the ORT glue: RegisterCustomOps, ops, attributes, ORT tensors -> records
     pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
@@ -25,13 +26,15 @@ from setuptools.command.build_ext import build_ext
 
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
 HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_contract.h", "pakv_bridge.h", "pakv_dtypes.h", "device_abi.h",
            "pakv_device.h", "pakv_ep.h"]
 COMPILE_ARGS = [
     "-std=c11",
     "-O3",
     "-fvisibility=hidden",
+    # No float traps are ever enabled: lets the attention's clamps be branch-free (vectorized).
+    "-fno-trapping-math",
     "-pthread",
     "-Wall",
     "-Wextra",
