@@ -361,7 +361,8 @@ def make_attention_model_for(
         h.make_tensor_value_info(n, spec.ONNX_ELEMENT_TYPE_OF[t.dtype], [f"{n}_{d}" for d in range(t.dim())])
         for n, t in zip(names, examples)
     ]
-    output = h.make_tensor_value_info(spec.ATTENTION.output_names[0], spec.ONNX_ELEMENT_TYPE_OF[query.dtype], None)
+    out_dims = ["query_0", "query_1", "value_cache_3"]  # [N, Hq, Dv]: the schema's inference
+    output = h.make_tensor_value_info(spec.ATTENTION.output_names[0], spec.ONNX_ELEMENT_TYPE_OF[query.dtype], out_dims)
     model = h.make_model(
         h.make_graph([attention_node(*names, scale=scale, name="attention")], "paged_attention", inputs, [output]),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],

@@ -7,7 +7,8 @@
  * them. A part walks the context in chunks of PAKV_ATTN_CHUNK positions with an online softmax
  * (running max, running sum, fp32 accumulator per query): exact softmax, memory independent of
  * the context length. Inner loops run over contiguous fp32 rows (16-bit rows are widened once per
- * chunk), with several accumulators so the compiler vectorizes them without reassociating.
+ * chunk), in 8-float vectors (GCC/clang vector extensions: one AVX register, or two SSE / NEON
+ * ones) so accumulators stay in registers; two queries (GQA heads) share each key row read.
  *
  * Parts run on ORT's intra-op pool when the caller gives one (pakv_parallel) and the call is big
  * enough, else on the calling thread. Each thread keeps one scratch buffer (grown on demand, freed
@@ -19,6 +20,10 @@
 #include <string.h>
 
 #include "pakv_core.h"
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors by value between inlined helpers: no ABI crosses */
+#endif
 
 #define ONNX_FLOAT 1
 #define ONNX_FLOAT16 10
@@ -107,46 +112,126 @@ static void narrow(void* dst, const float* src, int64_t n, int32_t elem_type) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Vector pieces (plain C the compiler vectorizes: independent lanes, no reassociation needed)  */
+/* Vector pieces: GCC/clang vector extensions, 8 floats (one AVX register where the CPU has it,   */
+/* two SSE / NEON registers otherwise), so accumulators stay in registers                      */
 /* ------------------------------------------------------------------------------------------- */
-#define LANES 8
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
 
-static inline float dot(const float* a, const float* b, int64_t n) {
-  float lane[LANES] = {0};
-  int64_t i = 0;
-  for (; i + LANES <= n; i += LANES)
-    for (int k = 0; k < LANES; k++) lane[k] += a[i + k] * b[i + k];
-  float rest = 0.0f;
-  for (; i < n; i++) rest += a[i] * b[i];
-  return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7])) + rest;
+static inline v8f load8(const float* p) {
+  v8f v;
+  memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-static inline void axpy(float* y, float a, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
+static inline void store8(float* p, const v8f* v) { memcpy(p, v, sizeof(*v)); }
+
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
+
+static inline float hsum8(const v8f* v) {
+  return (((*v)[0] + (*v)[4]) + ((*v)[1] + (*v)[5])) + (((*v)[2] + (*v)[6]) + ((*v)[3] + (*v)[7]));
+}
+
+/* a . b over n floats. */
+static inline float dot(const float* a, const float* b, int64_t n) {
+  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 += load8(a + i) * load8(b + i);
+    s1 += load8(a + i + 8) * load8(b + i + 8);
+  }
+  if (i + 8 <= n) {
+    s0 += load8(a + i) * load8(b + i);
+    i += 8;
+  }
+  float rest = 0.0f;
+  for (; i < n; i++) rest += a[i] * b[i];
+  s0 += s1;
+  return hsum8(&s0) + rest;
+}
+
+/* a0 . b and a1 . b over n floats: b (a key row) is read once for two queries (GQA heads). */
+static inline void dot2(const float* a0, const float* a1, const float* b, int64_t n, float* out0, float* out1) {
+  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    v8f x = load8(b + i);
+    s0 += load8(a0 + i) * x;
+    s1 += load8(a1 + i) * x;
+  }
+  float r0 = 0.0f, r1 = 0.0f;
+  for (; i < n; i++) {
+    r0 += a0[i] * b[i];
+    r1 += a1[i] * b[i];
+  }
+  *out0 = hsum8(&s0) + r0;
+  *out1 = hsum8(&s1) + r1;
+}
+
+/* y[0..n) += sum over rows r < count of w[r] * rows[r][0..n): the accumulators stay in registers
+ * (blocks of 32 floats, then 8, then singles) while the value rows stream past. */
+static inline void weighted_rows(float* y, const float* w, const float* const* rows, int64_t count, int64_t n) {
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    v8f y0 = load8(y + i), y1 = load8(y + i + 8), y2 = load8(y + i + 16), y3 = load8(y + i + 24);
+    for (int64_t r = 0; r < count; r++) {
+      const float* x = rows[r] + i;
+      v8f a = splat8(w[r]);
+      y0 += a * load8(x);
+      y1 += a * load8(x + 8);
+      y2 += a * load8(x + 16);
+      y3 += a * load8(x + 24);
+    }
+    store8(y + i, &y0);
+    store8(y + i + 8, &y1);
+    store8(y + i + 16, &y2);
+    store8(y + i + 24, &y3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    v8f y0 = load8(y + i);
+    for (int64_t r = 0; r < count; r++) y0 += splat8(w[r]) * load8(rows[r] + i);
+    store8(y + i, &y0);
+  }
+  for (; i < n; i++) {
+    float sum = y[i];
+    for (int64_t r = 0; r < count; r++) sum += w[r] * rows[r][i];
+    y[i] = sum;
+  }
 }
 
 static inline void scale_row(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; i++) y[i] *= a;
 }
 
-/* e^x for x <= 0 (a score minus the running max), relative error ~2e-7: x = k ln2 + r with
- * |r| <= ln2 / 2 (ln2 split in two for precision), e^r by its degree-6 polynomial, 2^k through
- * the exponent bits. Below -87 the result is ~1e-38 instead of its true tinier value. Branch-free,
- * so the loop over a chunk's scores vectorizes. */
-static inline float exp_nonpositive(float x) {
-  x = x > -87.0f ? x : -87.0f;
-  float t = x * 1.44269504088896341f;
-  int32_t k = (int32_t)(t - 0.5f); /* t <= 0: truncation of t - 0.5 rounds to nearest */
-  float kf = (float)k;
-  float r = (x - kf * 0.693359375f) + kf * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * bits_to_float((uint32_t)(k + 127) << 23);
+/* e^x for x <= 0 (a score minus the running max), 8 at a time, relative error ~2e-7: x = k ln2 + r
+ * with |r| <= ln2 / 2 (ln2 split in two for precision), e^r by its degree-6 polynomial, 2^k through
+ * the exponent bits. Below -87 the result is ~1e-38 instead of its true tinier value. */
+static inline v8f exp8_nonpositive(const v8f* arg) {
+  const v8f floor_x = splat8(-87.0f);
+  v8f x = *arg;
+  v8i low = x < floor_x; /* all ones where x is below (or NaN: never here) */
+  x = (v8f)((low & (v8i)floor_x) | (~low & (v8i)x));
+  v8f t = x * splat8(1.44269504088896341f) - splat8(0.5f);
+  v8i k = __builtin_convertvector(t, v8i); /* t <= -0.5: truncation rounds x / ln2 to nearest */
+  v8f kf = __builtin_convertvector(k, v8f);
+  v8f r = (x - kf * splat8(0.693359375f)) + kf * splat8(2.12194440e-4f);
+  v8f p = splat8(1.9875691500e-4f);
+  p = p * r + splat8(1.3981999507e-3f);
+  p = p * r + splat8(8.3334519073e-3f);
+  p = p * r + splat8(4.1665795894e-2f);
+  p = p * r + splat8(1.6666665459e-1f);
+  p = p * r + splat8(5.0000001201e-1f);
+  p = p * r * r + r + splat8(1.0f);
+  return p * (v8f)((k + 127) << 23);
+}
+
+/* weights[0..count) = e^(scores - top), count <= PAKV_ATTN_CHUNK (both arrays hold a whole chunk). */
+static inline void exp_rows(float* weights, const float* scores, float top, int64_t count) {
+  for (int64_t i = 0; i < count; i += 8) {
+    v8f x = load8(scores + i) - splat8(top);
+    v8f e = exp8_nonpositive(&x);
+    store8(weights + i, &e);
+  }
 }
 
 /* ------------------------------------------------------------------------------------------- */
@@ -280,9 +365,10 @@ static int shape_of(const pakv_attention_plan* p, int64_t tile_tokens, part_shap
   int64_t d = p->head_dim, dv = p->value_head_dim, per_query, per_row, total;
   s->group = p->num_heads / p->num_kv_heads;
   s->queries = tile_tokens * s->group;
-  /* qf [Q x D], acc [Q x Dv], max and sum [Q]; scores and weights [C], widened rows [C x (D + Dv)]. */
-  if (pakv_add(d, dv, &per_row) || pakv_add(per_row, 2, &per_query) || pakv_mul(per_query, s->queries, &total) ||
-      pakv_add(per_row, 2, &per_row) || pakv_mul(per_row, PAKV_ATTN_CHUNK, &per_row) ||
+  /* qf [Q x D], acc [Q x Dv], max and sum [Q], scores [Q x C]; weights [C], widened rows [C x (D + Dv)]. */
+  if (pakv_add(d, dv, &per_row) || pakv_add(per_row, 2 + PAKV_ATTN_CHUNK, &per_query) ||
+      pakv_mul(per_query, s->queries, &total) || pakv_add(per_row, 1, &per_row) ||
+      pakv_mul(per_row, PAKV_ATTN_CHUNK, &per_row) ||
       pakv_add(total, per_row, &total) || (uint64_t)total > SIZE_MAX / sizeof(float))
     return -1;
   s->chunk_floats = per_row;
@@ -290,8 +376,17 @@ static int shape_of(const pakv_attention_plan* p, int64_t tile_tokens, part_shap
   return 0;
 }
 
+/* On x86-64 with glibc the part is compiled twice, for AVX2 + FMA (x86-64-v3) and for the baseline,
+ * and the loader picks one per machine (an ifunc): the plain C loops above vectorize 8 floats wide
+ * where the CPU has it, and the library still runs on any x86-64. */
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__gnu_linux__) && !defined(PAKV_NO_TARGET_CLONES)
+#define PAKV_ATTN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define PAKV_ATTN_CLONES
+#endif
+
 /* Returns 0, or 1 when a block id read here is outside [0, num_blocks) (the table changed). */
-static int attend_part(const pakv_attention_plan* p, const part_shape* shape, float* scratch, int64_t b, int64_t kv_head,
+PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part_shape* shape, float* scratch, int64_t b, int64_t kv_head,
                        int64_t j0, int64_t j1) {
   const int64_t d = p->head_dim, dv = p->value_head_dim, bs = p->block_size, group = shape->group;
   const int64_t isz = item_size(p->elem_type), n = p->query_counts[b], length = p->context_lens[b];
@@ -302,8 +397,8 @@ static int attend_part(const pakv_attention_plan* p, const part_shape* shape, fl
   float* acc = qf + queries * d;
   float* run_max = acc + queries * dv;
   float* run_sum = run_max + queries;
-  float* scores = run_sum + queries;
-  float* weights = scores + PAKV_ATTN_CHUNK;
+  float* scores = run_sum + queries; /* [queries][CHUNK] */
+  float* weights = scores + queries * PAKV_ATTN_CHUNK;
   float* kf = weights + PAKV_ATTN_CHUNK;
   float* vf = kf + PAKV_ATTN_CHUNK * d;
   const float* key_rows[PAKV_ATTN_CHUNK];
@@ -340,16 +435,25 @@ static int attend_part(const pakv_attention_plan* p, const part_shape* shape, fl
         }
       }
     }
+    /* Every query's scores of the chunk's rows (a tile's later tokens see a little more than its
+     * earlier ones: masked below), two queries per key row read. */
+    for (int64_t r = 0; r < c1 - c0; r++) {
+      int64_t q = 0;
+      for (; q + 1 < queries; q += 2)
+        dot2(qf + q * d, qf + (q + 1) * d, key_rows[r], d, &scores[q * PAKV_ATTN_CHUNK + r],
+             &scores[(q + 1) * PAKV_ATTN_CHUNK + r]);
+      if (q < queries) scores[q * PAKV_ATTN_CHUNK + r] = dot(qf + q * d, key_rows[r], d);
+    }
     for (int64_t q = 0; q < queries; q++) {
       const int64_t limit = past + j0 + q / group + 1; /* positions [0, limit) are visible */
       if (limit <= c0 || run_sum[q] != run_sum[q]) continue; /* nothing visible here, or poisoned */
       const int64_t rows = (limit < c1 ? limit : c1) - c0;
-      const float* query = qf + q * d;
+      float* row_scores = scores + q * PAKV_ATTN_CHUNK;
       float chunk_max = -3.0e38f;
       int finite = 1;
       for (int64_t r = 0; r < rows; r++) {
-        float s = dot(query, key_rows[r], d) * p->scale;
-        scores[r] = s;
+        float s = row_scores[r] * p->scale;
+        row_scores[r] = s;
         chunk_max = s > chunk_max ? s : chunk_max;
         finite &= s < 3.0e38f && s > -3.0e38f; /* false for inf and NaN */
       }
@@ -360,17 +464,17 @@ static int attend_part(const pakv_attention_plan* p, const part_shape* shape, fl
       float* out = acc + q * dv;
       float top = run_sum[q] > 0.0f && run_max[q] > chunk_max ? run_max[q] : chunk_max;
       if (run_sum[q] > 0.0f && top > run_max[q]) { /* a new max: rescale what was summed so far */
-        float correction = exp_nonpositive(run_max[q] - top);
+        v8f gap = splat8(run_max[q] - top);
+        float correction = exp8_nonpositive(&gap)[0];
         run_sum[q] *= correction;
         scale_row(out, correction, dv);
       }
       run_max[q] = top;
-      for (int64_t r = 0; r < rows; r++) weights[r] = exp_nonpositive(scores[r] - top);
+      for (int64_t r = rows; r < PAKV_ATTN_CHUNK && (r & 7); r++) row_scores[r] = top; /* exp_rows reads 8 at a time */
+      exp_rows(weights, row_scores, top, rows);
       float sum = 0.0f;
-      for (int64_t r = 0; r < rows; r++) {
-        sum += weights[r];
-        axpy(out, weights[r], value_rows[r], dv);
-      }
+      for (int64_t r = 0; r < rows; r++) sum += weights[r];
+      weighted_rows(out, weights, value_rows, rows, dv);
       run_sum[q] += sum;
     }
   }
