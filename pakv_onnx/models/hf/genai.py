@@ -52,6 +52,7 @@ TOKENIZER_FILES = (
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
 
+
 class UnsupportedModelError(ValueError):
     """The model cannot be exported as an og.Engine paged model (the message says why)."""
 
@@ -93,7 +94,9 @@ def check_servable(config) -> tuple[int, int]:
     except AttributeError as err:
         raise UnsupportedModelError(f"{type(config).__name__} is not a decoder with a KV cache: {err}") from None
     except ValueError as err:
-        raise UnsupportedModelError(f"{config.model_type}: {err}; og.Engine allocates both pools of a layer as one shape") from None
+        raise UnsupportedModelError(
+            f"{config.model_type}: {err}; og.Engine allocates both pools of a layer as one shape"
+        ) from None
     if geometry.key_shape != geometry.value_shape:
         raise UnsupportedModelError(
             f"{config.model_type}: one layer caches key rows {list(geometry.key_shape)} and value rows "

@@ -54,8 +54,18 @@ class AbsorbedLatentAttention(torch.nn.Module):
     def __init__(self, attention: torch.nn.Module) -> None:
         super().__init__()
         if attention.kv_b_proj.bias is not None:
-            raise ValueError(f"layer {attention.layer_idx}: kv_b_proj has a bias; the absorbed form folds only its weight")
-        for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj"):
+            raise ValueError(
+                f"layer {attention.layer_idx}: kv_b_proj has a bias; the absorbed form folds only its weight"
+            )
+        for name in (
+            "q_proj",
+            "q_a_proj",
+            "q_a_layernorm",
+            "q_b_proj",
+            "kv_a_proj_with_mqa",
+            "kv_a_layernorm",
+            "o_proj",
+        ):
             setattr(self, name, getattr(attention, name))
         self.layer_idx = attention.layer_idx
         self.num_heads, self.scaling = attention.num_heads, attention.scaling
@@ -105,7 +115,9 @@ class AbsorbedLatentAttention(torch.nn.Module):
         split = self.latent_split(cache)
         latent = torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1)  # [N, rank + rope]
         key_rows, value_rows = latent.split([split, self.rank + self.rope - split], dim=-1)
-        latent_a, latent_b = cache.update(key_rows.view(1, 1, tokens, -1), value_rows.view(1, 1, tokens, -1), self.layer_idx)
+        latent_a, latent_b = cache.update(
+            key_rows.view(1, 1, tokens, -1), value_rows.view(1, 1, tokens, -1), self.layer_idx
+        )
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.k_absorb)  # [H, N, rank]
         query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1)  # [H, N, rank + rope], the latent's columns
         # Two tensors, not two views of one (torch.while_loop refuses aliased inputs).

@@ -179,7 +179,9 @@ def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> di
     return dict(zip(step_output_names(layers), outputs))
 
 
-def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None) -> onnx.ModelProto:
+def export_step(
+    step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None
+) -> onnx.ModelProto:
     """Export ``step`` (traced on one step's ``feeds``) with the project's exporter; saved to
     ``path`` unless it is ``None``.
 
