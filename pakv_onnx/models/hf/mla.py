@@ -115,24 +115,23 @@ class AbsorbedLatentAttention(torch.nn.Module):
         split = self.latent_split(cache)
         latent = torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1)  # [N, rank + rope]
         key_rows, value_rows = latent.split([split, self.rank + self.rope - split], dim=-1)
-        latent_a, latent_b = cache.update(
-            key_rows.view(1, 1, tokens, -1), value_rows.view(1, 1, tokens, -1), self.layer_idx
-        )
+        key_pool, value_pool = cache.write(key_rows.unsqueeze(1), value_rows.unsqueeze(1), self.layer_idx)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.k_absorb)  # [H, N, rank]
         query = torch.cat((q_latent, q_pe[0].transpose(0, 1)), dim=-1)  # [H, N, rank + rope], the latent's columns
         # Two tensors, not two views of one (torch.while_loop refuses aliased inputs).
         query_a, query_b = (part.clone() for part in query.split([split, self.rank + self.rope - split], dim=-1))
-        out_latent = cached_latent_attention(
+        out_latent = paged_latent_attention(
             query_a,
             query_b,
-            latent_a[0, 0],
-            latent_b[0, 0],
+            key_pool,
+            value_pool,
+            cache.block_table,
             kwargs[QUERY_SEQ_LENS_KWARG],
             kwargs[KV_SEQ_LENS_KWARG],
             self.scaling,
             self.rank,
-        )  # [H, N, rank]
-        out = torch.bmm(out_latent, self.v_absorb)  # [H, N, v_dim]
+        )  # [N, H, rank]
+        out = torch.bmm(out_latent.transpose(0, 1), self.v_absorb)  # [H, N, v_dim]
         return self.o_proj(out.transpose(0, 1).reshape(1, tokens, heads * self.v_dim)), None
 
 
@@ -150,68 +149,75 @@ def absorb_latent_attention(model: torch.nn.Module) -> int:
     return replaced
 
 
-def cached_latent_attention(
+def paged_latent_attention(
     query_a: torch.Tensor,
     query_b: torch.Tensor,
-    latent_a: torch.Tensor,
-    latent_b: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    block_table: torch.Tensor,
     query_seq_lens: torch.Tensor,
     kv_seq_lens: torch.Tensor,
     scale: float,
     value_width: int,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached latent rows, one sequence at a time.
+    """Causal attention of each sequence's new tokens over its latent rows in the pools, one sequence at a time.
 
-    The latent (``a + b`` columns per token) arrives in two column blocks, as the two pools hold
-    it; the query is cut at the same column. Scores are ``query . latent`` over all columns, the
-    output is ``softmax @ latent[:, :value_width]`` (``c_kv``). Sequence q's rows are the run
-    ``kv_seq_lens[q] .. kv_seq_lens[q+1]`` (past, then its ``n_q`` new tokens, as the gather returns
-    them after the step's write): its new query ``j`` attends to rows ``0 .. len_q - n_q + j``.
+    The latent (``a + b`` columns per token) lies in two column blocks, the key pool's and the value
+    pool's; the query is cut at the same column. Each sequence's rows are read with its own
+    GatherPaKvCache (one block-table row: the rows land contiguous, ready for the products, with
+    no packed copy to slice). Scores are ``query . latent`` over all columns, the output
+    ``softmax @ latent[:, :value_width]`` (``c_kv``). Sequence q holds ``len_q`` rows (past, then
+    its ``n_q`` new tokens, already written): its new query ``j`` attends to rows ``0 .. len_q - n_q + j``.
 
     Args:
         query_a, query_b: fp32 ``[H, N, a]`` and ``[H, N, b]``, the new tokens packed by ``query_seq_lens``.
-        latent_a, latent_b: fp32 ``[T, a]`` and ``[T, b]``, packed by ``kv_seq_lens``.
-        query_seq_lens, kv_seq_lens: int ``[Q+1]`` cumulative new and cached (past + new) counts from 0.
+        key_pool, value_pool: ``[num_blocks, block_size, 1, a]`` and ``[..., 1, b]``, the step's rows written.
+        block_table: int32 ``[Q, max_blocks]``; query_seq_lens, kv_seq_lens: int ``[Q+1]`` cumulative
+            new and cached (past + new) counts from 0.
         scale: the score scale. value_width: the latent columns that are values (``kv_lora_rank``).
 
     Returns:
-        fp32 ``[H, N, value_width]``. Peak memory holds one sequence's ``[H * n_q, len_q]`` scores;
-        every large operand is multiplied untransposed (only the per-sequence query and scores are).
+        fp32 ``[N, H, value_width]``. Peak memory holds one sequence's rows and ``[H * n_q, len_q]``
+        scores; the latent is multiplied as it lies (only the per-sequence query and scores are transposed).
     """
-    heads, width_a = query_a.shape[0], latent_a.shape[1]
+    heads, width_a = query_a.shape[0], query_a.shape[2]
     q_cu = query_seq_lens.to(torch.int64)
     kv_cu = kv_seq_lens.to(torch.int64)
     # Sequences with new tokens only (zero-row attention makes ORT's Loop body divide by zero).
     active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
-    bounds = torch.stack((q_cu[:-1], q_cu[1:], kv_cu[:-1], kv_cu[1:]), dim=1).index_select(0, active)
-    out = query_a.new_zeros(heads, query_a.shape[1], value_width)
+    bounds = torch.stack((q_cu[:-1], q_cu[1:], kv_cu[1:] - kv_cu[:-1]), dim=1).index_select(0, active)
+    tables = block_table.index_select(0, active)
+    out = query_a.new_zeros(query_a.shape[1], heads, value_width)
 
     def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return i < bounds.shape[0]
 
     def one_sequence(i: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        row = bounds.index_select(0, i.reshape(1)).reshape(4)
-        q_start, q_end, kv_start, kv_end = (row[j].item() for j in range(4))
+        row = bounds.index_select(0, i.reshape(1))  # [1, 3]
+        q_start, q_end, length = (row[0, j].item() for j in range(3))
         torch._check(q_start >= 0)
         torch._check(q_end > q_start)
-        torch._check(kv_start >= 0)
-        torch._check(kv_end - kv_start >= q_end - q_start)
-        query_rows, key_rows = torch.arange(q_start, q_end), torch.arange(kv_start, kv_end)
-        new, past = q_end - q_start, (kv_end - kv_start) - (q_end - q_start)
-        rows_a, rows_b = latent_a.index_select(0, key_rows), latent_b.index_select(0, key_rows)  # [len, a], [len, b]
+        torch._check(length >= q_end - q_start)
+        new, past = q_end - q_start, length - (q_end - q_start)
+        seq_lens = torch.cat((row.new_zeros(1), row[0, 2:])).to(torch.int32)  # [0, len]
+        rows_a, rows_b = torch.ops.pakv.gather_pa_kv_cache(
+            key_pool, value_pool, tables.index_select(0, i.reshape(1)), seq_lens, None, "Norm", True
+        )  # [len, 1, a], [len, 1, b]
+        rows_a, rows_b = rows_a.flatten(1), rows_b.flatten(1)
+        query_rows = torch.arange(q_start, q_end)
         qa = query_a.index_select(1, query_rows).reshape(-1, width_a)  # [H * new, a], row h * new + j
         qb = query_b.index_select(1, query_rows).reshape(qa.shape[0], -1)
         # [len, H * new] from the latent as it lies, then the small transpose to [H * new, len].
         scores = (torch.matmul(rows_a, qa.transpose(0, 1)) + torch.matmul(rows_b, qb.transpose(0, 1))).transpose(0, 1)
         query_pos = torch.arange(new).repeat(heads) + past  # row h * new + j is query j (no `%`: it exports badly)
-        allowed = torch.arange(key_rows.shape[0])[None, :] <= query_pos[:, None]
+        allowed = torch.arange(rows_a.shape[0])[None, :] <= query_pos[:, None]
         probs = torch.softmax((scores * scale).masked_fill(~allowed, float("-inf")), dim=-1)
         attended = torch.matmul(probs, rows_a)  # [H * new, a]
         if width_a < value_width:  # the values run on into the value pool's columns
             attended = torch.cat((attended, torch.matmul(probs, rows_b)[:, : value_width - width_a]), dim=-1)
         elif width_a > value_width:
             attended = attended[:, :value_width]
-        return i + 1, out.index_copy(1, query_rows, attended.reshape(heads, -1, value_width))
+        return i + 1, out.index_copy(0, query_rows, attended.reshape(heads, new, value_width).transpose(0, 1))
 
     i = torch.zeros((), dtype=torch.int64)
     if torch.compiler.is_exporting() or torch.compiler.is_compiling():
