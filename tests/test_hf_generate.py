@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli, kernels
 from pakv_onnx.models.hf import (
@@ -60,7 +61,7 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     layers = build_model(arch, SEED).config.num_hidden_layers
-    pakv = [n for n in model.graph.node if n.domain == "pakv"]
+    pakv = pakv_nodes(model.graph)  # DeepSeek-V3 gathers each sequence's latent inside its attention Loop
     assert [n.op_type for n in pakv] == ["ScatterPaKvCache", "GatherPaKvCache"] * layers
     outputs = [o.name for o in model.graph.output]
     for layer, (scatter, gather) in enumerate(zip(pakv[::2], pakv[1::2])):
