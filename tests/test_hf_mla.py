@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pakv_onnx import kernels
 from pakv_onnx.models.hf import (
     PagedDecoderStep,
     PagedKVCache,
@@ -183,3 +184,18 @@ def test_dropping_the_rope_scores_is_seen(monkeypatch: pytest.MonkeyPatch) -> No
     )
     _, err = compare(generate_paged(lambda feeds: run_step_torch(step, feeds), cache, workload), reference)
     assert err > 100 * check.LOGIT_ATOL
+
+
+def test_the_pypto_cpu_guard_counts_a_gather_per_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V3's step gathers each live sequence's latent (inside its Loop): a generation makes
+    one call per layer per generated token, which is what the pypto-cpu time guard must count."""
+    monkeypatch.setitem(kernels.BACKEND_MODULES, "pypto-cpu", "broken_backend")
+    assert mla.gathers_per_sequence(make_config("deepseek")) and not mla.gathers_per_sequence(make_config("llama"))
+    workload = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=0)  # budgets [3, 2]
+    assert check.gather_calls(workload, 2) == 6 and check.gather_calls(workload, 2, per_sequence=True) == 10
+    names, _ = check.runner_names(["native"], workload, 2, per_sequence=True)
+    assert "plugin:pypto-cpu" in names
+    bigger = make_workload(batch=4, new_tokens=4, vocab_size=256, seed=0)  # 13 tokens
+    names, skipped = check.runner_names(["native"], bigger, 2, per_sequence=True)
+    assert skipped["plugin:pypto-cpu"].startswith(f"{2 * bigger.generated_tokens} gather calls")
+    assert "steps x live sequences x layers <= 12" in skipped["plugin:pypto-cpu"]

@@ -135,6 +135,12 @@ class AbsorbedLatentAttention(torch.nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(1, tokens, heads * self.v_dim)), None
 
 
+def gathers_per_sequence(config) -> bool:
+    """Whether the paged step of a model with ``config`` reads its cache with one GatherPaKvCache per
+    sequence per layer (inside the attention Loop: DeepSeek-V3 here), not one per layer."""
+    return getattr(config, "model_type", None) == "deepseek_v3"
+
+
 def absorb_latent_attention(model: torch.nn.Module) -> int:
     """Replace every ``DeepseekV3Attention`` of ``model`` (in place) by an :class:`AbsorbedLatentAttention`
     over the same weights; returns how many were replaced (0 for a model without MLA)."""
