@@ -104,8 +104,11 @@ class PagedDecoderStep(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
+        from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
+
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
 
@@ -176,7 +179,9 @@ def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> di
     return dict(zip(step_output_names(layers), outputs))
 
 
-def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None) -> onnx.ModelProto:
+def export_step(
+    step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None
+) -> onnx.ModelProto:
     """Export ``step`` (traced on one step's ``feeds``) with the project's exporter; saved to
     ``path`` unless it is ``None``.
 
