@@ -127,8 +127,12 @@ class PagedDecoderStep(torch.nn.Module):
         attention = attention or (GATHER if mla else FUSED)
         if attention not in (FUSED, GATHER) or (mla and attention == FUSED):
             raise ValueError(f"attention must be {GATHER!r}{'' if mla else f' or {FUSED!r}'} for this model, got {attention!r}")
+
+        from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
+
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
         self.attention = attention
@@ -205,7 +209,9 @@ def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> di
     return dict(zip(step_output_names(layers), outputs))
 
 
-def export_step(step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None) -> onnx.ModelProto:
+def export_step(
+    step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None
+) -> onnx.ModelProto:
     """Export ``step`` (traced on one step's ``feeds``) with the project's exporter; saved to
     ``path`` unless it is ``None``.
 
