@@ -52,6 +52,7 @@ TOKENIZER_FILES = (
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
 
+
 class UnsupportedModelError(ValueError):
     """The model cannot be exported as an og.Engine paged model (the message says why)."""
 
@@ -176,11 +177,13 @@ def export_genai(
     max_batch_size: int = 16,
     intra_op_threads: int | None = None,
     external_data: bool | None = None,
+    fuse: bool = True,
     progress: Callable[[str], None] = lambda message: None,
 ) -> GenaiExport:
     """Export the Hugging Face model in ``hf_dir`` to an ORT GenAI model folder ``out_dir`` (see the
     module docstring). ``external_data``: weights in ``model.onnx.data`` (default: when above
-    :data:`EXTERNAL_DATA_BYTES`).
+    :data:`EXTERNAL_DATA_BYTES`). ``fuse``: the graph-level fusions of
+    :func:`~pakv_onnx.models.hf.fusion.fuse_step` (default on).
 
     Raises:
         UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`).
@@ -201,7 +204,7 @@ def export_genai(
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step = PagedDecoderStep(model)
     progress(f"exporting one paged step ({weight_bytes / 1e6:.1f} MB of weights) ...")
-    proto = export_step(step, trace_feeds(step, block_size), None)
+    proto = export_step(step, trace_feeds(step, block_size), None, fuse=fuse)
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     files = [MODEL_FILE]
     for stale in (out_dir / MODEL_FILE, out_dir / EXTERNAL_DATA_FILE):
