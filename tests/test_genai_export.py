@@ -19,8 +19,7 @@ import onnx
 import pytest
 
 from pakv_onnx import cli
-from pakv_onnx.models.hf import Workload, build_model, generate_reference, make_config
-from pakv_onnx.models.hf import genai
+from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
 
 SEED = 0
 BLOCK_SIZE = 4
@@ -36,22 +35,10 @@ def onnxruntime_genai():
     return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
-def write_hf_folder(path: Path) -> Path:
-    """A tiny Llama with seeded weights as save_pretrained writes it, plus a WordLevel tokenizer."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    build_model("llama", SEED).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(make_config("llama").vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def genai_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("genai")
-    hf = write_hf_folder(root / "hf")
+    hf = save_sample_folder(root / "hf", "llama", SEED)  # seeded weights + a WordLevel tokenizer
     out = root / "genai"
     code = cli.main(
         [
@@ -158,13 +145,15 @@ def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Pa
 @pytest.mark.slow  # the module's one export
 def test_plain_onnxruntime_host_decodes_like_transformers(genai_dir: Path, tmp_path: Path) -> None:
     """onnxruntime + numpy only (no torch, no pakv_onnx imported), pools bound as input and present."""
-    workload = Workload(prompts=[[9, 8, 7, 6, 5, 4], [3, 1], [100, 101, 102, 103, 104, 105, 106, 107, 108]], budgets=[6, 9, 4])
+    workload = Workload(
+        prompts=[[9, 8, 7, 6, 5, 4], [3, 1], [100, 101, 102, 103, 104, 105, 106, 107, 108]], budgets=[6, 9, 4]
+    )
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"prompts": workload.prompts, "budgets": workload.budgets, "num_blocks": NUM_BLOCKS}))
     result = subprocess.run(
         [sys.executable, str(HERE / "plain_ort_host.py"), str(genai_dir / "model.onnx"),
          str(genai_dir / "libpakv_ort.so"), str(job)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
