@@ -12,7 +12,9 @@ ORT GenAI's own CPU models use):
 - ``rotary``: ``x * cos + rotate_half(x) * sin`` -> ``com.microsoft.RotaryEmbedding``, its cos/sin
   "cache" being one row per token of this step (``cos(freqs)``, computed once per step from the
   same ``freqs`` the decomposed graph used) and its position ids ``0 .. N-1``: every read of
-  the cache is in range whatever the positions, and the angles are the exporter's own.
+  the cache is in range whatever the positions, and the angles are the exporter's own;
+- ``packed_matmul``: ``MatMul``s of one input by constant 2-D weights (q/k/v, gate/up) -> one
+  ``MatMul`` by the weights side by side and a ``Split`` (standard ops; GenAI packs q/k/v alike).
 
 Nothing else is touched: the ``pakv`` nodes, the attention (a ``Loop`` or whatever op replaces
 it: rules match only the patterns above, on the main graph), the model-local functions (the
@@ -31,7 +33,7 @@ import numpy as np
 import onnx
 
 MS_DOMAIN = "com.microsoft"
-FUSIONS = ("skip_rms_norm", "rotary")
+FUSIONS = ("skip_rms_norm", "rotary", "packed_matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +196,54 @@ def _rotary_rule():
     return Rotary.rule()
 
 
+def _pack_matmuls(graph) -> int:
+    """Merge the main graph's ``MatMul(a, W_i)`` sharing ``a`` (each ``W_i`` a constant fp32
+    ``[K, N_i]`` initializer) into ``Split(MatMul(a, [W_1 .. W_n]), [N_1 .. N_n], axis=-1)``; returns
+    how many groups were merged. Each output column is the same dot product as before."""
+    import onnx_ir as ir
+
+    groups: dict = {}
+    for node in graph:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        weight = node.inputs[1]
+        array = _const(weight)
+        if array is None or array.ndim != 2 or array.dtype != np.float32 or not weight.is_initializer():
+            continue
+        if any(out.is_graph_output() for out in node.outputs):
+            continue
+        groups.setdefault(node.inputs[0], []).append((node, array))
+    merged = 0
+    for a, members in groups.items():
+        if len(members) < 2:
+            continue
+        nodes, arrays = [m[0] for m in members], [m[1] for m in members]
+        packed = ir.Value(name=f"{nodes[0].name}_packed_weight", const_value=ir.tensor(np.concatenate(arrays, axis=1)))
+        graph.register_initializer(packed)
+        widths = ir.Value(
+            name=f"{nodes[0].name}_packed_widths",
+            const_value=ir.tensor(np.array([w.shape[1] for w in arrays], np.int64)),
+        )
+        graph.register_initializer(widths)
+        matmul = ir.Node("", "MatMul", [a, packed], name=f"{nodes[0].name}_packed")
+        split = ir.Node(
+            "",
+            "Split",
+            [matmul.outputs[0], widths],
+            {"axis": ir.AttrInt64("axis", -1)},
+            num_outputs=len(nodes),
+            name=f"{nodes[0].name}_packed_split",
+        )
+        first = min(nodes, key=lambda n: list(graph).index(n))
+        graph.insert_before(first, [matmul, split])
+        for old, new in zip(nodes, split.outputs):
+            new.shape, new.type, new.name = old.outputs[0].shape, old.outputs[0].type, f"{old.outputs[0].name}_split"
+            ir.convenience.replace_all_uses_with(old.outputs[0], new)
+        graph.remove(nodes, safe=True)
+        merged += 1
+    return merged
+
+
 def fuse_step(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionReport]:
     """Apply :data:`FUSIONS` to ``model``'s main graph (see the module docstring); returns the
     fused model (a new proto; ``model`` is not changed) and a :class:`FusionReport`. Each call
@@ -212,6 +262,7 @@ def fuse_step(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionReport]:
     applied = {}
     for name, rule in (("skip_rms_norm", _skip_rms_norm_rule()), ("rotary", _rotary_rule())):
         applied[name] = pattern.RewriteRuleSet([rule], commute=True).apply_to_model(graph)
+    applied["packed_matmul"] = _pack_matmuls(graph.graph)
     optimizer.remove_unused_nodes(graph)
     # The rewrites' Constant nodes become initializers (as the exporter writes its constants).
     ir.passes.common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(graph)
