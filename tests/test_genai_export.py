@@ -20,11 +20,21 @@ import pytest
 
 from pakv_onnx import cli
 from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
+from pakv_onnx.models.hf.fusion import op_counts
 
 SEED = 0
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 HERE = Path(__file__).resolve().parent
+# Main-graph op counts of the exported 2-layer Llama step (fused).
+FUSED_COUNTS = {
+    "com.microsoft::SkipSimplifiedLayerNormalization": 4,
+    "com.microsoft::RotaryEmbedding": 4,
+    "Pow": 1,
+    "Neg": 0,
+    "MatMul": 9,  # per layer q/k/v, o, gate/up, down; and the LM head
+    "Split": 4,
+}
 
 
 def onnxruntime_genai():
@@ -95,6 +105,11 @@ def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     model = onnx.load(str(genai_dir / "model.onnx"))
     assert [n.op_type for n in model.graph.node if n.domain == "pakv"] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
+    # Fused (the default): every residual + RMS norm is one SkipSimplifiedLayerNormalization (the
+    # first norm has no residual and stays decomposed), q and k rotate in RotaryEmbedding, q/k/v
+    # and gate/up are one MatMul each.
+    counts = op_counts(model)
+    assert {op: counts[op] for op in FUSED_COUNTS} == FUSED_COUNTS
     pool = next(i for i in model.graph.input if i.name == "past_key_values.0.key").type.tensor_type
     assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, 2, 32]
 

@@ -86,14 +86,17 @@ def _skip_rms_norm_rule():
     class SkipRmsNorm(pattern.RewriteRuleClassBase):
         def pattern(self, op, a, b, gamma, axes, eps):
             total = op.Add(a, b)
-            mean_square = op.ReduceMean(op.Pow(total, 2.0), axes, keepdims=1, noop_with_empty_axes=0)
+            mean_square = op.ReduceMean(op.Pow(total, 2.0), axes, _allow_other_attributes=True, _outputs=["mean"])
             inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean_square, eps)))
             return op.Mul(gamma, op.Mul(total, inv_rms)), total
 
-        def check(self, context, a, b, gamma, axes, eps, **_):
+        def check(self, context, a, b, gamma, axes, eps, mean, **_):
             result = pattern.MatchResult()
             if context.graph_or_function is not context.model.graph:
                 return result.fail("not in the main graph (subgraphs hold the attention: not ours)")
+            attributes = mean.producer().attributes  # ONNX defaults: keepdims 1, noop_with_empty_axes 0
+            if attributes.get_int("keepdims", 1) != 1 or attributes.get_int("noop_with_empty_axes", 0) != 0:
+                return result.fail("the mean does not keep its axis")
             rank = a.shape.rank() if a.shape is not None else None
             width = _static_dim(a, rank - 1) if rank else None
             if rank not in (2, 3) or b.shape is None or b.shape.rank() != rank:
