@@ -39,12 +39,14 @@ class Folders:
     dense: Path  # ORT GenAI's builder, -p fp32 -e cpu
 
 
-def write_folders(root: Path, block_size: int, num_blocks: int, max_batch: int) -> Folders:
-    """Write every variant's model folder under ``root`` (a temp dir); about a minute."""
+def write_folders(root: Path, block_size: int, num_blocks: int, max_batch: int, unfused: bool = True) -> Folders:
+    """Write every variant's model folder under ``root`` (a temp dir; ``unfused``: the ``--no-fuse``
+    export too); about a minute."""
     folders = Folders(root / "hf", root / "paged", root / "unfused", root / "dense")
     save_sample_folder(folders.hf, "llama", SEED, vocab_size=GENAI_VOCAB)
     common = ["--block-size", str(block_size), "--num-blocks", str(num_blocks), "--max-batch-size", str(max_batch)]
-    for out, extra in ((folders.paged, []), (folders.unfused, ["--no-fuse"])):
+    exports = [(folders.paged, [])] + ([(folders.unfused, ["--no-fuse"])] if unfused else [])
+    for out, extra in exports:
         if cli.main(["export", str(folders.hf), str(out), *common, "--threads", "1", *extra]) != 0:
             raise RuntimeError(f"pakv-onnx export {folders.hf} {out} failed")
     builder = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folders.hf)]
