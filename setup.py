@@ -1,4 +1,4 @@
-"""Build hook: compiles the C library (plain C, no Python API, no ORT header).
+"""Build hook: compiles the C library (plain C, no Python API, no ORT header) and the front's extension.
 
 Everything else about the package lives in pyproject.toml. The library is built as
 ``pakv_onnx/native_lib/libpakv_ort.so``, a plain shared library that ONNX Runtime dlopen's as a
@@ -14,6 +14,11 @@ Sources (pakv_onnx/native_lib/):
                      dependency), async device-to-device copies of a plan on ORT's stream
     pakv_ep.c        execution providers: the CPU/CUDA/CANN entries' table, host-resident index inputs,
                      ORT's compute stream and intra-op pool (KernelContext_ParallelFor)
+
+and, apart from the library, ``pakv_onnx/native_lib/_front.abi3.so`` from pakv_front.c: a CPython
+extension on the stable ABI (3.10+) that writes the validator's tensor records from torch tensors
+and calls the library's validator and copy without ctypes (the Python front's hot path). The
+library stays free of Python; the wheel is tagged ``cp310-abi3-<platform>``.
 """
 
 import os
@@ -24,10 +29,19 @@ from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
+FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
 SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
-HEADERS = ["ort_abi.h", "pakv_core.h", "pakv_contract.h", "pakv_bridge.h", "pakv_dtypes.h", "device_abi.h",
-           "pakv_device.h", "pakv_ep.h"]
+HEADERS = [
+    "ort_abi.h",
+    "pakv_core.h",
+    "pakv_contract.h",
+    "pakv_bridge.h",
+    "pakv_dtypes.h",
+    "device_abi.h",
+    "pakv_device.h",
+    "pakv_ep.h",
+]
 COMPILE_ARGS = [
     "-std=c11",
     "-O3",
@@ -64,16 +78,27 @@ library = Extension(
 )
 
 
-class PlatformWheel(bdist_wheel):
-    """Tag the wheel ``py3-none-<platform>``: the plugin is a plain C library with no Python ABI.
+front = Extension(
+    FRONT,
+    sources=[os.path.join(LIBRARY_DIR, "pakv_front.c")],
+    depends=[os.path.join(LIBRARY_DIR, "pakv_contract.h"), os.path.join(LIBRARY_DIR, "pakv_core.h")],
+    extra_compile_args=COMPILE_ARGS,
+    define_macros=[("Py_LIMITED_API", "0x030A0000")],
+    py_limited_api=True,
+)
 
-    So one wheel serves every supported Python on a platform (as onnxruntime-extensions ships
-    its custom-op library); the platform tag stays, since the .so is native code.
+
+class PlatformWheel(bdist_wheel):
+    """Tag the wheel ``cp310-abi3-<platform>``: the plugin is a plain C library with no Python ABI
+    and the front's extension uses only the stable ABI of Python 3.10.
+
+    So one wheel serves every supported Python on a platform; the platform tag stays, since both
+    are native code.
     """
 
     def get_tag(self):
         _python, _abi, platform = super().get_tag()
-        return "py3", "none", platform
+        return "cp310", "abi3", platform
 
 
-setup(ext_modules=[library], cmdclass={"build_ext": BuildLibrary, "bdist_wheel": PlatformWheel})
+setup(ext_modules=[library, front], cmdclass={"build_ext": BuildLibrary, "bdist_wheel": PlatformWheel})

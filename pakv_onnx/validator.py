@@ -28,8 +28,8 @@ from pakv_onnx.spec import (
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
-    CacheMode,
     SCATTER,
+    CacheMode,
     GatherPlan,
     ScatterPlan,
     parse_cache_mode,
@@ -38,12 +38,14 @@ from pakv_onnx.spec import (
 
 # The records of one gather, in the validator's order (pakv_contract.h).
 RECORD_NAMES = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset", "key_out", "value_out")
-# Each record's (name, may be None, is an index tensor) in a gather call and in its outputs alone.
-_GATHER_ROLES = tuple((name, i >= 4, 2 <= i <= 4) for i, name in enumerate(RECORD_NAMES))
-_OUTPUT_ROLES = (("key_out", False, False), ("value_out", False, False))
+# Each record's role in a call: (name, bits) with _OPTIONAL (may be None) and _INDEX (an index
+# tensor: read on the host, copied there from a device); the bits pakv_front.c reads.
+_OPTIONAL, _INDEX = 1, 2
+_GATHER_ROLES = tuple((name, _OPTIONAL * (i >= 4) | _INDEX * (2 <= i <= 4)) for i, name in enumerate(RECORD_NAMES))
+_OUTPUT_ROLES = (("key_out", 0), ("value_out", 0))
 _SCATTER_ROLES = (
-    *((name, False, name == "slot_mapping") for name in SCATTER.input_names),
-    *((name, True, False) for name in SCATTER.output_names),
+    *((name, _INDEX * (name == "slot_mapping")) for name in SCATTER.input_names),
+    *((name, _OPTIONAL) for name in SCATTER.output_names),
 )
 
 # One int64 array per call: the pakv_gather_call (plan, records, attributes), then the plan's
@@ -56,11 +58,11 @@ _TAIL_AT = native_lib.GatherCall.nz.offset
 _TAIL = struct.Struct("@iiqPP")  # nz, cumsum, scratch_len, scratch, error
 _PLAN_FIELDS = struct.Struct(native_lib.PLAN_FORMAT)
 _AT = native_lib.PLAN_FIELD_AT
-_NUM_BLOCKS, _BLOCK_SIZE, _NUM_SEQS, _NUM_TOKENS = (_AT[n] for n in ("num_blocks", "block_size", "num_seqs", "num_tokens"))
+_NUM_BLOCKS, _BLOCK_SIZE, _NUM_SEQS, _NUM_TOKENS = (
+    _AT[n] for n in ("num_blocks", "block_size", "num_seqs", "num_tokens")
+)
 _KEY_ROW, _VALUE_ROW, _OUT_RANK = _AT["key_row_bytes"], _AT["value_row_bytes"], _AT["out_rank"]
 _KEY_DIMS, _VALUE_DIMS = _AT["key_out_dims"], _AT["value_out_dims"]
-_MAX_RANK = native_lib.MAX_RANK
-_CPU = b"cpu"
 
 
 class _Errors(threading.local):
@@ -70,19 +72,6 @@ class _Errors(threading.local):
 
 
 _errors = _Errors()
-_DEVICE_NAMES: dict[torch.device, bytes] = {}
-
-
-def _device_name(device: torch.device) -> bytes:
-    name = _DEVICE_NAMES.get(device)
-    if name is None:
-        name = _DEVICE_NAMES[device] = str(device).encode()[: native_lib.DEVICE_LEN - 1]
-    return name
-
-
-def _require_tensor(name: str, value: object) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _on_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,56 +81,29 @@ def _on_host(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return dense, dense.cpu()
 
 
-_Tensor = torch.Tensor
+def _describe_other(name: str, value: Any, is_index: bool) -> tuple[torch.Tensor, int, torch.Tensor | None, str]:
+    """What pakv_front.c does not read itself (a non-tensor, a tensor subclass, a tensor on a device):
+    (the tensor to describe, its data address, the host tensor to read or None, its device)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_cpu:
+        return value, value.data_ptr(), value if is_index else None, "cpu"
+    if is_index:
+        value, host = _on_host(value)
+        return value, value.data_ptr(), host, str(value.device)
+    return value, value.data_ptr(), None, str(value.device)
 
 
-def _describe(
-    tensors: tuple[Any, ...], roles: tuple[tuple[str, bool, bool], ...]
-) -> tuple[tuple[int, ...], list[Any], list[Any]]:
-    """(kept ranks, the values, the host tensors (then any device copies made)) of the records of ``tensors`` for
-    native_lib.records_packing; ``roles`` gives each position's (name, may be None, is an index
-    tensor: read on the host, copied there from a device). A decode step pays this for seven
-    tensors: one pass, each attribute read once."""
-    ranks: list[int] = []
-    values: list[Any] = []
-    hosts: list[Any] = [None] * len(tensors)
-    add_rank, add = ranks.append, values.extend
-    types = ONNX_ELEMENT_TYPE_OF
-    for index, (tensor, (name, optional, is_index)) in enumerate(zip(tensors, roles)):
-        if type(tensor) is not _Tensor:
-            if tensor is None and optional:
-                add_rank(-1)
-                continue
-            _require_tensor(name, tensor)
-        if tensor.is_cpu:
-            data = tensor.data_ptr()
-            device = _CPU
-            if is_index:
-                hosts[index] = tensor
-                host_data = data
-            else:
-                host_data = 0
-        else:
-            if is_index:
-                tensor, hosts[index] = _on_host(tensor)
-                hosts.append(tensor)  # the record holds its address: it must outlive the plan's checks
-                host_data = hosts[index].data_ptr()
-            else:
-                host_data = 0
-            data = tensor.data_ptr()
-            device = _device_name(tensor.device)
-        shape = tensor.shape
-        rank = len(shape)
-        add((data, host_data, 1, types.get(tensor.dtype, 0), rank, 0, device))
-        if rank <= _MAX_RANK:
-            add_rank(rank)
-            add(shape)
-            add(tensor.stride())
-        else:  # only the rank is kept: the validator refuses it by name
-            add_rank(_MAX_RANK)
-            add(shape[:_MAX_RANK])
-            add(tensor.stride()[:_MAX_RANK])
-    return tuple(ranks), values, hosts
+_describe = None  # pakv_front.c's describe(address, values, roles) -> hosts, bound on first use
+
+
+def _describer():
+    """Bind the front's extension to torch and the dtype table once (native code loads on first use)."""
+    global _describe
+    front = native_lib.front()
+    front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other)
+    _describe = front.describe
+    return _describe
 
 
 def _raise(kind: int) -> None:
@@ -183,13 +145,14 @@ def plan_gather(
     """
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
-    ranks, values, hosts = _describe((key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out), _GATHER_ROLES)
-    tables = hosts[2]
-    num_seqs = tables.shape[0] if tables.dim() == 2 else 0
+    values = (key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out)
+    num_seqs = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else 0
     call = array.array("q", bytes(_CALL_SIZE + 24 * num_seqs))
     base = call.buffer_info()[0]
-    native_lib.records_packing(ranks).pack_into(call, _RECORDS_AT, *values)
-    _TAIL.pack_into(call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, 3 * num_seqs, base + _CALL_SIZE, _errors.address)
+    hosts = (_describe or _describer())(base + _RECORDS_AT, values, _GATHER_ROLES)
+    _TAIL.pack_into(
+        call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, 3 * num_seqs, base + _CALL_SIZE, _errors.address
+    )
     kind = native_lib.plan_gather_call(base)
     if kind:
         _raise(kind)
@@ -221,8 +184,9 @@ def check_outputs(plan: GatherPlan, key_out: torch.Tensor, value_out: torch.Tens
     allocator's): the plan's shapes, their caches' dtypes and device, contiguous, no overlap with
     each other or any input. Raises what the validator said; on success the plan runs into them."""
     call = plan.native[0]
-    ranks, values, _hosts = _describe((key_out, value_out), _OUTPUT_ROLES)
-    native_lib.records_packing(ranks).pack_into(call, _RECORDS_AT + 5 * _RECORD_SIZE, *values)
+    (_describe or _describer())(
+        call.buffer_info()[0] + _RECORDS_AT + 5 * _RECORD_SIZE, (key_out, value_out), _OUTPUT_ROLES
+    )
     kind = native_lib.check_gather_outputs_call(call.buffer_info()[0])
     if kind:
         _raise(kind)
@@ -271,13 +235,11 @@ def plan_scatter(
         ValueError: any other contract violation, named by the C validator.
     """
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
-    ranks, values, hosts = _describe(
-        (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out), _SCATTER_ROLES
-    )
-    num_tokens = key.shape[0] if key.dim() >= 1 else 0
+    values = (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out)
+    num_tokens = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() >= 1 else 0
     call = array.array("q", bytes(_SCATTER_SIZE + 16 * num_tokens))
     base = call.buffer_info()[0]
-    native_lib.records_packing(ranks).pack_into(call, _SCATTER_RECORDS_AT, *values)
+    hosts = (_describe or _describer())(base + _SCATTER_RECORDS_AT, values, _SCATTER_ROLES)
     _SCATTER_TAIL.pack_into(
         call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, 2 * num_tokens, base + _SCATTER_SIZE, _errors.address
     )

@@ -5,6 +5,7 @@
 * :func:`model_for_case` / :func:`feeds_for_case` — a :class:`~pakv_onnx.cases.GatherCase`'s
   model and its inputs keyed by the model's input names.
 * :func:`parallel_copies` — independent copies of a model's node in one graph (ORT_PARALLEL).
+* :func:`pakv_nodes` — a graph's ``pakv`` nodes in order, subgraphs' (a Loop body's) in their node's place.
 """
 
 from __future__ import annotations
@@ -69,3 +70,16 @@ def parallel_copies(model: onnx.ModelProto, count: int) -> onnx.ModelProto:
                 copy.CopyFrom(value)
                 copy.name = renamed(value.name)
     return merged
+
+
+def pakv_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """``graph``'s nodes of the ``pakv`` domain in node order, each subgraph's (a ``Loop`` body's)
+    in the place of the node that holds it (DeepSeek-V3's gathers run inside its attention Loop)."""
+    found = []
+    for node in graph.node:
+        if node.domain == "pakv":
+            found.append(node)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found += pakv_nodes(attribute.g)
+    return found

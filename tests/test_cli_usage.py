@@ -248,9 +248,11 @@ def test_seed_caches_are_generated_in_chunks_bit_for_bit() -> None:
     assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
 
 
-def test_every_help_example_parses() -> None:
+def test_every_help_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The examples each ``--help`` shows are real: every one parses with its command's parser."""
     import shlex
+
+    monkeypatch.chdir(tmp_path)  # parsing `--out ./onnx` makes the folder: not in the caller's cwd
 
     from pakv_onnx.commands import _args
 

@@ -2,7 +2,8 @@
 on a CPU with continuous batching, and that a plain onnxruntime host (no torch, no pakv_onnx) decodes
 with; every request's tokens equal transformers' greedy generate.
 
-Tests that use the ``genai_dir`` fixture are slow (one export, ~20-40 s on the shared machine). The
+Tests that use the ``genai_dir`` fixture are slow (one export per arch, ~20-40 s each on the shared
+machine): Llama, and DeepSeek-V3 with its latent in two halves across the pools of one shape. The
 og.Engine tests need onnxruntime-genai (the ``genai`` extra, which CI installs: under CI a missing
 package fails instead of skipping).
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli
 from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
@@ -45,11 +47,12 @@ def onnxruntime_genai():
     return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
-@pytest.fixture(scope="module")
-def genai_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module", params=["llama", "deepseek"])
+def genai_dir(request, tmp_path_factory) -> Path:
+    """The exported folder of the param's arch (its name is the folder's)."""
     root = tmp_path_factory.mktemp("genai")
-    hf = save_sample_folder(root / "hf", "llama", SEED)  # seeded weights + a WordLevel tokenizer
-    out = root / "genai"
+    hf = save_sample_folder(root / "hf", request.param, SEED)  # seeded weights + a WordLevel tokenizer
+    out = root / request.param
     code = cli.main(
         [
             "export", str(hf), str(out), "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
@@ -60,8 +63,8 @@ def genai_dir(tmp_path_factory) -> Path:
     return out
 
 
-def reference(workload: Workload) -> list[list[int]]:
-    return generate_reference(build_model("llama", SEED), workload).tokens
+def reference(workload: Workload, arch: str) -> list[list[int]]:
+    return generate_reference(build_model(arch, SEED), workload).tokens
 
 
 def test_config_follows_genai_paged_convention() -> None:
@@ -83,19 +86,31 @@ def test_config_follows_genai_paged_convention() -> None:
     assert decoder["outputs"]["present_key_names"] == "present.%d.key"
 
 
+def test_deepseek_config_lays_the_latent_in_two_halves() -> None:
+    """og.Engine allocates both pools [num_blocks, block_size, 1, 288]: c_kv's first 288 columns in the
+    key pool, the other 224 and k_pe's 64 in the value pool."""
+    config = genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4)
+    decoder = config["model"]["decoder"]
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (1, (512 + 64) // 2)
+
+
 def test_export_refuses_a_model_og_engine_cannot_serve(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    with pytest.raises(genai.UnsupportedModelError, match="key rows \\[1, 512\\] and value rows \\[1, 64\\]"):
-        genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=8, max_batch_size=2)
+    from transformers import AutoModelForCausalLM
+
+    odd = make_config("deepseek")
+    odd.kv_lora_rank = 511  # a 575-wide latent has no two equal halves
+    with pytest.raises(genai.UnsupportedModelError, match="deepseek_v3: the latent is kv_lora_rank 511 .* odd"):
+        genai.genai_config(odd, block_size=8, num_blocks=8, max_batch_size=2)
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "no config.json" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
-    build_model("deepseek", SEED).save_pretrained(tmp_path / "deepseek")
-    assert cli.main(["export", str(tmp_path / "deepseek"), str(tmp_path / "out")]) == 2  # refused before any export
-    assert "og.Engine allocates both pools of a layer" in capsys.readouterr().err
+    AutoModelForCausalLM.from_config(odd).save_pretrained(tmp_path / "odd")
+    assert cli.main(["export", str(tmp_path / "odd"), str(tmp_path / "out")]) == 2  # refused before any export
+    assert "og.Engine allocates both pools of a layer as one shape" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow  # the module's one export
+@pytest.mark.slow  # the module's exports
 def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     names = {p.name for p in genai_dir.iterdir()}
     assert {"model.onnx", "model.onnx.data", "genai_config.json", "libpakv_ort.so", "tokenizer.json"} <= names
@@ -104,17 +119,20 @@ def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     config = json.loads((genai_dir / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     model = onnx.load(str(genai_dir / "model.onnx"))
-    assert [n.op_type for n in model.graph.node if n.domain == "pakv"] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
-    # Fused (the default): every residual + RMS norm is one SkipSimplifiedLayerNormalization (the
-    # first norm has no residual and stays decomposed), q and k rotate in RotaryEmbedding, q/k/v
-    # and gate/up are one MatMul each.
-    counts = op_counts(model)
-    assert {op: counts[op] for op in FUSED_COUNTS} == FUSED_COUNTS
-    pool = next(i for i in model.graph.input if i.name == "past_key_values.0.key").type.tensor_type
-    assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, 2, 32]
+    assert [n.op_type for n in pakv_nodes(model.graph)] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
+    if genai_dir.name == "llama":
+        # Fused (the default): every residual + RMS norm is one SkipSimplifiedLayerNormalization (the
+        # first norm has no residual and stays decomposed), q and k rotate in RotaryEmbedding, q/k/v
+        # and gate/up are one MatMul each.
+        counts = op_counts(model)
+        assert {op: counts[op] for op in FUSED_COUNTS} == FUSED_COUNTS
+    rows = {"llama": [2, 32], "deepseek": [1, 288]}[genai_dir.name]  # [kv heads, head size] of both pools
+    for name in ("past_key_values.0.key", "past_key_values.0.value"):
+        pool = next(i for i in model.graph.input if i.name == name).type.tensor_type
+        assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, *rows]
 
 
-@pytest.mark.slow  # the module's one export
+@pytest.mark.slow  # the module's exports
 def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Path) -> None:
     """Three ragged requests start; a fourth is added while they run and joins the running batch;
     every request's greedy tokens equal transformers' generate."""
@@ -125,7 +143,7 @@ def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Pa
         prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4], [77, 78, 79, 80, 81]],
         budgets=[9, 12, 6, 8],
     )
-    want = reference(workload)
+    want = reference(workload, genai_dir.name)
     engine = og.Engine(og.Model(str(genai_dir)))
     requests, order = [], []  # keep a reference to every request: og closes unreferenced ones
 
@@ -157,7 +175,7 @@ def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Pa
     assert len(order[:first_of_late]) < sum(workload.budgets[:3])  # it started before the others finished
 
 
-@pytest.mark.slow  # the module's one export
+@pytest.mark.slow  # the module's exports
 def test_plain_onnxruntime_host_decodes_like_transformers(genai_dir: Path, tmp_path: Path) -> None:
     """onnxruntime + numpy only (no torch, no pakv_onnx imported), pools bound as input and present."""
     workload = Workload(
@@ -168,9 +186,9 @@ def test_plain_onnxruntime_host_decodes_like_transformers(genai_dir: Path, tmp_p
     result = subprocess.run(
         [sys.executable, str(HERE / "plain_ort_host.py"), str(genai_dir / "model.onnx"),
          str(genai_dir / "libpakv_ort.so"), str(job)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path, check=False,
+        check=False, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["imported"] == []
-    assert report["tokens"] == reference(workload)
+    assert report["tokens"] == reference(workload, genai_dir.name)

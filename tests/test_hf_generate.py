@@ -15,12 +15,14 @@ from pathlib import Path
 
 import onnx
 import pytest
+from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli, kernels
 from pakv_onnx.models.hf import (
     Generation,
     PagedDecoderStep,
     build_model,
+    check,
     compare,
     generate_paged,
     generate_reference,
@@ -30,7 +32,6 @@ from pakv_onnx.models.hf import (
     session_step,
     step_inputs,
 )
-from pakv_onnx.models.hf import check
 
 SEED = 0
 BLOCK_SIZE = 8  # small blocks: every prompt spans several, tables are long
@@ -60,7 +61,7 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
     model = onnx.load(str(path))
     onnx.checker.check_model(model, full_check=True)
     layers = build_model(arch, SEED).config.num_hidden_layers
-    pakv = [n for n in model.graph.node if n.domain == "pakv"]
+    pakv = pakv_nodes(model.graph)  # DeepSeek-V3 gathers each sequence's latent inside its attention Loop
     assert [n.op_type for n in pakv] == ["ScatterPaKvCache", "GatherPaKvCache"] * layers
     outputs = [o.name for o in model.graph.output]
     for layer, (scatter, gather) in enumerate(zip(pakv[::2], pakv[1::2])):
@@ -69,12 +70,15 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
         assert list(scatter.output) == [f"present.{layer}.key", f"present.{layer}.value"]
         assert list(gather.input[:2]) == list(scatter.output)
     assert [i.name for i in model.graph.input][:4] == [
-        "input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table"
+        "input_ids",
+        "cumulative_sequence_lengths",
+        "past_sequence_lengths",
+        "block_table",
     ]
     types = {i.name: i.type.tensor_type for i in model.graph.input}
-    assert [types[n].elem_type for n in ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")] == [
-        onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT32, onnx.TensorProto.INT32
-    ]
+    assert [
+        types[n].elem_type for n in ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
+    ] == [onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT32, onnx.TensorProto.INT32]
     assert len(types["input_ids"].shape.dim) == 1  # packed tokens [num_tokens]
     assert outputs[0] == "logits" and model.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch_size"
     # Per-sequence attention is a Loop per layer, not a [T, T] mask over the packed batch.
@@ -212,8 +216,22 @@ def test_generate_offers_every_arch() -> None:
 @pytest.mark.slow
 def test_generate_cli_json_passes(tmp_path) -> None:
     result = subprocess.run(
-        ["pakv-onnx", "generate", "--arch", "deepseek", "--batch", "3", "--new-tokens", "5", "--block-size", "4",
-         "--json", "--out", str(tmp_path)],
+        [
+            "pakv-onnx",
+            "generate",
+            "--arch",
+            "deepseek",
+            "--batch",
+            "3",
+            "--new-tokens",
+            "5",
+            "--block-size",
+            "4",
+            "--json",
+            "--out",
+            str(tmp_path),
+        ],
+        check=False,
         capture_output=True,
         text=True,
         timeout=600,
@@ -240,5 +258,3 @@ def test_generate_cli_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, m
     assert rows["plugin:native"].rstrip().endswith("PASS")
     assert rows["plugin:broken"].rstrip().endswith("FAIL")
     assert out.rstrip().endswith("FAIL")
-
-

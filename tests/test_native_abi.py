@@ -13,6 +13,7 @@ import ctypes
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,26 @@ def test_loader_refuses_a_library_with_another_abi() -> None:
     stale = rf"ABI version is {native_lib.ABI_VERSION - 1} in the library, {native_lib.ABI_VERSION} here.*rebuild"
     with pytest.raises(native_lib.LibraryABIError, match=stale):
         native_lib.check_abi(Stale(), "/stale/libpakv_ort.so")
+
+
+def test_front_extension_writes_records_of_the_mirrors_size_and_is_refused_otherwise(monkeypatch) -> None:
+    assert native_lib.front().record_size() == ctypes.sizeof(native_lib.Tensor)
+
+    class Stale:
+        __file__ = "/stale/_front.abi3.so"
+
+        @staticmethod
+        def record_size():
+            return ctypes.sizeof(native_lib.Tensor) + 8
+
+    monkeypatch.setitem(sys.modules, "pakv_onnx.native_lib._front", Stale)
+    monkeypatch.setattr(native_lib, "_front", Stale, raising=False)
+    native_lib.front.cache_clear()
+    try:
+        with pytest.raises(native_lib.LibraryABIError, match=r"records of \d+ bytes.*rebuild"):
+            native_lib.front()
+    finally:
+        native_lib.front.cache_clear()
 
 
 def test_library_exports_exactly_what_the_loader_declares() -> None:

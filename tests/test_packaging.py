@@ -48,7 +48,7 @@ def _platform_tag() -> str:
     return sysconfig.get_platform().replace("-", "_").replace(".", "_")
 
 
-def test_wheel_is_py3_none_platform_and_carries_the_built_library(clean_tree: Path, tmp_path: Path) -> None:
+def test_wheel_is_abi3_platform_and_carries_the_built_library_and_extension(clean_tree: Path, tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(clean_tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
         check=True,
@@ -56,13 +56,14 @@ def test_wheel_is_py3_none_platform_and_carries_the_built_library(clean_tree: Pa
         text=True,
     )
     (wheel,) = tmp_path.glob("*.whl")
-    assert wheel.name == f"pakv_onnx-{pakv_onnx.__version__}-py3-none-{_platform_tag()}.whl"
+    assert wheel.name == f"pakv_onnx-{pakv_onnx.__version__}-cp310-abi3-{_platform_tag()}.whl"
     with zipfile.ZipFile(wheel) as archive:
         names = set(archive.namelist())
         dist_info = f"pakv_onnx-{pakv_onnx.__version__}.dist-info"
         metadata = archive.read(f"{dist_info}/METADATA").decode()
         wheel_file = archive.read(f"{dist_info}/WHEEL").decode()
     assert "pakv_onnx/native_lib/libpakv_ort.so" in names  # compiled by the build: the copy had none
+    assert "pakv_onnx/native_lib/_front.abi3.so" in names  # the front's extension, stable ABI
     assert f"{dist_info}/licenses/LICENSE" in names
     assert "License-Expression: Apache-2.0" in metadata.splitlines()
     assert f"Version: {pakv_onnx.__version__}" in metadata.splitlines()

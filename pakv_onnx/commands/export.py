@@ -63,9 +63,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "model.onnx.data beside it when the weights are large), genai_config.json "
             "(engine.dynamic_batching, the paged_kv state group, custom_ops_library), the plugin library "
             "copied in, and HF_DIR's tokenizer files when present. og.Engine then runs it on a CPU "
-            "with continuous batching (onnxruntime-genai: pip install 'pakv-onnx[genai]'). Models whose "
-            "key and value rows differ in shape (DeepSeek-V3's MLA) are refused: og.Engine gives both "
-            "pools one shape. Exit 0 on success, 2 for a usage error or a model og.Engine cannot serve."
+            "with continuous batching (onnxruntime-genai: pip install 'pakv-onnx[genai]'). og.Engine gives "
+            "both pools of a layer one shape: DeepSeek-V3's latent [c_kv | k_pe] is laid in two halves "
+            "across them (attention in the absorbed form); models whose key and value rows differ "
+            "otherwise are refused. Exit 0 on success, 2 for a usage error or a model og.Engine cannot serve."
         ),
         examples=[
             "./tiny-llama ./tiny-llama-genai",

@@ -310,27 +310,75 @@ def _function(name: str):
     return getattr(load(), name)
 
 
+class _Fast:
+    """The hot calls without ctypes: the front's extension (``_front``, pakv_front.c) calls the
+    library's functions through their addresses, the GIL released as ctypes does. Bound on first use
+    (importing the package loads no native code)."""
+
+    def __init__(self) -> None:
+        module = front()
+        self.call, self.run = module.call, module.run
+        address = {name: ctypes.cast(_function(name), ctypes.c_void_p).value for name in _FAST_FUNCTIONS}
+        self.plan_gather, self.check_gather_outputs, self.plan_scatter, self.gather, self.scatter = (
+            address[name] for name in _FAST_FUNCTIONS
+        )
+
+
+_FAST_FUNCTIONS = ("pakv_plan_gather", "pakv_check_gather_outputs", "pakv_plan_scatter", "pakv_gather", "pakv_scatter")
+_fast: _Fast | None = None
+
+
+def fast() -> _Fast:
+    """The bound hot calls (see :class:`_Fast`)."""
+    global _fast
+    if _fast is None:
+        _fast = _Fast()
+    return _fast
+
+
+@functools.cache
+def front():
+    """The front's extension module, checked against the ctypes mirror; ``LibraryABIError`` if it is
+    missing or was built against another ``pakv_tensor``."""
+    try:
+        from pakv_onnx.native_lib import _front
+    except ImportError as exc:
+        raise LibraryABIError(
+            f"pakv_onnx's extension _front cannot be imported ({exc}): rebuild it with `pip install -e .` "
+            "(or `python setup.py build_ext --inplace`)"
+        ) from None
+    if _front.record_size() != ctypes.sizeof(Tensor):
+        raise LibraryABIError(
+            f"{_front.__file__} writes pakv_tensor records of {_front.record_size()} bytes, this pakv_onnx "
+            f"{ctypes.sizeof(Tensor)}: rebuild it with `pip install -e .`"
+        )
+    return _front
+
+
 def plan_gather_call(call: int) -> int:
     """``pakv_plan_gather`` on the GatherCall at ``call``: 0, or :data:`ERR_VALUE` / :data:`ERR_TYPE`
     with the message at the call's ``error``."""
-    return _function("pakv_plan_gather")(call)
+    hot = _fast or fast()
+    return hot.call(hot.plan_gather, call)
 
 
 def plan_scatter_call(call: int) -> int:
     """``pakv_plan_scatter`` on the ScatterCall at ``call`` (see :func:`plan_gather_call`)."""
-    return _function("pakv_plan_scatter")(call)
+    hot = _fast or fast()
+    return hot.call(hot.plan_scatter, call)
 
 
 def run_scatter(plan_address: int) -> None:
     """Run the validated pakv_scatter_plan at ``plan_address`` (it writes its caches in place)."""
-    error = _scratch.error_address
-    if _function("pakv_scatter")(plan_address, error, ERROR_LEN) != 0:
-        raise ValueError(_scratch.error.value.decode(errors="replace"))
+    hot, scratch = _fast or fast(), _scratch
+    if hot.run(hot.scatter, plan_address, scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))
 
 
 def check_gather_outputs_call(call: int) -> int:
     """``pakv_check_gather_outputs`` on the GatherCall at ``call`` (see :func:`plan_gather_call`)."""
-    return _function("pakv_check_gather_outputs")(call)
+    hot = _fast or fast()
+    return hot.call(hot.check_gather_outputs, call)
 
 
 def request_output(request_address: int, index: int, dims_address: int, rank: int) -> int:
@@ -354,9 +402,9 @@ def run_gather(plan_address: int, key_out: int, value_out: int) -> None:
 
 def run_plan(plan_address: int) -> None:
     """Run the validated pakv_plan at ``plan_address`` as it is (its own output addresses)."""
-    error = _scratch.error_address
-    if _function("pakv_gather")(plan_address, error, ERROR_LEN) != 0:
-        raise ValueError(_scratch.error.value.decode(errors="replace"))
+    hot, scratch = _fast or fast(), _scratch
+    if hot.run(hot.gather, plan_address, scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))
 
 
 # pakv_scatter_plan as one struct format, and each field's position in its unpacked tuple.

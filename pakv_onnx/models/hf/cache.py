@@ -233,10 +233,12 @@ class StepCache:
         self.key_pools, self.value_pools = list(key_pools), list(value_pools)
         self.block_table, self.kv_seq_lens, self.slots = block_table, kv_seq_lens, slots
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+    def write(self, new_k: torch.Tensor, new_v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write layer ``layer_idx``'s new rows ``new_k`` / ``new_v`` ``[N, H, D]`` (packed like the
+        step's tokens) at :attr:`slots` with ScatterPaKvCache; returns the updated pools (kept for
+        the present outputs). Read the layer through them: that data edge orders the write first."""
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        new_k = key_states[0].transpose(0, 1).to(key_pool.dtype).contiguous()  # [N, H, D]
-        new_v = value_states[0].transpose(0, 1).to(value_pool.dtype).contiguous()
+        new_k, new_v = new_k.to(key_pool.dtype).contiguous(), new_v.to(value_pool.dtype).contiguous()
         if torch.compiler.is_exporting() or torch.compiler.is_compiling():
             key_pool, value_pool = torch.ops.pakv.scatter_pa_kv_cache_functional(
                 new_k, new_v, key_pool, value_pool, self.slots
@@ -244,6 +246,10 @@ class StepCache:
         else:
             torch.ops.pakv.scatter_pa_kv_cache(new_k, new_v, key_pool, value_pool, self.slots)
         self.key_pools[layer_idx], self.value_pools[layer_idx] = key_pool, value_pool
+        return key_pool, value_pool
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        key_pool, value_pool = self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer_idx)
         all_k, all_v = torch.ops.pakv.gather_pa_kv_cache(
             key_pool, value_pool, self.block_table, self.kv_seq_lens, None, "Norm", True
         )

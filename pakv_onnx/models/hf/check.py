@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from pakv_onnx import kernels, runtime_plugin
-from pakv_onnx.models.hf import generate
+from pakv_onnx.models.hf import generate, mla
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
 from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
@@ -64,9 +64,11 @@ class CheckReport:
         return bool(self.results) and all(r.passed for r in self.results)
 
 
-def gather_calls(workload: generate.Workload, num_layers: int) -> int:
-    """Gather calls a generation makes: one per layer per step (steps = the longest budget)."""
-    return max(workload.budgets) * num_layers
+def gather_calls(workload: generate.Workload, num_layers: int, *, per_sequence: bool = False) -> int:
+    """Gather calls a generation makes: one per layer per step (steps = the longest budget), or with
+    ``per_sequence`` (a step that gathers each sequence's rows itself: :func:`mla.gathers_per_sequence`)
+    one per layer per live sequence per step, i.e. per generated token."""
+    return (workload.generated_tokens if per_sequence else max(workload.budgets)) * num_layers
 
 
 def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
@@ -91,20 +93,23 @@ def runner_names(
     workload: generate.Workload,
     num_layers: int,
     probe: tuple[GatherPlan, torch.Tensor] | None = None,
+    *,
+    per_sequence: bool = False,
 ) -> tuple[list[str], dict[str, str]]:
     """The runners to use (``plugin:<b>`` for each backend, ``stock-ort``, and ``plugin:pypto-cpu``
     when that backend is registered, can run ``probe`` (a plan and key pool like the model's) and
-    the case is small) and the ones skipped, with why."""
+    the case is small: :func:`gather_calls`, ``per_sequence`` as there) and the ones skipped, with why."""
     names = [f"plugin:{b}" for b in backends]
     skipped: dict[str, str] = {}
     if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
-        calls = gather_calls(workload, num_layers)
+        calls = gather_calls(workload, num_layers, per_sequence=per_sequence)
         reason = pypto_cpu_refusal(probe)
         if reason is not None:
             skipped[f"plugin:{PYPTO_CPU}"] = reason
         elif calls > PYPTO_CPU_MAX_CALLS:
+            counted = "steps x live sequences x layers" if per_sequence else "steps x layers"
             skipped[f"plugin:{PYPTO_CPU}"] = (
-                f"{calls} gather calls at about a second each (runs when steps x layers <= {PYPTO_CPU_MAX_CALLS})"
+                f"{calls} gather calls at about a second each (runs when {counted} <= {PYPTO_CPU_MAX_CALLS})"
             )
         else:
             names.append(f"plugin:{PYPTO_CPU}")
@@ -185,7 +190,13 @@ def run_check(
     start = time.perf_counter()
     export_for(arch, seed, workload, block_size, path)
     progress(f"{arch}: exported in {time.perf_counter() - start:.1f}s")
-    names, skipped = runner_names(backends, workload, config.num_hidden_layers, probe_plan(config, block_size))
+    names, skipped = runner_names(
+        backends,
+        workload,
+        config.num_hidden_layers,
+        probe_plan(config, block_size),
+        per_sequence=mla.gathers_per_sequence(config),
+    )
     for runner, why in skipped.items():
         progress(f"{arch}: {runner} skipped: {why}")
     results = []

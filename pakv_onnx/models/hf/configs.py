@@ -79,12 +79,27 @@ def build_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **
     return model.eval()
 
 
-def cache_geometry(config) -> CacheGeometry:
-    """What one layer caches per token: Llama K and V ``[kv_heads, head_dim]``; DeepSeek-V3 the
-    normalized latent ``[1, kv_lora_rank]`` (key pool) and the RoPE'd shared key ``[1, rope_dim]``
-    (value pool), as DeepseekV3Attention hands them to ``cache.update``."""
+def cache_geometry(config, *, same_shape: bool = False) -> CacheGeometry:
+    """What one layer caches per token: Llama K and V ``[kv_heads, head_dim]``; DeepSeek-V3 the latent
+    ``[c_kv | k_pe]`` (the normalized ``c_kv``, kv_lora_rank wide, then the RoPE'd shared key,
+    rope_dim wide, as DeepseekV3Attention hands them to ``cache.update``), its leading columns in
+    the key pool and the rest in the value pool: ``c_kv`` ``[1, kv_lora_rank]`` | ``k_pe``
+    ``[1, rope_dim]``, or with ``same_shape`` (og.Engine gives both pools one shape) two halves
+    ``[1, (kv_lora_rank + rope_dim) / 2]``. (models/hf/mla.py reads the split off the pools.)
+
+    Raises:
+        ValueError: ``same_shape`` and an odd latent width (no two equal halves).
+    """
     if getattr(config, "kv_lora_rank", None):
-        return CacheGeometry((1, config.kv_lora_rank), (1, config.qk_rope_head_dim))
+        rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+        if not same_shape:
+            return CacheGeometry((1, rank), (1, rope))
+        if (rank + rope) % 2:
+            raise ValueError(
+                f"the latent is kv_lora_rank {rank} + qk_rope_head_dim {rope} = {rank + rope} wide per token: "
+                "odd, so it has no two equal halves for two pools of one shape"
+            )
+        return CacheGeometry((1, (rank + rope) // 2), (1, (rank + rope) // 2))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return CacheGeometry((config.num_key_value_heads, head_dim), (config.num_key_value_heads, head_dim))
 

@@ -82,14 +82,21 @@ def load_hf_model(hf_dir: str | os.PathLike) -> torch.nn.Module:
 def check_servable(config) -> tuple[int, int]:
     """``(num_key_value_heads, head_size)`` of the pools og.Engine will allocate for ``config``.
 
+    DeepSeek-V3 (MLA): the latent ``[c_kv | k_pe]`` in two halves, one per pool (``cache_geometry``'s
+    ``same_shape``).
+
     Raises:
         UnsupportedModelError: the model's key and value rows differ in shape (og.Engine gives both
             pools one shape), or it is not a decoder with a KV cache.
     """
     try:
-        geometry = cache_geometry(config)
+        geometry = cache_geometry(config, same_shape=True)
     except AttributeError as err:
         raise UnsupportedModelError(f"{type(config).__name__} is not a decoder with a KV cache: {err}") from None
+    except ValueError as err:
+        raise UnsupportedModelError(
+            f"{config.model_type}: {err}; og.Engine allocates both pools of a layer as one shape"
+        ) from None
     if geometry.key_shape != geometry.value_shape:
         raise UnsupportedModelError(
             f"{config.model_type}: one layer caches key rows {list(geometry.key_shape)} and value rows "
@@ -159,7 +166,10 @@ def trace_feeds(step: PagedDecoderStep, block_size: int) -> dict[str, torch.Tens
     so torch.export keeps them dynamic), over small zero pools (num_blocks is dynamic)."""
     config = step.model.config
     cache = PagedKVCache(
-        num_layers=config.num_hidden_layers, geometry=cache_geometry(config), num_blocks=16, block_size=block_size
+        num_layers=config.num_hidden_layers,
+        geometry=cache_geometry(config, same_shape=True),
+        num_blocks=16,
+        block_size=block_size,
     )
     for seq in (0, 1):
         cache.add_sequence(seq)

@@ -104,8 +104,11 @@ class PagedDecoderStep(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
+        from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
+
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
 
