@@ -18,9 +18,21 @@ in-graph write step against what it replaced and against the pool size:
                 bound to the pools, with pools of 64 and of 4,096 blocks (no pool is copied)
   stock ORT     the same graph on stock ORT: the write is the fallback's ScatterND, which copies
                 every pool every step (64 and 4,096 blocks)
+The GenAI table (``--table genai``, Llama only) times one decode step (ms/step) of ORT GenAI's own
+dense CPU model against the paged model ``pakv-onnx export`` writes, all from one ``save_pretrained``
+folder of a Llama with seeded weights (vocab 512: see benchmarks/_genai.py), 1 intra-op thread each:
+  genai         ``og.Generator`` over the builder's model (``-p fp32 -e cpu``: GroupQueryAttention)
+  paged         the exported step in ORT with the plugin, the ORT run alone (the Python host's
+                layout of the step is not in it; ``paged step`` is the whole step with it)
+  unfused       the same step exported with ``--no-fuse`` (ORT run alone)
+  og.Engine     the exported step served by ``og.Engine`` (its C++ host), one ``engine.run`` per step
+  transformers  eager with its dense cache
+For each (batch, context) every variant prefills (untimed) and decodes ``--steps`` steps, each timed
+alone; variants alternate round by round, and the figure is the median over rounds of each
+round's median step. Every variant's greedy tokens must equal transformers'.
 Prints Markdown tables.
 
-    python benchmarks/bench_generate.py [--table generate|write|all] [--archs llama,deepseek]
+    python benchmarks/bench_generate.py [--table generate|write|genai|all] [--archs llama,deepseek]
                                         [--batches 1,4,8] [--contexts 64,256] [--steps 16]
                                         [--rounds 3] [--threads 1]
 """
@@ -28,11 +40,13 @@ Prints Markdown tables.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pakv_onnx.models.hf import (
@@ -96,9 +110,9 @@ def bench_arch(
                 generator = torch.Generator().manual_seed(batch * 1000 + context)
                 prompts = torch.randint(0, config.vocab_size, (batch, context), generator=generator)
                 paths = {
-                    "transformers": lambda: decode_transformers(reference, prompts, steps),
+                    "transformers": lambda prompts=prompts: decode_transformers(reference, prompts, steps),
                     **{
-                        name: (lambda s=s: decode_paged(s, config, prompts, steps, block_size))
+                        name: (lambda s=s, prompts=prompts: decode_paged(s, config, prompts, steps, block_size))
                         for name, s in sessions.items()
                     },
                 }
@@ -123,7 +137,10 @@ def decode_steps(step_fn, config, prompts: torch.Tensor, steps: int, block_size:
     """``(seconds, last tokens)`` of ``steps`` decode steps of ``step_fn(cache, ids, tokens)`` over fresh
     pools of ``num_blocks`` blocks, after an untimed prefill."""
     cache = PagedKVCache(
-        num_layers=config.num_hidden_layers, geometry=cache_geometry(config), num_blocks=num_blocks, block_size=block_size
+        num_layers=config.num_hidden_layers,
+        geometry=cache_geometry(config),
+        num_blocks=num_blocks,
+        block_size=block_size,
     )
     for pool in (*cache.key_pools, *cache.value_pools):
         pool.fill_(0)  # touch every page now, as a server that allocated its pools at start-up
@@ -193,9 +210,80 @@ def print_write_table(rows: list) -> None:
         )
 
 
+GENAI_VARIANTS = ("genai", "paged", "paged step", "unfused", "og.Engine", "transformers")
+
+
+def bench_genai(batches: list[int], contexts: list[int], steps: int, rounds: int, block_size: int) -> list:
+    """ms per decode step of every GenAI-table variant (see the module docstring) per (batch, context)."""
+    import _genai
+
+    from pakv_onnx.models.hf.genai import load_hf_model
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pakv-bench-genai-") as tmp:
+        need = max(batches) * -(-(max(contexts) + steps + 2) // block_size)
+        folders = _genai.write_folders(Path(tmp), block_size, need + 8, max(batches))
+        reference = load_hf_model(folders.hf)
+        config = reference.config
+        dense, engine_model = _genai.og_model(folders.dense), _genai.og_model(folders.paged)
+        paged, unfused = _genai.paged_session(folders.paged), _genai.paged_session(folders.unfused)
+
+        def paged_run(session, prompts):
+            runs, walls, tokens = _genai.decode_paged(session, config, prompts, steps, block_size)
+            return {"paged": runs, "paged step": walls}, tokens
+
+        variants = {
+            "genai": lambda p: _one("genai", _genai.decode_generator(dense, p, steps)),
+            "paged": lambda p: paged_run(paged, p),
+            "unfused": lambda p: _one("unfused", _genai.decode_paged(unfused, config, p, steps, block_size)[::2]),
+            "og.Engine": lambda p: _one("og.Engine", _genai.decode_engine(engine_model, p, steps)),
+            "transformers": lambda p: _one("transformers", _genai.decode_transformers(reference, p, steps)),
+        }
+        for batch in batches:
+            for context in contexts:
+                rng = np.random.default_rng(batch * 1000 + context)
+                prompts = rng.integers(0, config.vocab_size, (batch, context)).astype(np.int32)
+                medians: dict[str, list[float]] = {name: [] for name in GENAI_VARIANTS}
+                for round_ in range(rounds + 1):  # the first round is a warm-up and the token check
+                    tokens = {}
+                    for name, run in variants.items():
+                        times, tokens[name] = run(prompts)
+                        for label, per_step in times.items():
+                            medians[label] += [statistics.median(per_step)] if round_ else []
+                    differ = [name for name, got in tokens.items() if got != tokens["transformers"]]
+                    if differ:
+                        raise AssertionError(f"B={batch} C={context}: {differ} tokens differ from transformers'")
+                ms = {name: statistics.median(m) * 1e3 for name, m in medians.items()}
+                rows.append((batch, context, ms))
+                print(f"  .. B={batch} C={context}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()), flush=True)
+    return rows
+
+
+def _one(label: str, result: tuple) -> tuple[dict[str, list[float]], list]:
+    times, tokens = result
+    return {label: times}, tokens
+
+
+def print_genai_table(rows: list, load: tuple[float, float]) -> None:
+    print()
+    print(f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (1 min)")
+    print(
+        "| batch | context | GenAI ms/step | paged (ORT run) | paged / GenAI | unfused / GenAI | paged step "
+        "(Python host) / GenAI | og.Engine paged / GenAI | transformers / GenAI |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, context, ms in rows:
+        genai = ms["genai"]
+        print(
+            f"| {batch} | {context} | {genai:.3f} | {ms['paged']:.3f} | **{ms['paged'] / genai:.2f}** | "
+            f"{ms['unfused'] / genai:.2f} | {ms['paged step'] / genai:.2f} | {ms['og.Engine'] / genai:.2f} | "
+            f"{ms['transformers'] / genai:.2f} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--table", choices=("generate", "write", "all"), default="all")
+    parser.add_argument("--table", choices=("generate", "write", "genai", "all"), default="all")
     parser.add_argument("--archs", default="llama,deepseek")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--contexts", default="64,256")
@@ -207,7 +295,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    ints = lambda text: [int(x) for x in text.split(",")]
+    if args.table in ("genai", "all"):
+        load = os.getloadavg()[0]
+        genai_rows = bench_genai(ints(args.batches), ints(args.contexts), args.steps, args.rounds, args.block_size)
+        print_genai_table(genai_rows, (load, os.getloadavg()[0]))
+        if args.table == "genai":
+            return
     if args.table in ("write", "all"):
         write_rows = []
         for arch in args.archs.split(","):

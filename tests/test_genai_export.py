@@ -21,12 +21,22 @@ import pytest
 from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli
-from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config
+from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
+from pakv_onnx.models.hf.fusion import op_counts
 
 SEED = 0
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 HERE = Path(__file__).resolve().parent
+# Main-graph op counts of the exported 2-layer Llama step (fused).
+FUSED_COUNTS = {
+    "com.microsoft::SkipSimplifiedLayerNormalization": 4,
+    "com.microsoft::RotaryEmbedding": 4,
+    "Pow": 1,
+    "Neg": 0,
+    "MatMul": 9,  # per layer q/k/v, o, gate/up, down; and the LM head
+    "Split": 4,
+}
 
 
 def onnxruntime_genai():
@@ -37,23 +47,11 @@ def onnxruntime_genai():
     return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
-def write_hf_folder(path: Path, arch: str = "llama") -> Path:
-    """A tiny ``arch`` model with seeded weights as save_pretrained writes it, plus a WordLevel tokenizer."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    build_model(arch, SEED).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(make_config(arch).vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module", params=["llama", "deepseek"])
 def genai_dir(request, tmp_path_factory) -> Path:
     """The exported folder of the param's arch (its name is the folder's)."""
     root = tmp_path_factory.mktemp("genai")
-    hf = write_hf_folder(root / "hf", request.param)
+    hf = save_sample_folder(root / "hf", request.param, SEED)  # seeded weights + a WordLevel tokenizer
     out = root / request.param
     code = cli.main(
         [
@@ -122,6 +120,12 @@ def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     model = onnx.load(str(genai_dir / "model.onnx"))
     assert [n.op_type for n in pakv_nodes(model.graph)] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
+    if genai_dir.name == "llama":
+        # Fused (the default): every residual + RMS norm is one SkipSimplifiedLayerNormalization (the
+        # first norm has no residual and stays decomposed), q and k rotate in RotaryEmbedding, q/k/v
+        # and gate/up are one MatMul each.
+        counts = op_counts(model)
+        assert {op: counts[op] for op in FUSED_COUNTS} == FUSED_COUNTS
     rows = {"llama": [2, 32], "deepseek": [1, 288]}[genai_dir.name]  # [kv heads, head size] of both pools
     for name in ("past_key_values.0.key", "past_key_values.0.value"):
         pool = next(i for i in model.graph.input if i.name == name).type.tensor_type

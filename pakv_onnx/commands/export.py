@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             intra_op_threads=args.threads,
             external_data=True if args.external_data else None,
+            fuse=not args.no_fuse,
             progress=progress,
         )
     except genai.UnsupportedModelError as err:
@@ -102,5 +103,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--external-data",
         action="store_true",
         help="weights in model.onnx.data even when small (default: only above 1 GiB)",
+    )
+    parser.add_argument(
+        "--no-fuse",
+        action="store_true",
+        help="keep RMS norms and rotary embeddings as exported (default: fused into ORT contrib ops, "
+        "com.microsoft SkipSimplifiedLayerNormalization and RotaryEmbedding)",
     )
     parser.set_defaults(run=run)

@@ -21,7 +21,7 @@ from pakv_onnx.models.hf.cache import (
     StepLayout,
     step_slots,
 )
-from pakv_onnx.models.hf.configs import ARCHS, build_model, cache_geometry, make_config
+from pakv_onnx.models.hf.configs import ARCHS, build_model, cache_geometry, make_config, save_sample_folder
 from pakv_onnx.models.hf.generate import (
     Generation,
     Workload,
@@ -72,6 +72,7 @@ __all__ = [
     "register_attention",
     "run_step",
     "run_step_torch",
+    "save_sample_folder",
     "session_step",
     "step_feeds",
     "step_input_names",

@@ -9,7 +9,9 @@ GatherPaKvCache shape: key ``[T, 1, 512]``, value ``[T, 1, 64]``.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -36,41 +38,42 @@ _TRUNK = {
 }
 
 
-def _llama_config():
+def _llama_config(**overrides):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**_TRUNK, num_key_value_heads=2, head_dim=32)
+    return LlamaConfig(**{**_TRUNK, "num_key_value_heads": 2, "head_dim": 32, **overrides})
 
 
-def _deepseek_config():
+def _deepseek_config(**overrides):
     from transformers import DeepseekV3Config
 
     # The seed's MLA widths: latent 512 + rope 64; every layer dense (no MoE routing).
     attention = {"q_lora_rank": None, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 32}
-    return DeepseekV3Config(
-        **_TRUNK, **attention, v_head_dim=32, num_key_value_heads=4, moe_intermediate_size=64, first_k_dense_replace=2
-    )
+    fields = {"v_head_dim": 32, "num_key_value_heads": 4, "moe_intermediate_size": 64, "first_k_dense_replace": 2}
+    return DeepseekV3Config(**{**_TRUNK, **attention, **fields, **overrides})
 
 
 CONFIGS: dict[str, Callable] = {"llama": _llama_config, "deepseek": _deepseek_config}
 
 
-def make_config(arch: str):
-    """The small ``transformers`` config of ``arch`` (``llama`` or ``deepseek``)."""
+def make_config(arch: str, **overrides):
+    """The small ``transformers`` config of ``arch`` (``llama`` or ``deepseek``); ``overrides``
+    replace its fields (e.g. ``vocab_size``)."""
     if arch not in CONFIGS:
         raise ValueError(f"arch {arch!r} is unknown (choices: {', '.join(ARCHS)})")
-    return CONFIGS[arch]()
+    return CONFIGS[arch](**overrides)
 
 
-def build_model(arch: str, seed: int = 0, attn_implementation: str = "eager") -> torch.nn.Module:
+def build_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_config`` with weights drawn after ``torch.manual_seed(seed)``, fp32, eval.
 
-    The same (arch, seed) gives bit-identical weights on every call, so a reference model
-    (dense cache, eager attention) and a paged model can be built separately.
+    The same (arch, seed, overrides) gives bit-identical weights on every call, so a reference
+    model (dense cache, eager attention) and a paged model can be built separately.
+    ``overrides``: config fields (:func:`make_config`).
     """
     from transformers import AutoModelForCausalLM
 
-    config = make_config(arch)
+    config = make_config(arch, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     return model.eval()
@@ -99,3 +102,18 @@ def cache_geometry(config, *, same_shape: bool = False) -> CacheGeometry:
         return CacheGeometry((1, (rank + rope) // 2), (1, (rank + rope) // 2))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return CacheGeometry((config.num_key_value_heads, head_dim), (config.num_key_value_heads, head_dim))
+
+
+def save_sample_folder(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write :func:`build_model`'s model as ``save_pretrained`` writes it, plus a word-level
+    tokenizer over its vocabulary (``tokenizer.json``; ORT GenAI's model builder wants tokenizer
+    files, and ``t<i>`` is token i): a Hugging Face folder without a hub. Returns ``path``."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    model = build_model(arch, seed, **overrides)
+    model.save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    tokenizer.save_pretrained(path)
+    return Path(path)

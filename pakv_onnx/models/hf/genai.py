@@ -187,11 +187,13 @@ def export_genai(
     max_batch_size: int = 16,
     intra_op_threads: int | None = None,
     external_data: bool | None = None,
+    fuse: bool = True,
     progress: Callable[[str], None] = lambda message: None,
 ) -> GenaiExport:
     """Export the Hugging Face model in ``hf_dir`` to an ORT GenAI model folder ``out_dir`` (see the
     module docstring). ``external_data``: weights in ``model.onnx.data`` (default: when above
-    :data:`EXTERNAL_DATA_BYTES`).
+    :data:`EXTERNAL_DATA_BYTES`). ``fuse``: the graph-level fusions of
+    :func:`~pakv_onnx.models.hf.fusion.fuse_step` (default on).
 
     Raises:
         UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`).
@@ -212,7 +214,7 @@ def export_genai(
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     step = PagedDecoderStep(model)
     progress(f"exporting one paged step ({weight_bytes / 1e6:.1f} MB of weights) ...")
-    proto = export_step(step, trace_feeds(step, block_size), None)
+    proto = export_step(step, trace_feeds(step, block_size), None, fuse=fuse)
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     files = [MODEL_FILE]
     for stale in (out_dir / MODEL_FILE, out_dir / EXTERNAL_DATA_FILE):

@@ -210,7 +210,7 @@ def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> di
 
 
 def export_step(
-    step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None
+    step: PagedDecoderStep, feeds: dict[str, torch.Tensor], path: str | os.PathLike | None, *, fuse: bool = True
 ) -> onnx.ModelProto:
     """Export ``step`` (traced on one step's ``feeds``) with the project's exporter; saved to
     ``path`` unless it is ``None``.
@@ -218,7 +218,9 @@ def export_step(
     Dynamic: the packed token count N, the batch B, the block-table width and num_blocks.
     Static: block_size and every per-token width (a symbolic block size breaks the export of
     ``pos % block_size``). The logits' first dim is named ``batch_size`` (og.Engine reads that
-    name as "one row per request").
+    name as "one row per request"). ``fuse`` (default): residual + RMS norm and rotary
+    embeddings become ORT's contrib ops (:func:`pakv_onnx.models.hf.fusion.fuse_step`; the
+    attention and the ``pakv`` nodes are left as exported).
     """
     dyn = torch.export.Dim.DYNAMIC
     layers = step.num_layers
@@ -240,6 +242,10 @@ def export_step(
             input_names=step_input_names(layers),
             output_names=step_output_names(layers),
         )
+    if fuse:
+        from pakv_onnx.models.hf.fusion import fuse_step
+
+        model, _ = fuse_step(model)
     logits = next(o for o in model.graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[0].dim_param = LOGITS_BATCH_DIM
     if path is not None:

@@ -1,0 +1,277 @@
+"""Graph-level fusions for the non-attention part of an exported decoder step.
+
+The exporter writes a transformers decoder op by op: every RMS norm is seven nodes (``Pow``,
+``ReduceMean``, ``Add``, ``Sqrt``, ``Reciprocal``, ``Mul``, ``Mul``) and every rotary embedding of
+q or k another seven (``Mul``, two ``Slice``, ``Neg``, ``Concat``, ``Mul``, ``Add``). On a CPU at
+decode sizes each node costs a few microseconds whatever its work, so :func:`fuse_step` rewrites
+them into ONNX Runtime's contrib ops (in the CPU execution provider of every ORT build, the ops
+ORT GenAI's own CPU models use):
+
+- ``skip_rms_norm``: residual ``Add`` + RMS norm -> ``com.microsoft.SkipSimplifiedLayerNormalization``
+  (its fourth output is the sum, the next residual);
+- ``rotary``: ``x * cos + rotate_half(x) * sin`` -> ``com.microsoft.RotaryEmbedding``, its cos/sin
+  "cache" being one row per token of this step (``cos(freqs)``, computed once per step from the
+  same ``freqs`` the decomposed graph used) and its position ids ``0 .. N-1``: every read of
+  the cache is in range whatever the positions, and the angles are the exporter's own;
+- ``packed_matmul``: ``MatMul``s of one input by constant 2-D weights (q/k/v, gate/up) -> one
+  ``MatMul`` by the weights side by side and a ``Split`` (standard ops; GenAI packs q/k/v alike).
+
+Nothing else is touched: the ``pakv`` nodes, the attention (a ``Loop`` or whatever op replaces
+it: rules match only the patterns above, on the main graph), the model-local functions (the
+``pakv`` ops' fallback bodies). A pattern that does not match exactly (another exponent, an
+interleaved rotary, a norm without a residual ``Add`` such as the first one, which
+``SimplifiedLayerNormalization`` would cover but that op's default-domain registration fails
+``onnx.checker``) stays as it was. The fused model still passes ``onnx.checker``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import onnx
+
+MS_DOMAIN = "com.microsoft"
+FUSIONS = ("skip_rms_norm", "rotary", "packed_matmul")
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionReport:
+    """What :func:`fuse_step` did: ``applied`` maps each fusion of :data:`FUSIONS` to how many
+    times it fired; ``before`` / ``after`` count the main graph's nodes by op type."""
+
+    applied: dict[str, int]
+    before: Counter
+    after: Counter
+
+    @property
+    def nodes_before(self) -> int:
+        return sum(self.before.values())
+
+    @property
+    def nodes_after(self) -> int:
+        return sum(self.after.values())
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    """Main-graph nodes of ``model`` by op type (``domain::op`` outside the default domain)."""
+    return Counter(f"{n.domain}::{n.op_type}" if n.domain else n.op_type for n in model.graph.node)
+
+
+def _const(value) -> np.ndarray | None:
+    """The constant behind an IR value (initializer or folded Constant), or None."""
+    if value is None or value.const_value is None:
+        return None
+    return value.const_value.numpy()
+
+
+def _is_const(value, expected: list | float) -> bool:
+    array = _const(value)
+    return array is not None and array.size == np.asarray(expected).size and np.allclose(array.ravel(), expected)
+
+
+def _static_dim(value, axis: int) -> int | None:
+    if value is None or value.shape is None or value.shape.rank() <= axis:
+        return None
+    dim = value.shape[axis]
+    return dim if isinstance(dim, int) else None
+
+
+def _skip_rms_norm_rule():
+    """``Add(a, b)`` then an RMS norm of the sum scaled by a 1-D ``gamma`` -> one
+    ``SkipSimplifiedLayerNormalization(a, b, gamma)`` giving the normalized sum and the sum."""
+    from onnxscript.rewriter import pattern
+
+    class SkipRmsNorm(pattern.RewriteRuleClassBase):
+        def pattern(self, op, a, b, gamma, axes, eps):
+            total = op.Add(a, b)
+            mean_square = op.ReduceMean(op.Pow(total, 2.0), axes, _allow_other_attributes=True, _outputs=["mean"])
+            inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean_square, eps)))
+            return op.Mul(gamma, op.Mul(total, inv_rms)), total
+
+        def check(self, context, a, b, gamma, axes, eps, mean, **_):
+            result = pattern.MatchResult()
+            if context.graph_or_function is not context.model.graph:
+                return result.fail("not in the main graph (subgraphs hold the attention: not ours)")
+            attributes = mean.producer().attributes  # ONNX defaults: keepdims 1, noop_with_empty_axes 0
+            if attributes.get_int("keepdims", 1) != 1 or attributes.get_int("noop_with_empty_axes", 0) != 0:
+                return result.fail("the mean does not keep its axis")
+            rank = a.shape.rank() if a.shape is not None else None
+            width = _static_dim(a, rank - 1) if rank else None
+            if rank not in (2, 3) or b.shape is None or b.shape.rank() != rank:
+                return result.fail("the residual and its update must be 2-D or 3-D of one rank")
+            if not all(str(x) == str(y) for x, y in zip(a.shape, b.shape)):
+                return result.fail("the residual and its update differ in shape")
+            if not (_is_const(axes, [-1]) or _is_const(axes, [rank - 1])):
+                return result.fail("the mean is not over the last axis")
+            g, e = _const(gamma), _const(eps)
+            if g is None or g.shape != (width,) or e is None or e.size != 1:
+                return result.fail("gamma is not a constant [width] or epsilon not a constant scalar")
+            if a.dtype != onnx.TensorProto.FLOAT:  # the models exported here are fp32
+                return result.fail("not fp32")
+            return result
+
+        def rewrite(self, op, a, b, gamma, eps, **_):
+            normalized, _mean, _inv_std, total = op.SkipSimplifiedLayerNormalization(
+                a, b, gamma, epsilon=float(_const(eps).ravel()[0]), _domain=MS_DOMAIN, _outputs=4
+            )
+            return normalized, total
+
+    return SkipRmsNorm.rule()
+
+
+def _rotary_rule():
+    """``x * cos4 + Concat(-x[..., h:], x[..., :h]) * sin4`` with ``cos4 = Unsqueeze(Cos(Concat(f, f)), 1)``
+    (and ``sin4`` alike) over ``x [B, H, S, D]`` -> ``RotaryEmbedding(x, ids, cos(f) rows, sin(f) rows)``."""
+    from onnxscript.rewriter import pattern
+
+    class Rotary(pattern.RewriteRuleClassBase):
+        def __init__(self) -> None:
+            super().__init__("Rotary")
+            # freqs value -> (position ids, cos rows, sin rows): built at the first match, shared
+            # by every layer. (Not cleared in cleanup(): the rewriter calls it after each subgraph.)
+            self._rows: dict = {}
+
+        def pattern(self, op, x, cos4, sin4, zero, half, half2, end, axes, axes2, step, step2):
+            first = op.Slice(x, zero, half, axes, step)
+            second = op.Slice(x, half2, end, axes2, step2)
+            rotated = op.Concat(op.Neg(second), first, axis=-1)
+            return op.Add(op.Mul(x, cos4), op.Mul(rotated, sin4))
+
+        @staticmethod
+        def freqs_of(value, trig: str):
+            """``f`` if ``value`` is ``Unsqueeze(<trig>(Concat(f, f, axis=-1)), [1])``, else None."""
+            unsqueeze = value.producer()
+            if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or not _is_const(unsqueeze.inputs[1], [1]):
+                return None
+            cos = unsqueeze.inputs[0].producer()
+            if cos is None or cos.op_type != trig or cos.domain not in ("", "ai.onnx"):
+                return None
+            concat = cos.inputs[0].producer()
+            if concat is None or concat.op_type != "Concat" or len(concat.inputs) != 2:
+                return None
+            if concat.inputs[0] is not concat.inputs[1] or concat.attributes.get_int("axis", 0) != -1:
+                return None
+            return concat.inputs[0]
+
+        def check(self, context, x, cos4, sin4, zero, half, half2, end, axes, axes2, step, step2, **_):
+            result = pattern.MatchResult()
+            if context.graph_or_function is not context.model.graph:
+                return result.fail("not in the main graph (subgraphs hold the attention: not ours)")
+            heads, width = _static_dim(x, 1), _static_dim(x, 3)
+            if x.shape is None or x.shape.rank() != 4 or heads is None or width is None or width % 2:
+                return result.fail("x is not [B, H, S, D] with static H and even D")
+            h = width // 2
+            if not (_is_const(zero, [0]) and _is_const(half, [h]) and _is_const(half2, [h])):
+                return result.fail("x is not split at D/2")
+            big = _const(end)
+            if big is None or big.size != 1 or int(big.ravel()[0]) < width:
+                return result.fail("the second half does not run to the end")
+            if not all(_is_const(a, [3]) or _is_const(a, [-1]) for a in (axes, axes2)):
+                return result.fail("the split is not on the last axis")
+            if not (_is_const(step, [1]) and _is_const(step2, [1])):
+                return result.fail("the split has steps")
+            freqs = self.freqs_of(cos4, "Cos")
+            if freqs is None or self.freqs_of(sin4, "Sin") is not freqs:
+                return result.fail("cos/sin are not cos/sin of Concat(freqs, freqs)")
+            if freqs.shape is None or freqs.shape.rank() != 3 or _static_dim(freqs, 2) != h:
+                return result.fail("freqs is not [B, S, D/2]")
+            if str(freqs.shape[0]) != str(x.shape[0]) or str(freqs.shape[1]) != str(x.shape[2]):
+                return result.fail("freqs' [B, S] is not x's")
+            return result
+
+        def rows(self, op, freqs):
+            """``(ids [B, S], cos [B*S, D/2], sin [B*S, D/2])``: token i's angles are cache row i."""
+            if freqs not in self._rows:
+                h = freqs.shape[2]
+                flat = op.Reshape(freqs, op.Constant(value_ints=[-1, h]))
+                count = op.Squeeze(op.Shape(flat, start=0, end=1), op.Constant(value_ints=[0]))
+                ids = op.Range(op.Constant(value_int=0), count, op.Constant(value_int=1))
+                ids = op.Reshape(ids, op.Shape(freqs, start=0, end=2))
+                self._rows[freqs] = (ids, op.Cos(flat), op.Sin(flat))
+            return self._rows[freqs]
+
+        def rewrite(self, op, x, cos4, **_):
+            ids, cos, sin = self.rows(op, self.freqs_of(cos4, "Cos"))
+            return op.RotaryEmbedding(x, ids, cos, sin, interleaved=0, num_heads=x.shape[1], _domain=MS_DOMAIN)
+
+    return Rotary.rule()
+
+
+def _pack_matmuls(graph) -> int:
+    """Merge the main graph's ``MatMul(a, W_i)`` sharing ``a`` (each ``W_i`` a constant fp32
+    ``[K, N_i]`` initializer) into ``Split(MatMul(a, [W_1 .. W_n]), [N_1 .. N_n], axis=-1)``; returns
+    how many groups were merged. Each output column is the same dot product as before."""
+    import onnx_ir as ir
+
+    groups: dict = {}
+    for node in graph:
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        weight = node.inputs[1]
+        array = _const(weight)
+        if array is None or array.ndim != 2 or array.dtype != np.float32 or not weight.is_initializer():
+            continue
+        if any(out.is_graph_output() for out in node.outputs):
+            continue
+        groups.setdefault(node.inputs[0], []).append((node, array))
+    merged = 0
+    for a, members in groups.items():
+        if len(members) < 2:
+            continue
+        nodes, arrays = [m[0] for m in members], [m[1] for m in members]
+        packed = ir.Value(name=f"{nodes[0].name}_packed_weight", const_value=ir.tensor(np.concatenate(arrays, axis=1)))
+        graph.register_initializer(packed)
+        widths = ir.Value(
+            name=f"{nodes[0].name}_packed_widths",
+            const_value=ir.tensor(np.array([w.shape[1] for w in arrays], np.int64)),
+        )
+        graph.register_initializer(widths)
+        matmul = ir.Node("", "MatMul", [a, packed], name=f"{nodes[0].name}_packed")
+        split = ir.Node(
+            "",
+            "Split",
+            [matmul.outputs[0], widths],
+            {"axis": ir.AttrInt64("axis", -1)},
+            num_outputs=len(nodes),
+            name=f"{nodes[0].name}_packed_split",
+        )
+        first = min(nodes, key=lambda n: list(graph).index(n))
+        graph.insert_before(first, [matmul, split])
+        for old, new in zip(nodes, split.outputs):
+            new.shape, new.type, new.name = old.outputs[0].shape, old.outputs[0].type, f"{old.outputs[0].name}_split"
+            ir.convenience.replace_all_uses_with(old.outputs[0], new)
+        graph.remove(nodes, safe=True)
+        merged += 1
+    return merged
+
+
+def fuse_step(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionReport]:
+    """Apply :data:`FUSIONS` to ``model``'s main graph (see the module docstring); returns the
+    fused model (a new proto; ``model`` is not changed) and a :class:`FusionReport`. Each call
+    builds its own rules (the rotary rule keeps per-model state).
+
+    Needs onnxscript (the exporter's own dependency).
+    """
+    import onnx_ir as ir
+    from onnxscript import optimizer
+    from onnxscript.rewriter import pattern
+
+    before = op_counts(model)
+    graph = ir.serde.deserialize_model(model)
+    functions = dict(graph.functions)  # the pakv fallback bodies: not ours to rewrite
+    graph.functions.clear()
+    applied = {}
+    for name, rule in (("skip_rms_norm", _skip_rms_norm_rule()), ("rotary", _rotary_rule())):
+        applied[name] = pattern.RewriteRuleSet([rule], commute=True).apply_to_model(graph)
+    applied["packed_matmul"] = _pack_matmuls(graph.graph)
+    optimizer.remove_unused_nodes(graph)
+    # The rewrites' Constant nodes become initializers (as the exporter writes its constants).
+    ir.passes.common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(graph)
+    ir.passes.common.TopologicalSortPass()(graph)
+    graph.functions.update(functions)
+    if any(applied.values()):
+        graph.opset_imports.setdefault(MS_DOMAIN, 1)
+    fused = ir.serde.serialize_model(graph)
+    return fused, FusionReport(applied, before, op_counts(fused))
