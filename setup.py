@@ -7,6 +7,7 @@ and editable installs (``pip install -e .`` builds it in place).
 
 Sources (pakv_onnx/native_lib/):
     pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
+    pakv_attention.c the PagedAttention core: causal GQA attention read through the block table in place
     pakv_contract.c  the contract's validator: every rule and its message, tensor records -> plan
     pakv_ort.c       the ORT glue: RegisterCustomOps, ops, attributes, ORT tensors -> records
     pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
@@ -31,7 +32,7 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",
@@ -46,6 +47,10 @@ COMPILE_ARGS = [
     "-std=c11",
     "-O3",
     "-fvisibility=hidden",
+    # No float traps are ever enabled: lets the attention's clamps be branch-free (vectorized).
+    "-fno-trapping-math",
+    # Fused multiply-adds where the CPU has them (the attention's dot products; -std=c11 turns them off).
+    "-ffp-contract=fast",
     "-pthread",
     "-Wall",
     "-Wextra",

@@ -1,4 +1,5 @@
-"""pakv-onnx: the paged-KV-cache ops GatherPaKvCache and ScatterPaKvCache through the whole ONNX life cycle.
+"""pakv-onnx: the paged-KV-cache ops GatherPaKvCache, ScatterPaKvCache and PagedAttention through the whole
+ONNX life cycle.
 
 - :mod:`pakv_onnx.spec`      the contract, declared (names, tables, plans)
 - :mod:`pakv_onnx.validator` the one validator (``plan_gather``: the C contract unit, from Python)
@@ -23,12 +24,16 @@ _EXPORTS = {
     "BackendUnavailableError": "pakv_onnx.kernels",
     "backend_names": "pakv_onnx.kernels",
     "gather_pa_kv_cache": "pakv_onnx.ops",
+    "paged_attention": "pakv_onnx.ops",
     "scatter_pa_kv_cache": "pakv_onnx.ops",
+    "AttentionPlan": "pakv_onnx.spec",
+    "AttentionTensors": "pakv_onnx.spec",
     "CacheMode": "pakv_onnx.spec",
     "GatherPlan": "pakv_onnx.spec",
     "GatherTensors": "pakv_onnx.spec",
     "ScatterPlan": "pakv_onnx.spec",
     "ScatterTensors": "pakv_onnx.spec",
+    "plan_attention": "pakv_onnx.validator",
     "plan_gather": "pakv_onnx.validator",
     "plan_scatter": "pakv_onnx.validator",
 }
@@ -37,9 +42,17 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from pakv_onnx.kernels import BackendUnavailableError, backend_names
-    from pakv_onnx.ops import gather_pa_kv_cache, scatter_pa_kv_cache
-    from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
-    from pakv_onnx.validator import plan_gather, plan_scatter
+    from pakv_onnx.ops import gather_pa_kv_cache, paged_attention, scatter_pa_kv_cache
+    from pakv_onnx.spec import (
+        AttentionPlan,
+        AttentionTensors,
+        CacheMode,
+        GatherPlan,
+        GatherTensors,
+        ScatterPlan,
+        ScatterTensors,
+    )
+    from pakv_onnx.validator import plan_attention, plan_gather, plan_scatter
 
 
 def __getattr__(name: str) -> Any:

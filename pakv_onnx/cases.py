@@ -482,3 +482,110 @@ def random_scatter_case(
         slot_mapping=torch.tensor(slots, dtype=slot_dtype or rng.choice([torch.int32, torch.int64])),
         cache_mode=mode,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+    """One PagedAttention call, with each sequence's context kept dense beside the paged caches.
+
+    ``contexts[b]`` is ``(keys [L, Hk, D], values [L, Hk, Dv])`` of sequence b, exactly the rows the
+    caches hold at its positions (an independent reference reads those, never the block table).
+    Cache rows no sequence owns hold random values; table entries past a sequence's context are -1
+    (or, for a sequence without new tokens, any junk: the op does not read it).
+    """
+
+    case_id: str
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_table: torch.Tensor
+    cumulative_sequence_lengths: torch.Tensor
+    past_sequence_lengths: torch.Tensor
+    contexts: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    scale: float = 0.0
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """Positional inputs in the contract's order (spec.ATTENTION.input_names)."""
+        return (
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.block_table,
+            self.cumulative_sequence_lengths,
+            self.past_sequence_lengths,
+        )
+
+    def summary(self) -> str:
+        q, kc, vc = self.query, self.key_cache, self.value_cache
+        new = (self.cumulative_sequence_lengths[1:] - self.cumulative_sequence_lengths[:-1]).tolist()
+        return (
+            f"{cache_dtype(q.dtype).name} query={list(q.shape)} key_cache={list(kc.shape)} value_cache={list(vc.shape)} "
+            f"past={self.past_sequence_lengths.tolist()} new={new} scale={self.scale}"
+        )
+
+
+def random_attention_case(
+    seed: int,
+    *,
+    dtype: torch.dtype = torch.float32,
+    group: int | None = None,
+    kv_heads: int | None = None,
+    block_size: int | None = None,
+    head_dim: int | None = None,
+    value_head_dim: int | None = None,
+    new_tokens: Sequence[int] | None = None,
+    past: Sequence[int] | None = None,
+    index_dtype: torch.dtype = torch.int32,
+    scale: float = 0.0,
+) -> AttentionCase:
+    """A random valid PagedAttention: B sequences mixing prefill (many new tokens, with or without a
+    past), decode (one new token) and idle ones (no new token), their contexts written into shuffled
+    blocks of one pool, the table -1 padded. Options left ``None`` are drawn from ``seed``."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    group = group if group is not None else rng.choice([1, 2, 4])
+    kv_heads = kv_heads if kv_heads is not None else rng.randint(1, 3)
+    block_size = block_size if block_size is not None else rng.choice([1, 3, 8, 16])
+    head_dim = head_dim if head_dim is not None else rng.choice([4, 8, 19, 32])
+    value_head_dim = value_head_dim if value_head_dim is not None else rng.choice([head_dim, 8, 40])
+    if new_tokens is None:
+        batch = rng.randint(1, 5)
+        new_tokens = [rng.choice([0, 1, 1, rng.randint(2, 40)]) for _ in range(batch)]
+        if not any(new_tokens):
+            new_tokens[0] = 1
+    if past is None:
+        past = [rng.choice([0, rng.randint(1, 70)]) for _ in new_tokens]
+    lengths = [p + n for p, n in zip(past, new_tokens)]
+    blocks_of = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(blocks_of) + rng.randint(1, 4)
+    order = list(range(num_blocks))
+    rng.shuffle(order)
+    cols = max(blocks_of + [1]) + rng.randint(0, 2)
+    table = torch.full((len(lengths), cols), -1, dtype=torch.int64)
+    key_cache = random_cache((num_blocks, block_size, kv_heads, head_dim), dtype, gen)
+    value_cache = random_cache((num_blocks, block_size, kv_heads, value_head_dim), dtype, gen)
+    contexts = []
+    for b, (length, count) in enumerate(zip(lengths, blocks_of)):
+        ids = [order.pop() for _ in range(count)]
+        table[b, :count] = torch.tensor(ids, dtype=torch.int64)
+        keys = random_cache((length, kv_heads, head_dim), dtype, gen)
+        values = random_cache((length, kv_heads, value_head_dim), dtype, gen)
+        for p in range(length):
+            key_cache[ids[p // block_size], p % block_size] = keys[p]
+            value_cache[ids[p // block_size], p % block_size] = values[p]
+        contexts.append((keys, values))
+        if new_tokens[b] == 0 and count:
+            table[b, 0] = num_blocks + 7  # junk where nothing is read
+    cu = torch.tensor([0, *new_tokens]).cumsum(0)
+    query = random_cache((int(cu[-1]), kv_heads * group, head_dim), dtype, gen)
+    return AttentionCase(
+        case_id=f"attention-{seed}",
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_table=table.to(index_dtype),
+        cumulative_sequence_lengths=cu.to(index_dtype),
+        past_sequence_lengths=torch.tensor(list(past), dtype=index_dtype),
+        contexts=tuple(contexts),
+        scale=scale,
+    )

@@ -1,4 +1,5 @@
-"""The torch reference for GatherPaKvCache: the ground truth every backend is tested against.
+"""The torch reference for GatherPaKvCache (and ScatterPaKvCache, PagedAttention): the ground truth
+every backend is tested against.
 
 Written to be read, not to be fast: one slice copy per (sequence, used block), straight
 from the contract in :mod:`pakv_onnx.spec` (its FLOOR RULE: sequence q starts at slot 0 of
@@ -12,7 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.spec import (
+    AttentionPlan,
+    AttentionTensors,
+    CacheMode,
+    GatherPlan,
+    GatherTensors,
+    ScatterPlan,
+    ScatterTensors,
+)
 
 
 def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
@@ -71,3 +80,37 @@ def scatter_golden(plan: ScatterPlan, tensors: ScatterTensors) -> None:
         for src, cache in ((key, key_cache), (value, value_cache)):
             dst = _token_rows(cache, mode, block, row)
             dst.copy_(src[token].reshape(dst.shape))
+
+
+def _context_rows(cache: torch.Tensor, row: list[int], length: int, block_size: int) -> torch.Tensor:
+    """Positions ``0 .. length - 1`` of one sequence, ``[length, H, D]``: row ``p % bs`` of block
+    ``row[p // bs]`` for each position p (the blocks concatenated, cut at ``length``)."""
+    blocks = [cache[row[c]] for c in range(-(-length // block_size))]
+    return torch.cat(blocks).narrow(0, 0, length)
+
+
+def attention_golden(plan: AttentionPlan, tensors: AttentionTensors) -> None:
+    """Causal GQA attention of every sequence's new tokens over its context, into ``tensors.out``.
+
+    Per sequence with n new tokens and a context of L: its rows gathered through the block table,
+    every kv head repeated for the Hq // Hk query heads that read it, scores in fp32 times
+    ``plan.scale``, query j masked to positions ``0 .. L - n + j``, softmax in fp32, the weighted
+    values rounded once to the output's dtype.
+
+    Args:
+        plan: a validated plan for these tensors.
+        tensors: query ``[N, Hq, D]``, the caches (any block stride), out ``[N, Hq, Dv]`` (written).
+    """
+    query, key_cache, value_cache, out = tensors
+    group = plan.num_heads // plan.num_kv_heads
+    starts, counts, lengths = plan.index_lists()
+    for row, start, n, length in zip(plan.block_table_rows(), starts, counts, lengths):
+        if n == 0:
+            continue
+        keys = _context_rows(key_cache, row, length, plan.block_size).float().repeat_interleave(group, dim=1)
+        values = _context_rows(value_cache, row, length, plan.block_size).float().repeat_interleave(group, dim=1)
+        q = query.narrow(0, start, n).float()  # [n, Hq, D]
+        scores = torch.einsum("nhd,lhd->hnl", q, keys) * plan.scale
+        visible = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]  # [n, L]
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out.narrow(0, start, n).copy_(torch.einsum("hnl,lhd->nhd", probs, values))

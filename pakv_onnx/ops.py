@@ -1,4 +1,5 @@
-"""The public Python front: ``gather_pa_kv_cache`` and ``scatter_pa_kv_cache``, thin typed wrappers over the backends."""
+"""The public Python front: ``gather_pa_kv_cache``, ``scatter_pa_kv_cache`` and ``paged_attention``,
+thin typed wrappers over the backends."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import torch
 
 from pakv_onnx import kernels
 from pakv_onnx.spec import (
+    AttentionPlan,
+    AttentionTensors,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     CacheMode,
@@ -15,7 +18,7 @@ from pakv_onnx.spec import (
     GatherTensors,
     ScatterTensors,
 )
-from pakv_onnx.validator import check_outputs, plan_gather, plan_scatter
+from pakv_onnx.validator import check_attention_output, check_outputs, plan_attention, plan_gather, plan_scatter
 
 
 def gather_pa_kv_cache(
@@ -190,3 +193,66 @@ def scatter_with(
         plan = plan_scatter(key, value, key_out, value_out, slot_mapping, cache_mode=cache_mode)
     chosen.scatter(plan, ScatterTensors(key, value, key_out, value_out))
     return key_out, value_out
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cumulative_sequence_lengths: torch.Tensor,
+    past_sequence_lengths: torch.Tensor,
+    *,
+    scale: float = 0.0,
+    out: torch.Tensor | None = None,
+    backend: str = kernels.AUTO,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole context, read from paged caches in place.
+
+    Sequence b has ``n = cu[b+1] - cu[b]`` new tokens (query rows ``cu[b] ..``) and a context of
+    ``L = past_sequence_lengths[b] + n`` tokens, its new ones already written (ScatterPaKvCache):
+    its new token j sits at position ``L - n + j`` and attends to positions ``0 .. L - n + j``.
+    Position p is row ``p % block_size`` of block ``block_table[b, p // block_size]``. The
+    ``Hq // Hk`` query heads of kv head k are ``k * Hq // Hk ..`` (GQA). Scores and softmax in fp32.
+
+    Args:
+        query: ``[N, Hq, D]`` float32, float16 or bfloat16 (each token row-major; any token stride).
+        key_cache: ``[num_blocks, block_size, Hk, D]`` of query's dtype (a pool view is read in place).
+        value_cache: ``[num_blocks, block_size, Hk, Dv]`` of query's dtype.
+        block_table: int32/int64 ``[B, max_blocks]``; entries past what a sequence reads may be -1.
+        cumulative_sequence_lengths: int32/int64 ``[B+1]`` from 0 to N.
+        past_sequence_lengths: int32/int64 ``[B]``, tokens each sequence had before this step.
+        scale: the scores' scale; 0 (the default) means ``1 / sqrt(D)``.
+        out: optional ``[N, Hq, Dv]`` output of query's dtype, contiguous, written in place.
+        backend: a backend with an attention kernel (``native``, ``golden``, ``torch``) or ``"auto"``.
+
+    Returns:
+        ``[N, Hq, Dv]`` in query's dtype (``out`` when given).
+
+    Raises:
+        TypeError, ValueError: the inputs break the contract (see :func:`pakv_onnx.validator.plan_attention`).
+        BackendUnavailableError: the chosen backend cannot run here or has no attention kernel.
+    """
+    inputs = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths)
+    return attention_with(inputs, scale=scale, backend=backend, out=out)
+
+
+def attention_with(
+    inputs: tuple[torch.Tensor, ...],
+    *,
+    scale: float,
+    backend: str,
+    allocate: Callable[[AttentionPlan], torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Validate, pick the backend, get the output and attend into it: the path of the public front
+    (output given, or allocated here) and of the ORT plugin's callback (``allocate(plan)`` takes
+    ORT's output once the plan knows its shape; it is validated like a caller's)."""
+    query, key_cache, value_cache = inputs[:3]
+    plan = plan_attention(*inputs, scale=scale, out=out)
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    if out is None:
+        out = allocate(plan) if allocate is not None else _empty("output", plan.out_shape, plan.dtype, query.device)
+        check_attention_output(plan, out)
+    chosen.attention(plan, AttentionTensors(query, key_cache, value_cache, out))
+    return out

@@ -1,4 +1,5 @@
-"""The GatherPaKvCache contract, declared: names, attributes, dtype and layout tables, shapes, plans.
+"""The contract of GatherPaKvCache (and of ScatterPaKvCache and PagedAttention), declared: names,
+attributes, dtype and layout tables, shapes, plans.
 
 This module is the single source of the operator's names and tables. Every backend, the
 exporter and the runtime plugin import them from here. The contract's *rules* (what a valid
@@ -42,6 +43,7 @@ columns may hold anything (padding, stale ids).
 from __future__ import annotations
 
 import array
+import ctypes
 import dataclasses
 import enum
 import functools
@@ -85,7 +87,7 @@ class OpSignature:
     input_names: tuple[str, ...]
     optional_inputs: frozenset[str]
     output_names: tuple[str, ...]
-    attribute_defaults: dict[str, str | bool]
+    attribute_defaults: dict[str, str | bool | float]
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -134,6 +136,18 @@ SCATTER = OpSignature(
     ("key_cache_out", "value_cache_out"),
     {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value},
 )
+# PagedAttention: causal GQA attention of each sequence's new tokens (query [N, Hq, D], packed by
+# cumulative_sequence_lengths [B+1]) over its whole context (past_sequence_lengths[b] cached tokens
+# plus its new ones, already written), read from the Norm caches through block_table in place.
+# Output [N, Hq, Dv] in query's dtype. scale 0 means 1 / sqrt(D). Read-only: ScatterPaKvCache writes.
+ATTR_SCALE = "scale"
+ATTENTION = OpSignature(
+    "PagedAttention",
+    ("query", "key_cache", "value_cache", "block_table", "cumulative_sequence_lengths", "past_sequence_lengths"),
+    frozenset(),
+    ("output",),
+    {ATTR_SCALE: 0.0},
+)
 # The gather's signature under its historical names (most of the package reads these).
 ATTRIBUTE_DEFAULTS = GATHER.attribute_defaults
 PARAMETER_NAMES: tuple[str, ...] = GATHER.parameter_names
@@ -176,6 +190,9 @@ INDEX_DTYPES: tuple[DType, ...] = (
     DType("int32", torch.int32, 6, 4),
     DType("int64", torch.int64, 7, 8),
 )
+
+# The dtypes PagedAttention computes in (query, caches and output share one; fp32 accumulation).
+ATTENTION_DTYPES: tuple[DType, ...] = tuple(d for d in CACHE_DTYPES if d.name in ("bfloat16", "float16", "float32"))
 
 _CACHE_BY_TORCH = {d.torch_dtype: d for d in CACHE_DTYPES}
 _CACHE_BY_NAME = {d.name: d for d in CACHE_DTYPES}
@@ -260,6 +277,14 @@ def parse_cumsum_flag(is_seq_lens_cumsum: object) -> bool:
     if isinstance(is_seq_lens_cumsum, int) and is_seq_lens_cumsum in (0, 1):
         return bool(is_seq_lens_cumsum)
     raise ValueError(f"{ATTR_IS_SEQ_LENS_CUMSUM} must be 0/1 or a bool, got {is_seq_lens_cumsum!r}")
+
+
+def parse_scale(scale: object) -> float:
+    """The contract's reading of PagedAttention's ``scale`` (a real number; 0 means 1 / sqrt(head_dim)),
+    as the float32 value the op uses (a value past float32's range becomes inf, which the validator refuses)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{ATTR_SCALE} must be a float, got {type(scale).__name__}")
+    return ctypes.c_float(scale).value
 
 
 # torch dtype -> ONNX element type of every contract dtype (cache and index).
@@ -497,6 +522,78 @@ class ScatterTensors(NamedTuple):
     value: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """A validated PagedAttention: everything a backend needs besides the tensors themselves.
+
+    Made by :func:`pakv_onnx.validator.plan_attention` from what the C validator returned.
+
+    Attributes:
+        num_blocks, block_size: cache geometry (Norm ``[nb, bs, Hk, D]`` / ``[nb, bs, Hk, Dv]``).
+        num_seqs: B (rows of ``block_table``); num_tokens: N (query rows).
+        num_heads, num_kv_heads: Hq and Hk (Hq a multiple of Hk: query head h reads kv head
+            ``h // (Hq // Hk)``).
+        head_dim, value_head_dim: D (query, key_cache) and Dv (value_cache, output).
+        scale: the scores' scale, resolved (the attribute, or 1 / sqrt(D) for 0) as a float32 value.
+        dtype: query's, both caches' and the output's element type.
+        index: ``3 * B`` int64 (the validator's scratch): per sequence its first query row, its new
+            tokens n and its context L = past + n; its new token j is at position L - n + j and
+            sees positions 0 .. L - n + j.
+        tables: the caller's ``block_table`` on the host (only the entries sequences read were validated).
+        native: the validator's C plan and what it points at (``kernels.native`` runs it), or ``None``.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_seqs: int
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    scale: float
+    dtype: torch.dtype
+    index: Sequence[int] = dataclasses.field(repr=False)
+    tables: torch.Tensor = dataclasses.field(repr=False)
+    native: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def key_dtype(self) -> torch.dtype:  # the backend registry asks every plan for both caches' dtypes
+        return self.dtype
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        return (self.num_tokens, self.num_heads, self.value_head_dim)
+
+    def index_lists(self) -> tuple[list[int], list[int], list[int]]:
+        """``(query_starts, query_counts, context_lengths)`` per sequence, as Python int lists."""
+        b, index = self.num_seqs, self.index
+        return index[:b].tolist(), index[b : 2 * b].tolist(), index[2 * b : 3 * b].tolist()
+
+    def block_table_rows(self) -> list[list[int]]:
+        """The block table as Python int rows ``[B][cols]`` (only the entries sequences read are validated)."""
+        return self.tables.tolist()
+
+
+class AttentionTensors(NamedTuple):
+    """The four tensors one PagedAttention touches: the query and caches it reads, the output it writes.
+
+    Attributes:
+        query: ``[N, Hq, D]`` (each token row-major; any token stride).
+        key_cache, value_cache: Norm caches ``[nb, bs, Hk, D]`` / ``[nb, bs, Hk, Dv]`` (pool views read in place).
+        out: ``[N, Hq, Dv]`` contiguous, written in place.
+    """
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    out: torch.Tensor
 
 
 def int64_tensor(values: list[int]) -> torch.Tensor:

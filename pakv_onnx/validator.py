@@ -25,15 +25,18 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.spec import (
+    ATTENTION,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
     SCATTER,
+    AttentionPlan,
     CacheMode,
     GatherPlan,
     ScatterPlan,
     parse_cache_mode,
     parse_cumsum_flag,
+    parse_scale,
 )
 
 # The records of one gather, in the validator's order (pakv_contract.h).
@@ -264,3 +267,92 @@ def plan_scatter(
         native=(call, hosts),
     )
     return plan
+
+
+_ATTENTION_SIZE = ctypes.sizeof(native_lib.AttentionCall)
+_ATTENTION_RECORDS_AT = native_lib.AttentionCall.records.offset
+_ATTENTION_TAIL_AT = native_lib.AttentionCall.scale.offset
+_ATTENTION_TAIL = struct.Struct("@fiqPP")  # scale, reserved, scratch_len, scratch, error
+_ATTENTION_FIELDS = struct.Struct(native_lib.ATTENTION_PLAN_FORMAT)
+_AAT = native_lib.ATTENTION_PLAN_FIELD_AT
+# query, the caches, the three index tensors (read on the host), then the output (may be None).
+_ATTENTION_ROLES = (
+    *((name, _INDEX * (i >= 3)) for i, name in enumerate(ATTENTION.input_names)),
+    (ATTENTION.output_names[0], _OPTIONAL),
+)
+_OUTPUT_ROLE = (_ATTENTION_ROLES[-1],)
+_ATTENTION_OUT_AT = native_lib.AttentionPlan.out.offset
+
+
+def plan_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cumulative_sequence_lengths: torch.Tensor,
+    past_sequence_lengths: torch.Tensor,
+    *,
+    scale: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> AttentionPlan:
+    """Validate one PagedAttention call and return its plan.
+
+    Args:
+        query: ``[N, Hq, D]`` float32 / float16 / bfloat16 (each token row-major; any token stride).
+        key_cache, value_cache: Norm caches ``[nb, bs, Hk, D]`` / ``[nb, bs, Hk, Dv]`` of query's
+            dtype (pool views strided on dim 0 included); Hq a multiple of Hk.
+        block_table: int32/int64 ``[B, cols]``; sequence b's position p is row ``p % bs`` of block
+            ``block_table[b, p // bs]``. Only the columns a sequence with new tokens reads are
+            validated (entries past its context may be -1).
+        cumulative_sequence_lengths: int32/int64 ``[B+1]``: 0, then each sequence's end in query.
+        past_sequence_lengths: int32/int64 ``[B]``: tokens each sequence had before this step's
+            (its context is past + new; the new rows must already be in the caches).
+        scale: the scores' scale; 0 means ``1 / sqrt(D)``.
+        out: optional ``[N, Hq, Dv]`` output to check (contiguous, query's dtype and device,
+            overlapping no input).
+
+    Raises:
+        TypeError: a non-tensor, a dtype outside the op's, caches of another dtype than query's.
+        ValueError: any other contract violation, named by the C validator.
+    """
+    scale = parse_scale(scale)
+    tensors = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, out)
+    num_seqs = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
+    call = array.array("q", bytes(_ATTENTION_SIZE + 24 * num_seqs))
+    base = call.buffer_info()[0]
+    hosts = (_describe or _describer())(base + _ATTENTION_RECORDS_AT, tensors, _ATTENTION_ROLES)
+    tables = hosts[3]
+    _ATTENTION_TAIL.pack_into(call, _ATTENTION_TAIL_AT, scale, 0, 3 * num_seqs, base + _ATTENTION_SIZE, _errors.address)
+    kind = native_lib.plan_attention_call(base)
+    if kind:
+        _raise(kind)
+    fields = _ATTENTION_FIELDS.unpack_from(call, 0)
+    plan = object.__new__(AttentionPlan)
+    plan.__dict__.update(
+        num_blocks=fields[_AAT["num_blocks"]],
+        block_size=fields[_AAT["block_size"]],
+        num_seqs=fields[_AAT["num_seqs"]],
+        num_tokens=fields[_AAT["num_tokens"]],
+        num_heads=fields[_AAT["num_heads"]],
+        num_kv_heads=fields[_AAT["num_kv_heads"]],
+        head_dim=fields[_AAT["head_dim"]],
+        value_head_dim=fields[_AAT["value_head_dim"]],
+        scale=fields[_AAT["scale"]],
+        dtype=query.dtype,
+        index=memoryview(call)[_ATTENTION_SIZE // 8 :],
+        tables=tables,
+        native=(call, hosts),
+    )
+    return plan
+
+
+def check_attention_output(plan: AttentionPlan, out: torch.Tensor) -> None:
+    """The validator's output rule for an output obtained after ``plan`` was made (ORT's buffer):
+    ``[N, Hq, Dv]``, query's dtype and device, contiguous, overlapping no input. Raises what the
+    validator said; on success the plan's C form writes there."""
+    call = plan.native[0]
+    (_describe or _describer())(call.buffer_info()[0] + _ATTENTION_RECORDS_AT + 6 * _RECORD_SIZE, (out,), _OUTPUT_ROLE)
+    kind = native_lib.check_attention_output_call(call.buffer_info()[0])
+    if kind:
+        _raise(kind)
+    struct.pack_into("@P", call, _ATTENTION_OUT_AT, out.data_ptr())

@@ -62,13 +62,15 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
     onnx.checker.check_model(model, full_check=True)
     layers = build_model(arch, SEED).config.num_hidden_layers
     pakv = pakv_nodes(model.graph)  # DeepSeek-V3 gathers each sequence's latent inside its attention Loop
-    assert [n.op_type for n in pakv] == ["ScatterPaKvCache", "GatherPaKvCache"] * layers
+    mla = arch == "deepseek"  # Llama (GQA) attends with one PagedAttention per layer over the pools
+    reader = "GatherPaKvCache" if mla else "PagedAttention"
+    assert [n.op_type for n in pakv] == ["ScatterPaKvCache", reader] * layers
     outputs = [o.name for o in model.graph.output]
-    for layer, (scatter, gather) in enumerate(zip(pakv[::2], pakv[1::2])):
-        # the layer's pools in, the updated pools are the present outputs and feed the gather
+    for layer, (scatter, read) in enumerate(zip(pakv[::2], pakv[1::2])):
+        # the layer's pools in, the updated pools are the present outputs and feed the read
         assert list(scatter.input[2:4]) == [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
         assert list(scatter.output) == [f"present.{layer}.key", f"present.{layer}.value"]
-        assert list(gather.input[:2]) == list(scatter.output)
+        assert list(read.input[:2] if mla else read.input[1:3]) == list(scatter.output)
     assert [i.name for i in model.graph.input][:4] == [
         "input_ids",
         "cumulative_sequence_lengths",
@@ -81,8 +83,9 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
     ] == [onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT32, onnx.TensorProto.INT32]
     assert len(types["input_ids"].shape.dim) == 1  # packed tokens [num_tokens]
     assert outputs[0] == "logits" and model.graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch_size"
-    # Per-sequence attention is a Loop per layer, not a [T, T] mask over the packed batch.
-    assert sum(n.op_type == "Loop" for n in model.graph.node) == layers
+    # Per-sequence attention: a Loop per layer for MLA (PagedAttention walks the sequences itself),
+    # never a [T, T] mask over the packed batch.
+    assert sum(n.op_type == "Loop" for n in model.graph.node) == (layers if mla else 0)
 
 
 @pytest.mark.slow  # shares the module's exports (20-110 s each on a busy machine)

@@ -1,13 +1,15 @@
-"""Export models that call GatherPaKvCache to ONNX.
+"""Export models that call GatherPaKvCache (ScatterPaKvCache, PagedAttention) to ONNX.
 
 * :data:`gather_pa_kv_cache` — ``torch.ops.pakv.gather_pa_kv_cache``, the torch custom op;
   :data:`scatter_pa_kv_cache` (in place) and :data:`scatter_pa_kv_cache_functional` (what an
-  exported graph records) for the write op.
+  exported graph records) for the write op; :data:`paged_attention` (``torch.ops.pakv.paged_attention``)
+  for the attention op.
 * :func:`export` — ``torch.onnx.export(..., dynamo=True)`` with the op's translation, the
   ONNX schema registered and the stock-ONNX fallback function attached.
 * :func:`export_legacy` — the TorchScript exporter (``dynamo=False``) path.
 * :func:`gather_node` / :func:`make_gather_model` / :func:`make_gather_model_for`,
-  :func:`scatter_node` / :func:`make_scatter_model_for` — hand-built graphs without the
+  :func:`scatter_node` / :func:`make_scatter_model_for`, :func:`attention_node` /
+  :func:`make_attention_model_for` — hand-built graphs without the
   exporter; :data:`PAKV_OPSET` for onnxscript functions.
 * :func:`register_schema`, :func:`attach_fallback`, :func:`op_dynamic_shapes`.
 
@@ -22,14 +24,21 @@ import importlib
 
 from pakv_onnx.export.builder import (
     DEFAULT_OPSET,
+    attention_node,
     gather_node,
+    make_attention_model_for,
     make_gather_model,
     make_gather_model_for,
     make_scatter_model_for,
     scatter_node,
 )
 from pakv_onnx.export.schema import register_schema
-from pakv_onnx.export.torch_op import gather_pa_kv_cache, scatter_pa_kv_cache, scatter_pa_kv_cache_functional
+from pakv_onnx.export.torch_op import (
+    gather_pa_kv_cache,
+    paged_attention,
+    scatter_pa_kv_cache,
+    scatter_pa_kv_cache_functional,
+)
 
 register_schema()
 
@@ -65,6 +74,7 @@ __all__ = [
     "DEFAULT_OPSET",
     "PAKV_OPSET",
     "attach_fallback",
+    "attention_node",
     "export",
     "export_legacy",
     "gather_node",
@@ -72,9 +82,11 @@ __all__ = [
     "has_fallback",
     "make_function",
     "make_gather_model",
+    "make_attention_model_for",
     "make_gather_model_for",
     "make_scatter_model_for",
     "op_dynamic_shapes",
+    "paged_attention",
     "register_legacy_symbolic",
     "register_schema",
     "scatter_node",

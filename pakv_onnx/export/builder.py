@@ -1,4 +1,5 @@
-"""Hand-built graphs: ``pakv::GatherPaKvCache`` in an ONNX graph without the exporter.
+"""Hand-built graphs: ``pakv::GatherPaKvCache`` (``ScatterPaKvCache``, ``PagedAttention``) in an ONNX graph
+without the exporter.
 
 Every node and model here comes from the op's one declaration in :mod:`pakv_onnx.spec` (input
 names in order, which are optional, output names, attribute names and defaults), the way
@@ -32,7 +33,16 @@ from pakv_onnx import spec
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.spec import CacheMode
 
-__all__ = ["DEFAULT_OPSET", "gather_node", "make_gather_model", "make_gather_model_for", "make_scatter_model_for", "scatter_node"]
+__all__ = [
+    "DEFAULT_OPSET",
+    "attention_node",
+    "gather_node",
+    "make_attention_model_for",
+    "make_gather_model",
+    "make_gather_model_for",
+    "make_scatter_model_for",
+    "scatter_node",
+]
 
 # torch 2.13's dynamo exporter emits opset 20 by default; the fallback body needs >= 19.
 DEFAULT_OPSET = 20
@@ -301,6 +311,60 @@ def make_scatter_model_for(
         outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.SCATTER.output_names, (key_type, value_type))]
     model = h.make_model(
         h.make_graph(nodes, "scatter_pa_kv_cache", inputs, outputs),
+        opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
+    )
+    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    if fallback:
+        from pakv_onnx.export.fallback import attach_fallback
+
+        attach_fallback(model)
+    return model
+
+
+# --------------------------------------------------------------------------- #
+# PagedAttention
+# --------------------------------------------------------------------------- #
+def attention_node(
+    *inputs: str,
+    output: str = spec.ATTENTION.output_names[0],
+    scale: float = spec.ATTENTION.attribute_defaults[spec.ATTR_SCALE],
+    name: str | None = None,
+) -> onnx.NodeProto:
+    """A ``pakv::PagedAttention`` node over the six named inputs (spec.ATTENTION's order); ``scale``
+    0 (the default) means 1 / sqrt(head_dim) and is left out of the node."""
+    if len(inputs) != len(spec.ATTENTION.input_names):
+        raise ValueError(f"PagedAttention takes {len(spec.ATTENTION.input_names)} inputs, got {list(inputs)}")
+    node = h.make_node(spec.ATTENTION.op_type, list(inputs), [output], name=name, domain=spec.DOMAIN)
+    value = spec.parse_scale(scale)
+    if value != 0.0:
+        node.attribute.append(h.make_attribute(spec.ATTR_SCALE, value))
+    return node
+
+
+def make_attention_model_for(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cumulative_sequence_lengths: torch.Tensor,
+    past_sequence_lengths: torch.Tensor,
+    *,
+    scale: float = 0.0,
+    fallback: bool = True,
+    opset_version: int = DEFAULT_OPSET,
+) -> onnx.ModelProto:
+    """A one-node PagedAttention model (inputs named as the op's, of the examples' dtypes, dims
+    symbolic; output ``output``), with the stock-ONNX fallback function unless ``fallback=False``."""
+    examples = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths)
+    names = spec.ATTENTION.input_names
+    inputs = [
+        h.make_tensor_value_info(n, spec.ONNX_ELEMENT_TYPE_OF[t.dtype], [f"{n}_{d}" for d in range(t.dim())])
+        for n, t in zip(names, examples)
+    ]
+    out_dims = ["query_0", "query_1", "value_cache_3"]  # [N, Hq, Dv]: the schema's inference
+    output = h.make_tensor_value_info(spec.ATTENTION.output_names[0], spec.ONNX_ELEMENT_TYPE_OF[query.dtype], out_dims)
+    model = h.make_model(
+        h.make_graph([attention_node(*names, scale=scale, name="attention")], "paged_attention", inputs, [output]),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
     )
     model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports

@@ -49,6 +49,7 @@ from onnxscript import script
 from onnxscript.values import Opset
 
 from pakv_onnx.spec import (
+    ATTENTION,
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
     DEFAULT_CACHE_MODE,
@@ -372,17 +373,21 @@ def _materialize_seq_offset(graph: onnx.GraphProto, prefix: str) -> int:
 
 def attach_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
     """Add (or replace) the fallback functions in ``model``, in place; return ``model``: the gather's,
-    and the scatter's (:mod:`pakv_onnx.export.fallback_scatter`) when the model has a scatter node.
+    the scatter's (:mod:`pakv_onnx.export.fallback_scatter`) when the model has a scatter node, and
+    the attention's (:mod:`pakv_onnx.export.fallback_attention`) when it has a PagedAttention node.
 
     Also imports the ``pakv`` opset and gives nodes without ``seq_offset`` an all-zero one
     (same result; see the module doc). Needs a default-domain opset >= 19.
     """
+    from pakv_onnx.export.fallback_attention import make_attention_function
     from pakv_onnx.export.fallback_scatter import make_scatter_function
 
     opset = _default_opset(model)
     functions = [make_function(opset)]
     if _has_node(model.graph, SCATTER.op_type):
         functions.append(make_scatter_function(opset))
+    if _has_node(model.graph, ATTENTION.op_type):
+        functions.append(make_attention_function(opset))  # it calls the gather (whose function is above)
     names = {f.name for f in functions}
     kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name in names)]
     del model.functions[:]

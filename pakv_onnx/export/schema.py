@@ -1,4 +1,5 @@
-"""The ONNX ``OpSchema`` of ``pakv::GatherPaKvCache`` and ``pakv::ScatterPaKvCache``, with type and shape inference.
+"""The ONNX ``OpSchema`` of ``pakv::GatherPaKvCache``, ``pakv::ScatterPaKvCache`` and ``pakv::PagedAttention``,
+with type and shape inference.
 
 Registering it with :mod:`onnx.defs` lets ``onnx.checker.check_model(full_check=True)``,
 ``onnx.shape_inference`` and the dynamo exporter (onnxscript) understand graphs containing
@@ -8,6 +9,8 @@ Gather inference: each output has its own cache's element type (key_cache -> key
 ``[T, H*D]`` (PA_NZ). T is a number when ``seq_lens`` is a constant (initializer or
 ``Constant``), otherwise a symbolic dim named after the node, unique per node, shared by
 its two outputs. Scatter inference: each updated cache has its input cache's type and shape.
+Attention inference: the output has query's type and shape ``[N, Hq, Dv]`` (query's first two
+dims, value_cache's last).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import onnx.numpy_helper
 from onnx import TensorProto
 
 from pakv_onnx.spec import (
+    ATTENTION,
+    ATTENTION_DTYPES,
+    ATTR_SCALE,
     SCATTER,
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
@@ -244,11 +250,75 @@ def make_scatter_schema() -> onnx.defs.OpSchema:
     return schema
 
 
+# --------------------------------------------------------------------------- #
+# PagedAttention
+# --------------------------------------------------------------------------- #
+_ATTENTION_DOC = (
+    "Causal attention of each sequence's new tokens (query [N, Hq, D], packed by cumulative_sequence_lengths "
+    "[B+1]) over its whole context (past_sequence_lengths[b] + its new tokens, already in the caches), read from "
+    "Norm caches [nb, bs, Hk, D] / [nb, bs, Hk, Dv] through block_table [B, cols] in place (see pakv_onnx.spec). "
+    "New token j of a sequence with n new tokens and a context of L sits at position L - n + j and sees positions "
+    "0 .. L - n + j. Hq is a multiple of Hk (GQA). fp32 scores and softmax; output [N, Hq, Dv] in query's type."
+)
+# query and both caches share T; the index inputs each their own (int32 or int64).
+_ATTENTION_T = dict(zip(ATTENTION.input_names, ("T", "T", "T", "TB", "TC", "TP")))
+
+
+def _infer_attention(ctx) -> None:
+    query, value_cache = ctx.get_input_type(0), ctx.get_input_type(2)
+    if not ctx.has_output(0) or query is None or not query.HasField("tensor_type"):
+        return
+    out = onnx.TypeProto()
+    out.tensor_type.elem_type = query.tensor_type.elem_type
+    q_shape = query.tensor_type.shape if query.tensor_type.HasField("shape") else None
+    v_shape = None
+    if value_cache is not None and value_cache.HasField("tensor_type") and value_cache.tensor_type.HasField("shape"):
+        v_shape = value_cache.tensor_type.shape
+    if q_shape is not None and len(q_shape.dim) == 3 and v_shape is not None and len(v_shape.dim) == 4:
+        for dim in (q_shape.dim[0], q_shape.dim[1], v_shape.dim[3]):
+            out.tensor_type.shape.dim.add().CopyFrom(dim)
+    ctx.set_output_type(0, out)
+
+
+def make_attention_schema() -> onnx.defs.OpSchema:
+    """A fresh OpSchema for PagedAttention (not registered); see :func:`make_schema` for old onnx."""
+    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
+    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
+    index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
+    schema = onnx.defs.OpSchema(
+        ATTENTION.op_type,
+        DOMAIN,
+        OPSET_VERSION,
+        _ATTENTION_DOC,
+        inputs=[onnx.defs.OpSchema.FormalParameter(n, _ATTENTION_T[n]) for n in ATTENTION.input_names],
+        outputs=[onnx.defs.OpSchema.FormalParameter(ATTENTION.output_names[0], "T")],
+        type_constraints=[
+            ("T", [onnx_type_str(d.onnx_type) for d in ATTENTION_DTYPES], "query, key_cache, value_cache and output type"),
+            ("TB", list(index_types), "block_table index type"),
+            ("TC", list(index_types), "cumulative_sequence_lengths index type"),
+            ("TP", list(index_types), "past_sequence_lengths index type"),
+        ],
+        attributes=[
+            onnx.defs.OpSchema.Attribute(
+                ATTR_SCALE,
+                onnx.helper.make_attribute(ATTR_SCALE, ATTENTION.attribute_defaults[ATTR_SCALE]),
+                "the scores' scale; 0 (the default) means 1 / sqrt(head_dim)",
+            )
+        ],
+        **extra,
+    )
+    if hasattr(schema, "set_type_and_shape_inference_function"):
+        schema.set_type_and_shape_inference_function(_infer_attention)
+    return schema
+
+
 def register_schema() -> onnx.defs.OpSchema:
-    """Register both ops' schemas with ``onnx.defs`` once per process (idempotent); return the gather's."""
+    """Register the ops' schemas with ``onnx.defs`` once per process (idempotent); return the gather's."""
     with _lock:
         if not onnx.defs.has(OP_TYPE, OPSET_VERSION, DOMAIN):
             onnx.defs.register_schema(make_schema())
         if not onnx.defs.has(SCATTER.op_type, OPSET_VERSION, DOMAIN):
             onnx.defs.register_schema(make_scatter_schema())
+        if not onnx.defs.has(ATTENTION.op_type, OPSET_VERSION, DOMAIN):
+            onnx.defs.register_schema(make_attention_schema())
     return onnx.defs.get_schema(OP_TYPE, OPSET_VERSION, DOMAIN)

@@ -12,6 +12,9 @@ The write side has two forms: ``torch.ops.pakv.scatter_pa_kv_cache`` writes the 
 (``mutates_args``: what eager code and serving loops call), and
 ``torch.ops.pakv.scatter_pa_kv_cache_functional`` returns the updated caches (what an exported
 graph records: one ``pakv::ScatterPaKvCache`` node whose outputs ORT may alias to its inputs).
+
+``torch.ops.pakv.paged_attention`` is PagedAttention (:func:`pakv_onnx.ops.paged_attention`):
+it reads the caches and returns ``[N, Hq, Dv]``; its fake gives that shape from the inputs' own.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 from pakv_onnx import ops
 from pakv_onnx.spec import (
+    ATTENTION,
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
     ATTRIBUTE_DEFAULTS,
@@ -38,9 +42,11 @@ OP_NAME = "gather_pa_kv_cache"
 QUALIFIED_NAME = f"{DOMAIN}::{OP_NAME}"
 
 
-def _attribute_decl(name: str, default: str | bool) -> str:
+def _attribute_decl(name: str, default: str | bool | float) -> str:
     if isinstance(default, bool):
         return f"bool {name}={default}"
+    if isinstance(default, float):
+        return f"float {name}={default!r}"
     return f'str {name}="{default}"'
 
 
@@ -170,3 +176,43 @@ scatter_pa_kv_cache_functional = _define(
 def scatter_functional_overload() -> torch._ops.OpOverload:
     """``torch.ops.pakv.scatter_pa_kv_cache_functional.default`` (the overload exporters key on)."""
     return getattr(getattr(torch.ops, DOMAIN), SCATTER_FUNCTIONAL_OP_NAME).default
+
+
+# --------------------------------------------------------------------------- #
+# PagedAttention
+# --------------------------------------------------------------------------- #
+ATTENTION_OP_NAME = "paged_attention"
+
+
+def attention_torch_schema() -> str:
+    """``(Tensor query, Tensor key_cache, ..., Tensor past_sequence_lengths, float scale=0.0) -> Tensor``, from spec.ATTENTION."""
+    tensors = [f"Tensor {n}" for n in ATTENTION.input_names]
+    attributes = [_attribute_decl(n, d) for n, d in ATTENTION.attribute_defaults.items()]
+    return f"({', '.join(tensors + attributes)}) -> Tensor"
+
+
+def _attention_kernel(*args, **kwargs) -> torch.Tensor:
+    """PagedAttention as a torch op; arguments (spec.ATTENTION) as :func:`pakv_onnx.paged_attention`."""
+    bound = ATTENTION.bind(args, kwargs)
+    return ops.paged_attention(*(bound[n] for n in ATTENTION.input_names), scale=bound["scale"])
+
+
+def _attention_fake(*args, **kwargs) -> torch.Tensor:
+    bound = ATTENTION.bind(args, kwargs)
+    query, key_cache, value_cache = bound["query"], bound["key_cache"], bound["value_cache"]
+    if query.dim() != 3 or key_cache.dim() != 4 or value_cache.dim() != 4:  # the validator words it at run time
+        raise ValueError(
+            f"cannot trace {DOMAIN}::{ATTENTION_OP_NAME}: it needs a 3-D query and 4-D caches, got "
+            f"{query.dim()}-D, {key_cache.dim()}-D, {value_cache.dim()}-D"
+        )
+    torch._check(query.shape[2] == key_cache.shape[3])
+    torch._check(bound["cumulative_sequence_lengths"].shape[0] == bound["block_table"].shape[0] + 1)
+    return query.new_empty((query.shape[0], query.shape[1], value_cache.shape[3]))
+
+
+paged_attention = _define(ATTENTION_OP_NAME, attention_torch_schema(), _attention_kernel, _attention_fake)
+
+
+def attention_overload() -> torch._ops.OpOverload:
+    """``torch.ops.pakv.paged_attention.default`` (the overload exporters key on)."""
+    return getattr(getattr(torch.ops, DOMAIN), ATTENTION_OP_NAME).default

@@ -1,5 +1,6 @@
-"""Translations of ``torch.ops.pakv.gather_pa_kv_cache`` into one ``pakv::GatherPaKvCache`` node, and of
-``torch.ops.pakv.scatter_pa_kv_cache_functional`` into one ``pakv::ScatterPaKvCache`` node.
+"""Translations of ``torch.ops.pakv.gather_pa_kv_cache`` into one ``pakv::GatherPaKvCache`` node, of
+``torch.ops.pakv.scatter_pa_kv_cache_functional`` into one ``pakv::ScatterPaKvCache`` node, and of
+``torch.ops.pakv.paged_attention`` into one ``pakv::PagedAttention`` node.
 
 * :func:`translation_table` — for ``torch.onnx.export(..., dynamo=True,
   custom_translation_table=...)`` (onnxscript). The schema must be registered first
@@ -69,11 +70,21 @@ def scatter_pa_kv_cache_onnx(key, value, key_cache, value_cache, slot_mapping, c
     return op(key, value, key_cache, value_cache, slot_mapping, cache_mode=mode, _outputs=len(spec.SCATTER.output_names))
 
 
+def paged_attention_onnx(
+    query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, scale: float = 0.0
+):
+    """onnxscript translation of ``torch.ops.pakv.paged_attention``: one ``pakv::PagedAttention`` node."""
+    op = getattr(PAKV_OPSET, spec.ATTENTION.op_type)
+    inputs = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths)
+    return op(*inputs, scale=spec.parse_scale(scale))
+
+
 def translation_table() -> dict:
     """``custom_translation_table`` entries for ``torch.onnx.export(..., dynamo=True)``."""
     return {
         torch_op.op_overload(): gather_pa_kv_cache_onnx,
         torch_op.scatter_functional_overload(): scatter_pa_kv_cache_onnx,
+        torch_op.attention_overload(): paged_attention_onnx,
     }
 
 
@@ -135,13 +146,30 @@ def _legacy_scatter_symbolic(g, *args):
     return key_cache_out, value_cache_out
 
 
+def _legacy_attention_symbolic(g, *args):
+    """The TorchScript exporter's symbolic for the attention: one PagedAttention node, query's type."""
+    from torch.onnx import symbolic_helper
+
+    bound = spec.ATTENTION.bind(args, {})
+    scale = spec.parse_scale(float(symbolic_helper._maybe_get_const(bound[spec.ATTR_SCALE], "f")))
+    inputs = [bound[name] for name in spec.ATTENTION.input_names]
+    out = g.op(f"{spec.DOMAIN}::{spec.ATTENTION.op_type}", *inputs, scale_f=scale)
+    try:
+        out.setType(bound["query"].type().with_sizes([None] * 3))
+    except (AttributeError, RuntimeError):
+        pass
+    return out
+
+
 def register_legacy_symbolic(opset_version: int) -> None:
-    """Register the TorchScript-exporter symbolics for ``pakv::gather_pa_kv_cache`` and
-    ``pakv::scatter_pa_kv_cache_functional`` (idempotent)."""
+    """Register the TorchScript-exporter symbolics for ``pakv::gather_pa_kv_cache``,
+    ``pakv::scatter_pa_kv_cache_functional`` and ``pakv::paged_attention`` (idempotent)."""
     with _legacy_lock:
         if opset_version in _legacy_registered:
             return
         torch.onnx.register_custom_op_symbolic(torch_op.QUALIFIED_NAME, _legacy_symbolic, opset_version)
         scatter_name = f"{spec.DOMAIN}::{torch_op.SCATTER_FUNCTIONAL_OP_NAME}"
         torch.onnx.register_custom_op_symbolic(scatter_name, _legacy_scatter_symbolic, opset_version)
+        attention_name = f"{spec.DOMAIN}::{torch_op.ATTENTION_OP_NAME}"
+        torch.onnx.register_custom_op_symbolic(attention_name, _legacy_attention_symbolic, opset_version)
         _legacy_registered.add(opset_version)

@@ -1,4 +1,4 @@
-"""Compute backends for GatherPaKvCache and the registry that picks one.
+"""Compute backends for GatherPaKvCache (ScatterPaKvCache, PagedAttention) and the registry that picks one.
 
 Every backend takes the same validated :class:`~pakv_onnx.spec.GatherPlan` and writes the
 same bytes into caller-allocated outputs. A new backend is one module here that defines a
@@ -16,12 +16,14 @@ from collections.abc import Callable
 
 import torch
 
-from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.spec import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
 GatherFn = Callable[[GatherPlan, GatherTensors], None]
 # scatter(plan, tensors): reads tensors.key / value, writes their rows into tensors.key_cache / value_cache.
 ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
+# attention(plan, tensors): reads tensors.query and the caches, writes tensors.out.
+AttentionFn = Callable[[AttentionPlan, AttentionTensors], None]
 
 
 def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
@@ -54,7 +56,10 @@ class Backend:
         scatter: ``scatter(plan, tensors)`` (a :class:`~pakv_onnx.spec.ScatterTensors`) for
             ScatterPaKvCache, writing the caches in place; ``None``: the backend has no write op
             (refused by name for a :class:`~pakv_onnx.spec.ScatterPlan`). Its
-            ``unsupported_reason`` is asked about both plan kinds.
+            ``unsupported_reason`` is asked about every plan kind.
+        attention: ``attention(plan, tensors)`` (a :class:`~pakv_onnx.spec.AttentionTensors`) for
+            PagedAttention, writing ``tensors.out``; ``None``: the backend has none (refused by
+            name for an :class:`~pakv_onnx.spec.AttentionPlan`).
     """
 
     name: str
@@ -65,6 +70,7 @@ class Backend:
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
     scatter: ScatterFn | None = None
+    attention: AttentionFn | None = None
 
     def unavailable(self) -> str | None:
         """:attr:`unavailable_reason`, asked once per process (packages and devices don't come and go)."""
@@ -73,10 +79,12 @@ class Backend:
             known = _availability[id(self)] = (self, self.unavailable_reason())
         return known[1]
 
-    def refusal(self, plan: GatherPlan | ScatterPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
+    def refusal(self, plan: GatherPlan | ScatterPlan | AttentionPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
         if self.scatter is None and type(plan) is ScatterPlan:
             return "it has no ScatterPaKvCache kernel"
+        if self.attention is None and type(plan) is AttentionPlan:
+            return "it has no PagedAttention kernel"
         reason = self.unavailable() or self.unsupported_reason(plan, caches[0])
         if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
             return (
@@ -129,14 +137,17 @@ def get_backend(name: str) -> Backend:
 
 
 def resolve_backend(
-    name: str, plan: GatherPlan | ScatterPlan, cache: torch.Tensor, value_cache: torch.Tensor | None = None
+    name: str,
+    plan: GatherPlan | ScatterPlan | AttentionPlan,
+    cache: torch.Tensor,
+    value_cache: torch.Tensor | None = None,
 ) -> Backend:
     """Pick the backend for one call; ``"auto"`` takes the first of :data:`AUTO_PREFERENCE` that can run it.
 
     Args:
         name: a registered name or ``"auto"``.
-        plan: the validated call (a gather's or a scatter's: a backend without a scatter kernel
-            is refused a ScatterPlan by name).
+        plan: the validated call (a gather's, a scatter's or an attention's: a backend without a
+            scatter or attention kernel is refused such a plan by name).
         cache, value_cache: the key and value caches (``value_cache`` defaults to ``cache``).
 
     Raises:
@@ -165,7 +176,7 @@ def clear_availability_cache() -> None:
     _availability.clear()
 
 
-def _resolve_auto(plan: GatherPlan | ScatterPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
+def _resolve_auto(plan: GatherPlan | ScatterPlan | AttentionPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
     """The first backend of AUTO_PREFERENCE that can run the call."""
     reasons = []
     for candidate in AUTO_PREFERENCE:

@@ -14,7 +14,7 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.spec import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
 _WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))
@@ -85,6 +85,26 @@ def scatter_native(plan: ScatterPlan, tensors: ScatterTensors) -> None:
     native_lib.run_scatter(call.buffer_info()[0])
 
 
+_ATTENTION_WORDS = tuple(
+    getattr(native_lib.AttentionPlan, f).offset // 8 for f in ("query", "key_cache", "value_cache", "out")
+)
+
+
+def attention_native(plan: AttentionPlan, tensors: AttentionTensors) -> None:
+    """PagedAttention with the C attention core: the validator's plan, run on the tensors it was made
+    for (caches read in place through the block table, pool views too), on the calling thread."""
+    if plan.native is None:
+        raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_attention")
+    call = plan.native[0]
+    planned = tuple(call[word] for word in _ATTENTION_WORDS[:3])
+    if tuple(t.data_ptr() for t in tensors[:3]) != planned and any(t.numel() for t in tensors[:3]):
+        raise ValueError("native backend: query/key_cache/value_cache are not the tensors this plan was made for")
+    out = tensors.out
+    if out.data_ptr() != call[_ATTENTION_WORDS[3]] and out.numel():
+        raise ValueError("native backend: out is not the output this plan was checked for (plan_attention(out=...))")
+    native_lib.run_attention(call.buffer_info()[0])
+
+
 BACKEND = Backend(
     name="native",
     description="C copy core: one memcpy per (sequence, block) run; strided pool views read in place (CPU)",
@@ -94,4 +114,5 @@ BACKEND = Backend(
     reads_pool_views=True,
     mixed_dtypes=True,
     scatter=scatter_native,
+    attention=attention_native,
 )

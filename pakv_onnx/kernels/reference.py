@@ -1,11 +1,12 @@
-"""The ``golden`` backend: :func:`pakv_onnx.golden.gather_golden` / :func:`~pakv_onnx.golden.scatter_golden`,
+"""The ``golden`` backend: :func:`pakv_onnx.golden.gather_golden` / :func:`~pakv_onnx.golden.scatter_golden` /
+:func:`~pakv_onnx.golden.attention_golden`,
 the torch reference, as a backend.
 
 (Named ``reference`` so that ``pakv_onnx.golden``, the public reference, is the only module
 called golden.)
 """
 
-from pakv_onnx.golden import gather_golden, scatter_golden
+from pakv_onnx.golden import attention_golden, gather_golden, scatter_golden
 from pakv_onnx.kernels import Backend
 
 BACKEND = Backend(
@@ -15,4 +16,5 @@ BACKEND = Backend(
     reads_pool_views=True,
     mixed_dtypes=True,
     scatter=scatter_golden,
+    attention=attention_golden,
 )

@@ -15,7 +15,17 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import CacheMode, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors, bits_view
+from pakv_onnx.spec import (
+    AttentionPlan,
+    AttentionTensors,
+    CacheMode,
+    GatherPlan,
+    GatherTensors,
+    ScatterPlan,
+    ScatterTensors,
+    bits_view,
+    int64_tensor,
+)
 
 
 def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch.Tensor, int] | None:
@@ -129,6 +139,36 @@ def scatter_torch(plan: ScatterPlan, tensors: ScatterTensors) -> None:
             _scatter_one(plan, src, cache, tokens, slots)
 
 
+def attention_torch(plan: AttentionPlan, tensors: AttentionTensors) -> None:
+    """PagedAttention as one dense masked attention over the batch: every context row read at once
+    (one advanced index per cache), scores ``[Hq, N, rows]`` with a mask that keeps each query to
+    its own sequence's positions up to its own; fp32. Memory grows with N x (sum of contexts): the
+    backend for devices and small batches (the ``native`` one streams per sequence)."""
+    query, key_cache, value_cache, out = tensors
+    if plan.num_tokens == 0 or plan.num_heads == 0:
+        return
+    bs, device = plan.block_size, key_cache.device
+    blocks, slots, kv_seq, kv_pos, q_seq, q_pos = [], [], [], [], [], []
+    for b, (row, n, length) in enumerate(zip(plan.block_table_rows(), *plan.index_lists()[1:])):
+        if n == 0:
+            continue
+        blocks.extend(row[p // bs] for p in range(length))
+        slots.extend(p % bs for p in range(length))
+        kv_seq.extend([b] * length)
+        kv_pos.extend(range(length))
+        q_seq.extend([b] * n)
+        q_pos.extend(range(length - n, length))
+    block, slot = int64_tensor(blocks).to(device), int64_tensor(slots).to(device)
+    group = plan.num_heads // plan.num_kv_heads
+    keys = key_cache[block, slot].float().repeat_interleave(group, dim=1)  # [rows, Hq, D]
+    values = value_cache[block, slot].float().repeat_interleave(group, dim=1)
+    same = int64_tensor(q_seq).to(device)[:, None] == int64_tensor(kv_seq).to(device)[None, :]
+    visible = same & (int64_tensor(kv_pos).to(device)[None, :] <= int64_tensor(q_pos).to(device)[:, None])
+    scores = torch.einsum("nhd,thd->hnt", query.float(), keys) * plan.scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    out.copy_(torch.einsum("hnt,thd->nhd", probs, values))
+
+
 BACKEND = Backend(
     name="torch",
     description="vectorised torch index_select on a precomputed token index (any device, pool views)",
@@ -136,4 +176,5 @@ BACKEND = Backend(
     reads_pool_views=True,
     mixed_dtypes=True,
     scatter=scatter_torch,
+    attention=attention_torch,
 )

@@ -3,7 +3,8 @@
 One shared library serves two callers, neither of which imports the other:
 
 * :mod:`pakv_onnx.validator` hands calls to the C validator, :mod:`pakv_onnx.kernels.native` runs
-  its plans in the copy core (:func:`run_plan`, :func:`run_scatter`);
+  its plans in the copy core (:func:`run_plan`, :func:`run_scatter`) and the attention core
+  (:func:`run_attention`);
 * :mod:`pakv_onnx.runtime_plugin` hands the file to ONNX Runtime (``register_custom_ops_library``)
   and installs the Python callback for Python backends (:class:`Request`).
 
@@ -13,7 +14,8 @@ below; a stale build is refused with a message saying how to rebuild.
 
 Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's validator (every
 rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
-core (no ORT, no Python), ``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge,
+core (no ORT, no Python), ``pakv_attention.c`` the PagedAttention core (its plan is declared in
+pakv_core.h), ``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge,
 ``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
 test), ``ort_abi.h`` the ORT ABI subset, ``pakv_ep.[ch]`` the execution providers (CPU, CUDA, CANN
 entries; ORT's stream and intra-op pool), ``pakv_device.[ch]`` the device copies through the CUDA /
@@ -31,12 +33,12 @@ import threading
 from pathlib import Path
 
 LIBRARY_NAME = "libpakv_ort.dylib" if sys.platform == "darwin" else "libpakv_ort.so"
-ABI_VERSION = 4  # PAKV_ABI_VERSION in pakv_core.h
+ABI_VERSION = 5  # PAKV_ABI_VERSION in pakv_core.h
 MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
 DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
 ERR_VALUE, ERR_TYPE = 1, 2  # PAKV_ERR_* in pakv_core.h: what the validator's answer raises
-NUM_INPUTS = 5  # PAKV_NUM_INPUTS
+NUM_INPUTS = 6  # PAKV_NUM_INPUTS (the most inputs an op has: PagedAttention's)
 LAYOUT_NORM, LAYOUT_NZ = 0, 1  # PAKV_LAYOUT_*
 # Session config entry the library writes on the SessionOptions it is registered on (pakv_ort.c).
 CONFIG_KEY_BACKEND = "pakv_onnx.backend"
@@ -187,6 +189,55 @@ class ScatterCall(ctypes.Structure):
     ]
 
 
+class AttentionPlan(ctypes.Structure):
+    """``pakv_attention_plan`` (pakv_core.h): one PagedAttention in bytes, made by the validator, run by ``pakv_attention``."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("struct_size", ctypes.c_uint32),
+        ("elem_type", ctypes.c_int32),
+        ("tables64", ctypes.c_int32),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("key_block_stride", ctypes.c_int64),
+        ("value_block_stride", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("value_head_dim", ctypes.c_int64),
+        ("query", ctypes.c_void_p),
+        ("query_token_stride", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("num_tokens", ctypes.c_int64),
+        ("num_seqs", ctypes.c_int64),
+        ("table_cols", ctypes.c_int64),
+        ("block_tables", ctypes.c_void_p),
+        ("table_row_stride", ctypes.c_int64),
+        ("table_col_stride", ctypes.c_int64),
+        ("query_starts", ctypes.c_void_p),
+        ("query_counts", ctypes.c_void_p),
+        ("context_lens", ctypes.c_void_p),
+        ("scale", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+    ]
+
+
+class AttentionCall(ctypes.Structure):
+    """``pakv_attention_call`` (pakv_contract.h): one attention validation handed over in one piece."""
+
+    _fields_ = [
+        ("plan", AttentionPlan),
+        ("records", Tensor * 7),
+        ("scale", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("scratch_len", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("error", ctypes.c_void_p),
+    ]
+
+
 class Request(ctypes.Structure):
     """``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend."""
 
@@ -195,6 +246,8 @@ class Request(ctypes.Structure):
         ("op", ctypes.c_char_p),
         ("cache_mode", ctypes.c_char_p),
         ("is_seq_lens_cumsum", ctypes.c_int64),
+        ("scale", ctypes.c_float),  # PagedAttention's attribute
+        ("num_inputs", ctypes.c_int32),
         ("inputs", Tensor * NUM_INPUTS),
         ("ctx", ctypes.c_void_p),
         ("api", ctypes.c_void_p),
@@ -219,6 +272,11 @@ _SIGNATURES = {
     "pakv_scatter_call_size": ([], ctypes.c_size_t),
     "pakv_plan_scatter": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_scatter": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_attention_plan_size": ([], ctypes.c_size_t),
+    "pakv_attention_call_size": ([], ctypes.c_size_t),
+    "pakv_plan_attention": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_check_attention_output": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
@@ -236,6 +294,8 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
         "sizeof(pakv_gather_call)": (lib.pakv_gather_call_size(), ctypes.sizeof(GatherCall)),
         "sizeof(pakv_scatter_plan)": (lib.pakv_scatter_plan_size(), ctypes.sizeof(ScatterPlan)),
         "sizeof(pakv_scatter_call)": (lib.pakv_scatter_call_size(), ctypes.sizeof(ScatterCall)),
+        "sizeof(pakv_attention_plan)": (lib.pakv_attention_plan_size(), ctypes.sizeof(AttentionPlan)),
+        "sizeof(pakv_attention_call)": (lib.pakv_attention_call_size(), ctypes.sizeof(AttentionCall)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]
@@ -412,3 +472,27 @@ SCATTER_PLAN_FORMAT = "@IIiiqqPPqqqqPPqqqPq"
 SCATTER_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(ScatterPlan._fields_)}
 if struct.calcsize(SCATTER_PLAN_FORMAT) != ctypes.sizeof(ScatterPlan):  # pragma: no cover
     raise LibraryABIError("SCATTER_PLAN_FORMAT does not match the ScatterPlan mirror on this platform")
+
+
+def plan_attention_call(call: int) -> int:
+    """``pakv_plan_attention`` on the AttentionCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_plan_attention")(call)
+
+
+def check_attention_output_call(call: int) -> int:
+    """``pakv_check_attention_output`` on the AttentionCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_check_attention_output")(call)
+
+
+def run_attention(plan_address: int) -> None:
+    """Run the validated pakv_attention_plan at ``plan_address`` (it writes its output), on this thread."""
+    error = _scratch.error_address
+    if _function("pakv_attention")(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
+# pakv_attention_plan as one struct format, and each field's position in its unpacked tuple.
+ATTENTION_PLAN_FORMAT = "@IIiiqqPPqqqqqqPqPqqqPqqPPPfi"
+ATTENTION_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(AttentionPlan._fields_)}
+if struct.calcsize(ATTENTION_PLAN_FORMAT) != ctypes.sizeof(AttentionPlan):  # pragma: no cover
+    raise LibraryABIError("ATTENTION_PLAN_FORMAT does not match the AttentionPlan mirror on this platform")

@@ -15,7 +15,7 @@
 #include "pakv_contract.h"
 #include "pakv_core.h"
 
-#define PAKV_NUM_INPUTS PAKV_GATHER_INPUTS
+#define PAKV_NUM_INPUTS PAKV_ATTENTION_INPUTS /* the most any op has */
 #define PAKV_NUM_OUTPUTS 2
 #define PAKV_MAX_BACKENDS 16
 #define PAKV_BACKEND_NAME_LEN 32
@@ -23,9 +23,11 @@
 
 typedef struct pakv_request {
   const char* backend;    /* registry name, e.g. "golden" */
-  const char* op;         /* "GatherPaKvCache" / "ScatterPaKvCache" */
-  const char* cache_mode; /* "Norm" / "PA_NZ" */
+  const char* op;         /* "GatherPaKvCache" / "ScatterPaKvCache" / "PagedAttention" */
+  const char* cache_mode; /* "Norm" / "PA_NZ" (the attention's: "Norm") */
   int64_t is_seq_lens_cumsum; /* the gather's */
+  float scale;                /* the attention's attribute (0: 1 / sqrt(head_dim)) */
+  int32_t num_inputs;         /* the op's inputs (5 or 6); records past them are absent */
   pakv_tensor inputs[PAKV_NUM_INPUTS];
   OrtKernelContext* ctx;
   const OrtApi* api;

@@ -1,5 +1,5 @@
-/* The contract's validator: every rule of pakv::GatherPaKvCache and pakv::ScatterPaKvCache,
- * written once, with its message.
+/* The contract's validator: every rule of pakv::GatherPaKvCache, pakv::ScatterPaKvCache and
+ * pakv::PagedAttention, written once, with its message.
  *
  * Every path calls it: the ORT kernels (pakv_ort.c), the Python front for every backend and the
  * plugin's Python callback (through pakv_onnx/validator.py). It reads tensor records (element
@@ -9,7 +9,7 @@
  * output: their records contribute metadata and addresses only (so they may live on a device).
  *
  * Gather rules, in the order they are checked (each failure stops the check; the scatter's are
- * at pakv_validate_scatter below):
+ * at pakv_validate_scatter below, the attention's at pakv_validate_attention):
  *   caches     element type in the contract (TYPE); one device; rank 4 with the layout's shape
  *              (PA_NZ: last dim 32 bytes / element size); same num_blocks and block_size; block_size
  *              >= 1; each block row-major contiguous, block stride >= 0, extent fits int64
@@ -126,6 +126,52 @@ typedef struct {
   int64_t* scratch;
   char* error;
 } pakv_scatter_call;
+
+/* The records of one PagedAttention call: the op's inputs, then its output (absent when a caller
+ * lets the front allocate it; ORT's buffer, checked with pakv_validate_attention_output). */
+enum {
+  PAKV_ATTENTION_QUERY = 0,
+  PAKV_ATTENTION_KEY_CACHE,
+  PAKV_ATTENTION_VALUE_CACHE,
+  PAKV_ATTENTION_BLOCK_TABLE,
+  PAKV_ATTENTION_CU_SEQ_LENS,
+  PAKV_ATTENTION_PAST_LENS,
+  PAKV_ATTENTION_OUT,
+  PAKV_ATTENTION_RECORDS
+};
+#define PAKV_ATTENTION_INPUTS 6
+
+/* Entries of int64 scratch an attention's plan needs: 3 x B (query starts, new tokens, contexts). */
+int64_t pakv_attention_scratch_len(const pakv_tensor t[PAKV_ATTENTION_RECORDS]);
+
+/* Validate a PagedAttention and fill `plan` (per-sequence arrays in `scratch`, which must outlive
+ * it). `scale` is the attribute (0: 1 / sqrt(head_dim)). Rules, in order: query float32, float16 or
+ * bfloat16 (TYPE), both caches of its dtype (TYPE); the caches as the gather's (Norm layout); query
+ * [N, Hq, D] on the caches' device with key_cache's D, Hk >= 1 kv heads in both caches, Hq a
+ * multiple of Hk, each token row-major (any token stride); block_table [B, cols],
+ * cumulative_sequence_lengths [B+1], past_sequence_lengths [B], int32/int64 (TYPE), host-readable;
+ * scale finite; cumulative_sequence_lengths starts at 0, never decreases and ends at N;
+ * past_sequence_lengths >= 0 and past + new within int64; every sequence with new tokens has a
+ * table row of ceil((past + new) / block_size) columns whose ids are in [0, num_blocks) (others are
+ * not read, and unread entries may hold anything); N x Hq x Dv bytes fit int64; a present output
+ * [N, Hq, Dv] of query's dtype and device, contiguous, overlapping no input. */
+int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float scale, pakv_attention_plan* plan,
+                            int64_t* scratch, int64_t scratch_len, pakv_err* err);
+
+/* The output rule alone (t[PAKV_ATTENTION_OUT] against the plan), for an output obtained after planning. */
+int pakv_validate_attention_output(const pakv_tensor t[PAKV_ATTENTION_RECORDS], const pakv_attention_plan* plan,
+                                   pakv_err* err);
+
+/* One attention validation handed over in one piece (as pakv_gather_call). */
+typedef struct {
+  pakv_attention_plan plan;
+  pakv_tensor records[PAKV_ATTENTION_RECORDS];
+  float scale;
+  int32_t reserved;
+  int64_t scratch_len;
+  int64_t* scratch;
+  char* error;
+} pakv_attention_call;
 
 /* A dense record of `ndim` dims (strides row-major), for tensors that are dense by construction. */
 void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim, const int64_t* dims,

@@ -25,7 +25,7 @@
 #define PAKV_EXPORT
 #endif
 
-#define PAKV_ABI_VERSION 4
+#define PAKV_ABI_VERSION 5
 #define PAKV_ERR_LEN 1024
 #define PAKV_NZ_FRACTAL_BYTES 32
 #define PAKV_LAYOUT_NORM 0
@@ -99,6 +99,45 @@ typedef struct pakv_scatter_plan {
   int64_t slot_stride;      /* bytes */
 } pakv_scatter_plan;
 
+/* One PagedAttention in bytes (pakv_attention.c runs it): sequence b's n = query_counts[b] new tokens
+ * are query rows [query_starts[b], +n) of `query` ([N, Hq, D]: token t at query + t *
+ * query_token_stride, its heads dense), at positions L - n .. L - 1 of its context (L =
+ * context_lens[b]); token j attends causally to positions 0 .. L - n + j, read from the caches in
+ * place: position p is row p % block_size of block block_tables[b, p / block_size], head h's row
+ * at block * stride + (p % bs) * Hk * D * itemsize + h * D * itemsize (Norm). Query head h reads
+ * kv head h / (Hq / Hk) (GQA). fp32 accumulation; `out` is [N, Hq, Dv] dense in the query's type.
+ * Made by pakv_validate_attention (pakv_contract.c). */
+typedef struct pakv_attention_plan {
+  uint32_t abi_version; /* PAKV_ABI_VERSION */
+  uint32_t struct_size; /* sizeof(pakv_attention_plan) */
+  int32_t elem_type;    /* ONNX type of query, caches and out: 1 float32, 10 float16, 16 bfloat16 */
+  int32_t tables64;     /* block_tables elements: 1 = int64, 0 = int32 */
+  int64_t num_blocks;
+  int64_t block_size;
+  const void* key_cache;
+  const void* value_cache;
+  int64_t key_block_stride; /* bytes, >= 0 */
+  int64_t value_block_stride;
+  int64_t num_heads;      /* Hq */
+  int64_t num_kv_heads;   /* Hk: Hq is a multiple of it */
+  int64_t head_dim;       /* D of query and key_cache */
+  int64_t value_head_dim; /* Dv of value_cache and out */
+  const void* query;
+  int64_t query_token_stride; /* bytes */
+  void* out;
+  int64_t num_tokens; /* N */
+  int64_t num_seqs;   /* B */
+  int64_t table_cols;
+  const void* block_tables; /* entry (b, c) at block_tables + b*table_row_stride + c*table_col_stride */
+  int64_t table_row_stride; /* bytes */
+  int64_t table_col_stride;
+  const int64_t* query_starts; /* [B] */
+  const int64_t* query_counts; /* [B] */
+  const int64_t* context_lens; /* [B] past + new */
+  float scale;                 /* the scores' scale (the validator resolved 0 to 1 / sqrt(D)) */
+  int32_t reserved;
+} pakv_attention_plan;
+
 /* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */
 static inline int pakv_mul(int64_t a, int64_t b, int64_t* out) { return __builtin_mul_overflow(a, b, out) ? -1 : 0; }
 static inline int pakv_add(int64_t a, int64_t b, int64_t* out) { return __builtin_add_overflow(a, b, out) ? -1 : 0; }
@@ -144,5 +183,12 @@ int pakv_for_each_run(const pakv_plan* p, int64_t lo, int64_t hi, pakv_run_fn fn
 
 /* The message of a run that skipped block ids (pakv_for_each_run's *bad > 0); returns -1. */
 int pakv_fail_changed_tables(const pakv_plan* p, pakv_err* err);
+
+/* What keeps an attention plan memory-safe (every extent it reads and writes, every block id it
+ * will read, now), and the attention itself (block ids checked again where they are read: one
+ * that became invalid is an error, never a wild read), on `par` (ORT's pool: a part per (sequence,
+ * kv head, query tile)) or, with par NULL, on the calling thread. */
+int pakv_check_attention_plan(const pakv_attention_plan* p, pakv_err* err);
+int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par, pakv_err* err);
 
 #endif /* PAKV_CORE_H */

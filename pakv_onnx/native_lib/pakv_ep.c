@@ -25,19 +25,22 @@ typedef struct {
   uint32_t host_inputs;
 } pakv_ep_op;
 
-static const pakv_ep_op OPS[PAKV_NUM_OP_KINDS] = {
+#define PAKV_OP_ROWS (PAKV_OP_ATTENTION + 1)
+static const pakv_ep_op OPS[PAKV_OP_ROWS] = {
     {"GatherPaKvCache", (1u << PAKV_GATHER_BLOCK_TABLES) | (1u << PAKV_GATHER_SEQ_LENS) | (1u << PAKV_GATHER_SEQ_OFFSET)},
     {"ScatterPaKvCache", 1u << PAKV_SCATTER_SLOT_MAPPING},
+    {"PagedAttention",
+     (1u << PAKV_ATTENTION_BLOCK_TABLE) | (1u << PAKV_ATTENTION_CU_SEQ_LENS) | (1u << PAKV_ATTENTION_PAST_LENS)},
 };
 
 const char* pakv_op_type(int op_kind) {
-  return OPS[op_kind >= 0 && op_kind < PAKV_NUM_OP_KINDS ? op_kind : PAKV_OP_GATHER].op_type;
+  return OPS[op_kind >= 0 && op_kind < PAKV_OP_ROWS ? op_kind : PAKV_OP_GATHER].op_type;
 }
 
 const char* pakv_ep_name(int ep) { return ep >= 0 && ep < PAKV_NUM_EPS ? EPS[ep].name : EPS[PAKV_EP_CPU].name; }
 
 int pakv_ep_input_memory_type(int ep, int op_kind, size_t index) {
-  if (ep == PAKV_EP_CPU || op_kind < 0 || op_kind >= PAKV_NUM_OP_KINDS || index >= 32) return PAKV_ORT_MEM_DEFAULT;
+  if (ep == PAKV_EP_CPU || op_kind < 0 || op_kind >= PAKV_OP_ROWS || index >= 32) return PAKV_ORT_MEM_DEFAULT;
   return (OPS[op_kind].host_inputs >> index) & 1u ? PAKV_ORT_MEM_CPU_INPUT : PAKV_ORT_MEM_DEFAULT;
 }
 
@@ -95,6 +98,14 @@ int pakv_ep_run_plan(const OrtApi* api, OrtKernelContext* ctx, int ep, int paral
   void* stream = NULL;
   if (pakv_ep_stream(api, ctx, ep, &stream, err)) return -1;
   return pakv_device_run_plan(EPS[ep].driver, plan, stream, err);
+}
+
+int pakv_ep_run_attention(const OrtApi* api, OrtKernelContext* ctx, int ep, int parallel_for,
+                          const pakv_attention_plan* plan, pakv_err* err) {
+  if (ep != PAKV_EP_CPU) return pakv_fail(err, "PagedAttention has no %s kernel", pakv_ep_name(ep));
+  ort_pool pool = {api, ctx};
+  pakv_parallel par = {ort_parallel_for, &pool};
+  return pakv_run_attention_on(plan, parallel_for ? &par : NULL, err);
 }
 
 int pakv_ep_run_scatter(const OrtApi* api, OrtKernelContext* ctx, int ep, const pakv_scatter_plan* plan, pakv_err* err) {

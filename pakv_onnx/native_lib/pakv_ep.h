@@ -22,10 +22,13 @@
 enum { PAKV_EP_CPU = 0, PAKV_EP_CUDA = 1, PAKV_EP_CANN = 2, PAKV_NUM_EPS };
 
 /* The ops of the library, one row each in pakv_ep.c's op table (its op type, and which of its
- * inputs a device entry takes in host memory). */
-enum { PAKV_OP_GATHER = 0, PAKV_OP_SCATTER = 1, PAKV_NUM_OP_KINDS };
+ * inputs a device entry takes in host memory). The cache ops (the first PAKV_NUM_OP_KINDS) are
+ * registered on every EP for every (key, value) dtype pair; PagedAttention only on the CPU, for its
+ * three dtypes (PAKV_NUM_ATTENTION_DTYPES, after every cache op). */
+enum { PAKV_OP_GATHER = 0, PAKV_OP_SCATTER = 1, PAKV_NUM_OP_KINDS, PAKV_OP_ATTENTION = PAKV_NUM_OP_KINDS };
+#define PAKV_NUM_ATTENTION_DTYPES 3
 
-/* "GatherPaKvCache", "ScatterPaKvCache". */
+/* "GatherPaKvCache", "ScatterPaKvCache", "PagedAttention". */
 const char* pakv_op_type(int op_kind);
 
 /* "CPUExecutionProvider", "CUDAExecutionProvider", "CANNExecutionProvider". */
@@ -52,6 +55,11 @@ int pakv_ep_run_plan(const OrtApi* api, OrtKernelContext* ctx, int ep, int paral
 /* Run a validated scatter where the entry's data is (CPU: the core's row writes; a device: async
  * copies on ORT's stream). */
 int pakv_ep_run_scatter(const OrtApi* api, OrtKernelContext* ctx, int ep, const pakv_scatter_plan* plan, pakv_err* err);
+
+/* Run a validated attention on the CPU, its parts on ORT's intra-op pool when the runtime has one
+ * (`parallel_for`), else on this thread. (PagedAttention has no device entry.) */
+int pakv_ep_run_attention(const OrtApi* api, OrtKernelContext* ctx, int ep, int parallel_for,
+                          const pakv_attention_plan* plan, pakv_err* err);
 
 /* Copy `bytes` from src to dst where the entry's data is (a scatter's pool into a separate output). */
 int pakv_ep_copy(const OrtApi* api, OrtKernelContext* ctx, int ep, void* dst, const void* src, int64_t bytes,

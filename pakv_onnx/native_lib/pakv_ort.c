@@ -1,12 +1,14 @@
-/* pakv::GatherPaKvCache: the ONNX Runtime glue of the custom-op library.
+/* pakv::GatherPaKvCache, pakv::ScatterPaKvCache, pakv::PagedAttention: the ONNX Runtime glue of
+ * the custom-op library.
  *
  * Entry point: RegisterCustomOps(OrtSessionOptions*, const OrtApiBase*), loaded by ORT with
  * SessionOptions.register_custom_ops_library(path) (Python) / RegisterCustomOpsLibrary (C API).
  * No ORT header, no libonnxruntime, no Python: see ort_abi.h for the ABI subset used.
  *
- * This file is ORT glue only: registration (one domain per backend, reused), the ops (one per
- * (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel and the
- * session is refused at creation, and each pair once per execution provider of pakv_ep.h),
+ * This file is ORT glue only: registration (one domain per backend, reused), the ops (the cache
+ * ops one per (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel
+ * and the session is refused at creation, and each pair once per execution provider of pakv_ep.h;
+ * PagedAttention once per dtype it computes in, CPU only),
  * strict attributes, and compute: ORT's tensors become the
  * validator's records (pakv_contract.c: every rule of the contract, with its message), the
  * outputs ORT hands back are validated too, and the copy core (pakv_core.c) runs the plan.
@@ -30,17 +32,25 @@
 #define PAKV_DOMAIN "pakv"
 #define PAKV_OPSET_VERSION 1
 #define PAKV_NUM_PAIRS (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES)
-/* The ops (pakv_ep.h's PAKV_OP_GATHER / PAKV_OP_SCATTER), each registered once per execution
- * provider (pakv_ep.h) and (key dtype, value dtype) pair: op n is EP n / (kinds x pairs), kind
- * (n / pairs) % kinds, pair n % pairs. */
-#define PAKV_NUM_OPS (PAKV_NUM_EPS * PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS)
+/* The cache ops (pakv_ep.h's PAKV_OP_GATHER / PAKV_OP_SCATTER), each registered once per execution
+ * provider (pakv_ep.h) and (key dtype, value dtype) pair: op n < PAKV_NUM_CACHE_OPS is EP
+ * n / (kinds x pairs), kind (n / pairs) % kinds, pair n % pairs. Then PagedAttention on the CPU, one
+ * op per dtype of ATTENTION_DTYPES. */
+#define PAKV_NUM_CACHE_OPS (PAKV_NUM_EPS * PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS)
+#define PAKV_NUM_OPS (PAKV_NUM_CACHE_OPS + PAKV_NUM_ATTENTION_DTYPES)
 #define PAKV_MAX_MODE_LEN 64
 /* Session config entry naming the backend these SessionOptions were registered for. */
 #define PAKV_CONFIG_KEY "pakv_onnx.backend"
 
-static const char* const INPUT_NAMES[PAKV_NUM_OP_KINDS][PAKV_NUM_INPUTS] = {
+static const char* const INPUT_NAMES[PAKV_OP_ATTENTION + 1][PAKV_NUM_INPUTS] = {
     {"key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"},
-    {"key", "value", "key_cache", "value_cache", "slot_mapping"}};
+    {"key", "value", "key_cache", "value_cache", "slot_mapping"},
+    {"query", "key_cache", "value_cache", "block_table", "cumulative_sequence_lengths", "past_sequence_lengths"}};
+/* Inputs and outputs of each op kind. */
+static const size_t INPUT_COUNT[PAKV_OP_ATTENTION + 1] = {PAKV_GATHER_INPUTS, PAKV_SCATTER_INPUTS, PAKV_ATTENTION_INPUTS};
+static const size_t OUTPUT_COUNT[PAKV_OP_ATTENTION + 1] = {2, 2, 1};
+/* PagedAttention's dtypes, as indices into PAKV_CACHE_DTYPES: bfloat16, float16, float32. */
+static const int ATTENTION_DTYPES[PAKV_NUM_ATTENTION_DTYPES] = {0, 1, 2};
 
 /* ------------------------------------------------------------------------------------------- */
 /* ORT helpers                                                                                 */
@@ -148,6 +158,17 @@ static OrtStatus* read_cumsum(const OrtApi* api, const OrtKernelInfo* info, int6
   return NULL;
 }
 
+/* scale: a FLOAT (default 0: 1 / sqrt(head_dim); the validator resolves it and checks it is finite). */
+static OrtStatus* read_scale(const OrtApi* api, const OrtKernelInfo* info, float* scale) {
+  attr_kind kind = attribute_kind(api, info, "scale");
+  *scale = 0.0f;
+  if (kind == ATTR_ABSENT) return NULL;
+  if (kind != ATTR_FLOAT)
+    return attribute_error(api, "PagedAttention attribute scale must be a FLOAT attribute, got attribute type %s",
+                           ATTR_KIND_NAMES[kind]);
+  return PAKV_API(api, KernelInfoGetAttribute_float)(info, "scale", scale);
+}
+
 /* ------------------------------------------------------------------------------------------- */
 /* Ops and kernels                                                                             */
 /* ------------------------------------------------------------------------------------------- */
@@ -166,25 +187,26 @@ typedef struct {
   int kind, backend, nz;
   int64_t cumsum;
   int ep, parallel_for;
+  float scale; /* PagedAttention's */
 } pakv_kernel;
 
 static const char* op_name(const PakvOrtCustomOp* op) { return pakv_op_type(((const pakv_op*)op)->kind); }
 static const char* op_ep(const PakvOrtCustomOp* op) { return pakv_ep_name(((const pakv_op*)op)->ep); }
 /* Gather: key_cache, value_cache, then index tensors. Scatter: key, value (of their caches'
- * dtypes), key_cache, value_cache, then slot_mapping. Index inputs are int32 or int64 (checked
- * at run time). */
+ * dtypes), key_cache, value_cache, then slot_mapping. Attention: query, key_cache, value_cache of
+ * one dtype, then index tensors. Index inputs are int32 or int64 (checked at run time). */
 static int op_input_type(const PakvOrtCustomOp* op, size_t i) {
   const pakv_op* o = (const pakv_op*)op;
-  size_t caches = o->kind == PAKV_OP_SCATTER ? 4 : 2;
-  if (i >= caches) return PAKV_ONNX_UNDEFINED;
+  size_t typed = o->kind == PAKV_OP_SCATTER ? 4 : o->kind == PAKV_OP_ATTENTION ? 3 : 2;
+  if (i >= typed) return PAKV_ONNX_UNDEFINED;
   return PAKV_CACHE_DTYPES[i % 2 == 0 ? o->key_dtype : o->value_dtype].onnx_type;
 }
-static size_t op_input_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_INPUTS; }
+static size_t op_input_count(const PakvOrtCustomOp* op) { return INPUT_COUNT[((const pakv_op*)op)->kind]; }
 static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
   const pakv_op* o = (const pakv_op*)op;
   return PAKV_CACHE_DTYPES[i == 0 ? o->key_dtype : o->value_dtype].onnx_type;
 }
-static size_t op_output_count(const PakvOrtCustomOp* op) { (void)op; return PAKV_NUM_OUTPUTS; }
+static size_t op_output_count(const PakvOrtCustomOp* op) { return OUTPUT_COUNT[((const pakv_op*)op)->kind]; }
 static int op_input_char(const PakvOrtCustomOp* op, size_t i) {
   return ((const pakv_op*)op)->kind == PAKV_OP_GATHER && i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED;
 }
@@ -207,9 +229,10 @@ static size_t scatter_alias_map(int** inputs, int** outputs) {
 static void release_alias_map(int* inputs, int* outputs) { (void)inputs; (void)outputs; }
 
 static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
-  int nz, kind = ((const pakv_op*)op)->kind;
+  int nz = 0, kind = ((const pakv_op*)op)->kind;
   int64_t cumsum = 1;
-  OrtStatus* st = read_cache_mode(api, info, pakv_op_type(kind), &nz);
+  float scale = 0.0f;
+  OrtStatus* st = kind == PAKV_OP_ATTENTION ? read_scale(api, info, &scale) : read_cache_mode(api, info, pakv_op_type(kind), &nz);
   if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
@@ -221,6 +244,7 @@ static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, co
   k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->nz = nz;
   k->cumsum = cumsum;
+  k->scale = scale;
   *out = k;
   return NULL;
 }
@@ -354,6 +378,26 @@ static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor*
   return rc;
 }
 
+/* Attention: validate, take ORT's output and validate it too, then attend (CPU: ORT's pool). */
+static int run_attention(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
+  pakv_attention_plan plan;
+  int64_t len = pakv_attention_scratch_len(records);
+  int64_t* scratch = alloc_scratch(&len);
+  int rc = pakv_validate_attention(records, k->scale, &plan, scratch, len, err);
+  if (!rc) {
+    int64_t dims[3] = {plan.num_tokens, plan.num_heads, plan.value_head_dim};
+    rc = output_record_of(k, ctx, 0, records[PAKV_ATTENTION_QUERY].elem_type, dims, 3,
+                          records[PAKV_ATTENTION_QUERY].device, &records[PAKV_ATTENTION_OUT], err);
+  }
+  if (!rc) rc = pakv_validate_attention_output(records, &plan, err);
+  if (!rc) {
+    plan.out = (void*)records[PAKV_ATTENTION_OUT].data;
+    rc = pakv_ep_run_attention(k->api, ctx, k->ep, k->parallel_for, &plan, err);
+  }
+  free(scratch);
+  return rc;
+}
+
 /* The status of a failed call: the validator's kind leads the message, as the Python front raises it. */
 static OrtStatus* call_error(const OrtApi* api, const pakv_err* err) {
   char msg[PAKV_ERR_LEN + 16];
@@ -365,7 +409,7 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   const pakv_kernel* k = (const pakv_kernel*)kernel;
   const OrtApi* api = k->api;
   pakv_request* req = (pakv_request*)calloc(1, sizeof(pakv_request));
-  pakv_tensor* records = (pakv_tensor*)calloc(PAKV_GATHER_RECORDS, sizeof(pakv_tensor));
+  pakv_tensor* records = (pakv_tensor*)calloc(PAKV_GATHER_RECORDS, sizeof(pakv_tensor)); /* = every op's */
   OrtStatus* result = NULL;
   pakv_err err = {PAKV_ERR_VALUE, {0}};
   size_t count = 0;
@@ -373,18 +417,22 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_NUM_INPUTS; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < INPUT_COUNT[k->kind]; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
     req->op = pakv_op_type(k->kind);
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
     req->is_seq_lens_cumsum = k->cumsum;
+    req->scale = k->scale;
+    req->num_inputs = (int32_t)INPUT_COUNT[k->kind];
     req->ctx = ctx;
     req->api = api;
     if (pakv_call_python(k->backend, req)) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
   } else if (!rc) {
-    rc = k->kind == PAKV_OP_SCATTER ? run_scatter(k, ctx, records, &err) : run_gather(k, ctx, records, &err);
+    rc = k->kind == PAKV_OP_SCATTER     ? run_scatter(k, ctx, records, &err)
+         : k->kind == PAKV_OP_ATTENTION ? run_attention(k, ctx, records, &err)
+                                        : run_gather(k, ctx, records, &err);
   }
   if (rc) result = call_error(api, &err);
   free(records);
@@ -421,6 +469,12 @@ static void init_ops(pakv_op* ops, int backend, int api) {
     pakv_op* o = &ops[n];
     int ep = n / (PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS), kind = (n / PAKV_NUM_PAIRS) % PAKV_NUM_OP_KINDS;
     int d = n % PAKV_NUM_PAIRS;
+    if (n >= PAKV_NUM_CACHE_OPS) { /* PagedAttention: CPU, one dtype for every tensor it types */
+      int dtype = ATTENTION_DTYPES[n - PAKV_NUM_CACHE_OPS];
+      ep = PAKV_EP_CPU;
+      kind = PAKV_OP_ATTENTION;
+      d = dtype * PAKV_NUM_DTYPES + dtype;
+    }
     memset(o, 0, sizeof(*o));
     o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
     if (kind == PAKV_OP_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {

@@ -21,10 +21,10 @@ import threading
 import time
 
 from pakv_onnx import native_lib
-from pakv_onnx.ops import gather_with, scatter_with
+from pakv_onnx.ops import attention_with, gather_with, scatter_with
 from pakv_onnx.runtime_plugin import _device
 from pakv_onnx.runtime_plugin._tensors import ONNX_TO_TORCH, view
-from pakv_onnx.spec import GATHER, SCATTER
+from pakv_onnx.spec import ATTENTION, GATHER, SCATTER
 
 _install_lock = threading.Lock()
 _callback = None  # the CFUNCTYPE object must live as long as the library may call it
@@ -43,6 +43,7 @@ _SHUTDOWN_LEAVE_S = 5.0
 _VIEW_CACHE_SIZE = 256
 _views: dict[tuple[int, tuple[int, ...], object, str], object] = {}
 _CPU = "cpu"
+_SCATTER_OP, _ATTENTION_OP = SCATTER.op_type.encode(), ATTENTION.op_type.encode()
 
 
 def _view(address: int, shape: tuple[int, ...], dtype, device: str = _CPU):
@@ -109,10 +110,19 @@ def _serve(req_ptr) -> None:
     req_address = ctypes.addressof(req)
     block = _INPUTS_BLOCK.from_address(req_address + _INPUTS_OFFSET)
     records = tuple(native_lib.TENSOR_RECORD.iter_unpack(block))
-    scatter = req.op == SCATTER.op_type.encode()
-    names = (SCATTER if scatter else GATHER).input_names
+    op = req.op
+    scatter, attention = op == _SCATTER_OP, op == _ATTENTION_OP
+    names = (SCATTER if scatter else ATTENTION if attention else GATHER).input_names
     inputs = tuple(_input(name, record) for name, record in zip(names, records))
-    device = _device_of(records[2 if scatter else 0])  # the caches' (the entry's); ORT allocates the outputs there
+    device = _device_of(records[2 if scatter else 0])  # the caches' / query's; ORT allocates the outputs there
+    if attention:
+        attention_with(
+            inputs,
+            scale=req.scale,
+            backend=req.backend.decode(),
+            allocate=lambda plan: _output(req_ptr, req_address, 0, plan.out_shape, plan.dtype, device),
+        )
+        return
 
     def caches_from_ort():  # the scatter's updated caches: ORT's outputs, the caches' shapes and dtypes
         key_cache, value_cache = inputs[2], inputs[3]

@@ -9,7 +9,9 @@ past lengths) and never touches the pools' contents.
 Graph side (:class:`StepCache`) is the duck-typed ``cache=`` object a transformers model calls
 ``update(new_k, new_v, layer_idx)`` on during one step: it writes the step's new rows into the
 layer's pools with ``ScatterPaKvCache`` (slots computed in the graph from the step's inputs), then
-reads each sequence's past and new rows back through the *updated* pools with ``GatherPaKvCache``.
+reads each sequence's past and new rows back through the *updated* pools with ``GatherPaKvCache``
+(:class:`FusedStepCache`, for GQA decoders: the attention reads the updated pools in place with
+``PagedAttention`` instead).
 The updated pools are the step's ``present.<l>.*`` outputs; a host binds each to its input pool's
 buffer (as ORT GenAI does), so the write op writes only the step's rows and no pool is copied.
 """
@@ -257,3 +259,47 @@ class StepCache:
         keys = all_k.to(key_states.dtype).transpose(0, 1).unsqueeze(0)
         values = all_v.to(value_states.dtype).transpose(0, 1).unsqueeze(0)
         return keys, values
+
+
+class FusedStepCache(StepCache):
+    """The step cache of a GQA decoder whose attention is one ``pakv::PagedAttention`` per layer.
+
+    ``update`` only writes the layer's new rows (ScatterPaKvCache, as :class:`StepCache`) and hands
+    them back unchanged; the attention function then calls :meth:`attend`, which reads each
+    sequence's past and new rows from the *updated* pools in place through the block table (no
+    gather, no per-sequence Loop). Its inputs are the step's own: ``cumulative_sequence_lengths``
+    and ``past_sequence_lengths`` (og.Engine feeds both), so no context length is computed.
+    """
+
+    def __init__(
+        self,
+        key_pools: list[torch.Tensor],
+        value_pools: list[torch.Tensor],
+        block_table: torch.Tensor,
+        cumulative_sequence_lengths: torch.Tensor,
+        past_sequence_lengths: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        super().__init__(key_pools, value_pools, block_table, cumulative_sequence_lengths, slots)
+        self.cumulative_sequence_lengths, self.past_sequence_lengths = cumulative_sequence_lengths, past_sequence_lengths
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer_idx)
+        return key_states, value_states  # unused by the fused attention (it reads the pools)
+
+    def attend(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Layer ``layer_idx``'s attention: ``query`` ``[1, Hq, N, D]`` (transformers' head-major new
+        tokens) over the layer's updated pools; returns ``[1, N, Hq, Dv]`` (what an attention
+        function returns, in query's dtype)."""
+        key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
+        q = query[0].transpose(0, 1).to(key_pool.dtype).contiguous()  # [N, Hq, D]
+        out = torch.ops.pakv.paged_attention(
+            q,
+            key_pool,
+            value_pool,
+            self.block_table,
+            self.cumulative_sequence_lengths,
+            self.past_sequence_lengths,
+            float(scaling or 0.0),
+        )
+        return out.to(query.dtype).unsqueeze(0)

@@ -8,6 +8,10 @@ new K/V rows into its pools with ScatterPaKvCache and reads past + new back thro
 pools with GatherPaKvCache (:class:`~pakv_onnx.models.hf.cache.StepCache`), then attends per
 sequence through :func:`paged_attention`, registered with transformers' ``AttentionInterface``
 under :data:`ATTN_IMPLEMENTATION` — no transformers module is patched. No host write remains.
+GQA decoders (Llama and the like: every model but MLA's) attend instead with one
+``pakv::PagedAttention`` per layer over the updated pools, read in place through the block table
+(:class:`~pakv_onnx.models.hf.cache.FusedStepCache`; ``attention=``:data:`FUSED` of
+:class:`PagedDecoderStep`); DeepSeek-V3 (MLA) keeps the gather (:data:`GATHER`).
 
 Graph inputs (:func:`step_input_names`), the names og.Engine feeds: ``input_ids`` int64 ``[N]``,
 ``cumulative_sequence_lengths`` int32 ``[B+1]`` (cumulative new tokens), ``past_sequence_lengths``
@@ -31,6 +35,7 @@ import torch
 from pakv_onnx.export import export
 from pakv_onnx.models.attention import cached_ragged_attention
 from pakv_onnx.models.hf.cache import (
+    FusedStepCache,
     PAST_KEY,
     PAST_VALUE,
     PRESENT_KEY,
@@ -44,6 +49,10 @@ from pakv_onnx.models.hf.cache import (
 ATTN_IMPLEMENTATION = "pakv_paged"
 QUERY_SEQ_LENS_KWARG = "pakv_query_seq_lens"
 KV_SEQ_LENS_KWARG = "pakv_kv_seq_lens"
+FUSED_CACHE_KWARG = "pakv_fused_cache"
+# How a step's layers attend: one PagedAttention over the pools (GQA), or GatherPaKvCache + a Loop of
+# standard ops per sequence (MLA, whose attention is not the op's).
+FUSED, GATHER = "fused", "gather"
 FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
 LOGITS_BATCH_DIM = "batch_size"
 
@@ -60,7 +69,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     Returns:
         ``([1, N, Hq, Dv], None)`` as transformers' attention functions do.
+
+    With ``kwargs[FUSED_CACHE_KWARG]`` (a :class:`FusedStepCache`: the GQA step) ``key`` / ``value``
+    are the new rows only, and the attention is the cache's one PagedAttention over the pools.
     """
+    fused = kwargs.get(FUSED_CACHE_KWARG)
+    if fused is not None:
+        return fused.attend(module.layer_idx, query, scaling), None
     q, k, v = query[0], key[0], value[0]  # head-major [H, tokens, D], as transformers hands them
     groups = q.shape[0] // k.shape[0]
     if groups > 1:  # GQA: query head h uses KV head h // groups (transformers' repeat_kv)
@@ -100,10 +115,19 @@ class PagedDecoderStep(torch.nn.Module):
 
     The pools are two named list arguments (not ``*varargs``, whose flat dynamic shapes
     torch.export cannot match). The block size is the pools' (static) second dimension.
+
+    ``attention``: :data:`FUSED` (one PagedAttention per layer; the default for GQA models) or
+    :data:`GATHER` (GatherPaKvCache, then a Loop of standard ops per sequence; the only form for
+    MLA models such as DeepSeek-V3, whose cache holds a latent).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str | None = None) -> None:
         super().__init__()
+        mla = bool(getattr(model.config, "kv_lora_rank", None))
+        attention = attention or (GATHER if mla else FUSED)
+        if attention not in (FUSED, GATHER) or (mla and attention == FUSED):
+            raise ValueError(f"attention must be {GATHER!r}{'' if mla else f' or {FUSED!r}'} for this model, got {attention!r}")
+
         from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
 
         register_attention()
@@ -111,6 +135,7 @@ class PagedDecoderStep(torch.nn.Module):
         absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
+        self.attention = attention
 
     def forward(
         self,
@@ -124,16 +149,21 @@ class PagedDecoderStep(torch.nn.Module):
         cu = cumulative_sequence_lengths
         block_size = key_pools[0].shape[1]
         positions, slots = step_slots(input_ids.shape[0], cu, past_sequence_lengths, block_table, block_size)
-        new_counts = cu[1:] - cu[:-1]
-        kv_seq_lens = torch.cat((cu[:1], (past_sequence_lengths + new_counts).cumsum(0).to(cu.dtype)))
-        cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
+        if self.attention == FUSED:
+            cache = FusedStepCache(key_pools, value_pools, block_table, cu, past_sequence_lengths, slots)
+            attention_kwargs = {FUSED_CACHE_KWARG: cache}
+        else:
+            new_counts = cu[1:] - cu[:-1]
+            kv_seq_lens = torch.cat((cu[:1], (past_sequence_lengths + new_counts).cumsum(0).to(cu.dtype)))
+            cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
+            attention_kwargs = {QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens}
         last_rows = cu[1:].to(torch.int64) - 1  # each sequence's last new token
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
             cache=cache,
             logits_to_keep=last_rows,
-            **{QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens},
+            **attention_kwargs,
         )
         return (out.logits[0], *cache.key_pools, *cache.value_pools)
 

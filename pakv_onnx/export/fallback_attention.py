@@ -1,0 +1,136 @@
+"""A model-local ONNX function for ``pakv::PagedAttention`` built from standard ops (and the gather).
+
+The attention's stock-ONNX body, beside the gather's and the scatter's (:mod:`pakv_onnx.export.fallback`
+attaches it when a model has a PagedAttention node): every context a sequence with new tokens
+reads is gathered with ``pakv::GatherPaKvCache`` (whose own fallback function stock ORT inlines
+too), then one dense attention over the packed batch: scores ``[Hk, Hq / Hk, N, rows]`` in fp32
+(each kv head once, for its query heads), masked so each query sees only its own sequence's
+positions up to its own, softmax, the weighted values back to ``[N, Hq, Dv]`` in query's type. It
+reads like the ``torch`` backend's :func:`~pakv_onnx.kernels.torch_index.attention_torch`.
+
+Speed and memory: the plugin's kernel streams each sequence's context through the block table;
+this body copies the contexts and holds ``N x rows`` scores per head (a decode step: B x the sum
+of the contexts; a long prefill: quadratic in its length). Correct everywhere, the slow case.
+
+Never silently wrong: the rules standard ops can express are check nodes named after the rule
+(:data:`ATTENTION_CHECKS`); the gather's checks refuse block ids and table rows; a head count that is
+not a multiple, or a head_dim unlike the keys', fails the Reshape / MatMul.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import onnx
+from onnx import TensorProto
+from onnxscript import opset19 as op
+from onnxscript import script
+from onnxscript.values import Opset
+
+from pakv_onnx.spec import ATTENTION, ATTR_SCALE, DOMAIN, INT64_MAX, OP_TYPE, OPSET_VERSION
+
+_I64, _F32 = TensorProto.INT64, TensorProto.FLOAT
+_PAKV = Opset(DOMAIN, OPSET_VERSION)
+
+ATTENTION_CHECKS: dict[str, str] = {
+    "num_seqs": "block_table must have rank 2",
+    "check_attention_inputs": (
+        "the inputs break the contract (pakv_onnx.validator.plan_attention says which): cumulative_sequence_lengths "
+        "must start at 0, not decrease and end at query's N; past_sequence_lengths must have B entries, each >= 0"
+    ),
+}
+
+
+@script(_PAKV, default_opset=op)
+def PagedAttention(  # noqa: N802 (the ONNX op name)
+    query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, scale: float = 0.0
+):
+    """Stock-ONNX body of pakv::PagedAttention (see pakv_onnx.export.fallback_attention)."""
+    zero = op.Constant(value_ints=[0])
+    one = op.Constant(value_ints=[1])
+    minus_one = op.Constant(value_ints=[-1])
+    num_seqs, _cols = op.Split(op.Shape(block_table), op.Constant(value_ints=[1, 1]))
+    tokens, num_heads, head_dim = op.Split(op.Shape(query), op.Constant(value_ints=[1, 1, 1]))
+
+    cu = op.Cast(cumulative_sequence_lengths, to=_I64)  # [B+1]
+    past = op.Cast(past_sequence_lengths, to=_I64)  # [B]
+    starts = op.Slice(cu, zero, minus_one)
+    ends = op.Slice(cu, one, op.Constant(value_ints=[INT64_MAX]))
+    last = op.Slice(cu, minus_one, op.Constant(value_ints=[INT64_MAX]))
+    # Pairs low <= high, compared once: cu[0] == 0, non-decreasing, ends at N; past >= 0, B entries.
+    zeros = op.Mul(past, zero)
+    low = op.Concat(op.Slice(cu, zero, one), zero, starts, tokens, last, zeros, op.Shape(past), num_seqs, axis=0)
+    high = op.Concat(zero, op.Slice(cu, zero, one), ends, last, tokens, past, num_seqs, op.Shape(past), axis=0)
+    check_attention_inputs = op.Expand(one, op.ReduceMin(op.Where(op.LessOrEqual(low, high), one, minus_one), keepdims=1))
+
+    # The contexts the op reads: past + new of each sequence with new tokens (0 for the others: the
+    # op reads nothing of theirs, so neither does the gather).
+    counts = op.Sub(ends, starts)
+    contexts = op.Where(op.Greater(counts, zero), op.Add(past, counts), zeros)
+    kv_ends = op.CumSum(contexts, op.Constant(value_int=0))
+    kv_cu = op.Mul(op.Concat(zero, kv_ends, axis=0), check_attention_inputs)  # the check runs first
+    keys, values = _PAKV.GatherPaKvCache(key_cache, value_cache, block_table, kv_cu, zeros)  # [rows, Hk, D|Dv]
+
+    # Sequence and position of every query row and every context row: row i belongs to the sequence
+    # whose range holds it (the count of ends at or before i).
+    rows = op.Shape(keys, start=0, end=1)
+    query_row = op.Unsqueeze(op.Sub(op.CumSum(op.Expand(one, tokens), op.Constant(value_int=0)), one), one)  # [N, 1]
+    query_seq = op.ReduceSum(op.Cast(op.GreaterOrEqual(query_row, ends), to=_I64), one, keepdims=0)  # [N]
+    query_pos = op.Add(op.Gather(past, query_seq), op.Sub(op.Squeeze(query_row, one), op.Gather(starts, query_seq)))
+    context_row = op.Unsqueeze(op.Sub(op.CumSum(op.Expand(one, rows), op.Constant(value_int=0)), one), one)  # [rows, 1]
+    context_seq = op.ReduceSum(op.Cast(op.GreaterOrEqual(context_row, kv_ends), to=_I64), one, keepdims=0)
+    context_pos = op.Sub(op.Squeeze(context_row, one), op.Gather(op.Sub(kv_ends, contexts), context_seq))
+    visible = op.And(
+        op.Equal(op.Unsqueeze(query_seq, one), op.Unsqueeze(context_seq, zero)),
+        op.LessOrEqual(op.Unsqueeze(context_pos, zero), op.Unsqueeze(query_pos, one)),
+    )  # [N, rows]
+
+    # GQA: query [N, Hq, D] as [Hk, G, N, D] against keys [Hk, 1, D, rows]: each kv head read once.
+    kv_heads = op.Shape(keys, start=1, end=2)
+    group = op.Div(num_heads, kv_heads)
+    q = op.Transpose(op.Reshape(op.Cast(query, to=_F32), op.Concat(tokens, kv_heads, group, head_dim, axis=0)), perm=[1, 2, 0, 3])
+    k = op.Unsqueeze(op.Transpose(op.Cast(keys, to=_F32), perm=[1, 2, 0]), one)
+    v = op.Unsqueeze(op.Transpose(op.Cast(values, to=_F32), perm=[1, 0, 2]), one)  # [Hk, 1, rows, Dv]
+    given = op.Constant(value_float=scale)
+    resolved = op.Reciprocal(op.Sqrt(op.Cast(op.Max(head_dim, one), to=_F32)))  # 1 / sqrt(D) (1 for D = 0)
+    factor = op.Where(op.Equal(given, op.Constant(value_float=0.0)), op.Squeeze(resolved, zero), given)
+    scores = op.Mul(op.MatMul(q, k), factor)  # [Hk, G, N, rows]
+    masked = op.Where(visible, scores, op.Constant(value_float=float("-inf")))
+    attended = op.MatMul(op.Softmax(masked, axis=-1), v)  # [Hk, G, N, Dv]
+    value_dim = op.Shape(values, start=2, end=3)
+    merged = op.Reshape(op.Transpose(attended, perm=[2, 0, 1, 3]), op.Concat(tokens, num_heads, value_dim, axis=0))
+    output = op.CastLike(merged, query)
+    return output
+
+
+@functools.cache
+def _template() -> bytes:
+    from pakv_onnx.export.fallback import name_checks
+
+    function = PagedAttention.to_function_proto()
+    defaults = {a.name: onnx.helper.get_attribute_value(a) for a in function.attribute_proto}
+    if (function.name, list(function.input)) != (ATTENTION.op_type, list(ATTENTION.input_names)) or defaults != {
+        ATTR_SCALE: ATTENTION.attribute_defaults[ATTR_SCALE]
+    }:
+        raise AssertionError(f"attention fallback signature {function.name}{list(function.input)} is not the contract's")
+    name_checks(function.node, ATTENTION_CHECKS)
+    renames = dict(zip(function.output, ATTENTION.output_names))
+    for node in function.node:
+        node.output[:] = [renames.get(o, o) for o in node.output]
+    function.output[:] = list(ATTENTION.output_names)
+    function.doc_string = "Stock-ONNX fallback body of pakv::PagedAttention (see pakv_onnx.export.fallback_attention)."
+    return function.SerializeToString()
+
+
+def make_attention_function(opset_version: int) -> onnx.FunctionProto:
+    """The fallback ``FunctionProto`` for ``pakv::PagedAttention`` against default-domain ``opset_version``
+    (it calls ``pakv::GatherPaKvCache``, whose function :func:`~pakv_onnx.export.fallback.attach_fallback` adds too)."""
+    function = onnx.FunctionProto()
+    function.ParseFromString(_template())
+    del function.opset_import[:]
+    function.opset_import.append(onnx.helper.make_opsetid("", opset_version))
+    function.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
+    return function
+
+
+assert OP_TYPE == "GatherPaKvCache"  # the body's gather call names it literally (onnxscript needs the attribute)
