@@ -9,7 +9,8 @@ Sources (pakv_onnx/native_lib/):
     pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
     pakv_attention.c the PagedAttention core: causal GQA attention read through the block table in place
     pakv_contract.c  the contract's validator: every rule and its message, tensor records -> plan
-    pakv_ort.c       the ORT glue: RegisterCustomOps, ops, attributes, ORT tensors -> records
+    pakv_ort.c       the ORT kernels: attributes, ORT tensors -> records -> the cores
+    pakv_ort_register.c  the ops ORT reads (types, counts, alias map), one domain per backend, RegisterCustomOps
     pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
     pakv_device.c    device copies: the CUDA / CANN driver opened with dlopen on first use (no link-time
                      dependency), async device-to-device copies of a plan on ORT's stream
@@ -32,7 +33,7 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract.c", "pakv_ort.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract.c", "pakv_ort.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",
@@ -42,6 +43,7 @@ HEADERS = [
     "device_abi.h",
     "pakv_device.h",
     "pakv_ep.h",
+    "pakv_ort.h",
 ]
 COMPILE_ARGS = [
     "-std=c11",

@@ -1,7 +1,8 @@
 """pakv-onnx: the paged-KV-cache ops GatherPaKvCache, ScatterPaKvCache and PagedAttention through the whole
 ONNX life cycle.
 
-- :mod:`pakv_onnx.spec`      the contract, declared (names, tables, plans)
+- :mod:`pakv_onnx.spec`      the contract, declared (names, tables, shapes)
+- :mod:`pakv_onnx.plans`     what the validator returns (one plan per op) and the tensors a kernel takes
 - :mod:`pakv_onnx.validator` the one validator (``plan_gather``: the C contract unit, from Python)
 - :mod:`pakv_onnx.golden`   the torch reference
 - :mod:`pakv_onnx.kernels`  compute backends and their registry
@@ -26,13 +27,13 @@ _EXPORTS = {
     "gather_pa_kv_cache": "pakv_onnx.ops",
     "paged_attention": "pakv_onnx.ops",
     "scatter_pa_kv_cache": "pakv_onnx.ops",
-    "AttentionPlan": "pakv_onnx.spec",
-    "AttentionTensors": "pakv_onnx.spec",
+    "AttentionPlan": "pakv_onnx.plans",
+    "AttentionTensors": "pakv_onnx.plans",
     "CacheMode": "pakv_onnx.spec",
-    "GatherPlan": "pakv_onnx.spec",
-    "GatherTensors": "pakv_onnx.spec",
-    "ScatterPlan": "pakv_onnx.spec",
-    "ScatterTensors": "pakv_onnx.spec",
+    "GatherPlan": "pakv_onnx.plans",
+    "GatherTensors": "pakv_onnx.plans",
+    "ScatterPlan": "pakv_onnx.plans",
+    "ScatterTensors": "pakv_onnx.plans",
     "plan_attention": "pakv_onnx.validator",
     "plan_gather": "pakv_onnx.validator",
     "plan_scatter": "pakv_onnx.validator",
@@ -43,15 +44,8 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from pakv_onnx.kernels import BackendUnavailableError, backend_names
     from pakv_onnx.ops import gather_pa_kv_cache, paged_attention, scatter_pa_kv_cache
-    from pakv_onnx.spec import (
-        AttentionPlan,
-        AttentionTensors,
-        CacheMode,
-        GatherPlan,
-        GatherTensors,
-        ScatterPlan,
-        ScatterTensors,
-    )
+    from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+    from pakv_onnx.spec import CacheMode
     from pakv_onnx.validator import plan_attention, plan_gather, plan_scatter
 
 

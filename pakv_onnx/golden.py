@@ -4,7 +4,7 @@ every backend is tested against.
 Written to be read, not to be fast: one slice copy per (sequence, used block), straight
 from the contract in :mod:`pakv_onnx.spec` (its FLOOR RULE: sequence q starts at slot 0 of
 column ``seq_offset[q] // bs``, kept in ``plan.table_col_starts``). It never validates on its
-own; callers hand it a :class:`~pakv_onnx.spec.GatherPlan` from
+own; callers hand it a :class:`~pakv_onnx.plans.GatherPlan` from
 :func:`~pakv_onnx.validator.plan_gather`. Caches may have different dtypes and may be pool views
 strided on dim 0: it indexes them as they are and never copies a whole cache.
 """
@@ -13,15 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.spec import (
-    AttentionPlan,
-    AttentionTensors,
-    CacheMode,
-    GatherPlan,
-    GatherTensors,
-    ScatterPlan,
-    ScatterTensors,
-)
+from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.spec import CacheMode
 
 
 def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
@@ -42,7 +35,7 @@ def gather_golden(plan: GatherPlan, tensors: GatherTensors) -> None:
     Args:
         plan: a validated plan for these tensors.
         tensors: the caches (any block stride) and the outputs ``key_out`` ``[T, *key_token_shape]``
-            and ``value_out`` ``[T, *value_token_shape]`` (see :class:`~pakv_onnx.spec.GatherTensors`).
+            and ``value_out`` ``[T, *value_token_shape]`` (see :class:`~pakv_onnx.plans.GatherTensors`).
     """
     key_cache, value_cache, key_out, value_out = tensors
     bs = plan.block_size

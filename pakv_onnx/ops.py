@@ -8,16 +8,8 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx import kernels
-from pakv_onnx.spec import (
-    AttentionPlan,
-    AttentionTensors,
-    DEFAULT_CACHE_MODE,
-    DEFAULT_IS_SEQ_LENS_CUMSUM,
-    CacheMode,
-    GatherPlan,
-    GatherTensors,
-    ScatterTensors,
-)
+from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterTensors
+from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode
 from pakv_onnx.validator import check_attention_output, check_outputs, plan_attention, plan_gather, plan_scatter
 
 

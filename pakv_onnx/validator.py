@@ -6,7 +6,7 @@ tensor to ``pakv_contract.c`` as a record (element type, dims, strides, device, 
 raises the ``TypeError`` / ``ValueError`` it answers, with its message. The rules and their
 messages are written there and nowhere else; this module only translates Python objects into
 records (and refuses what is not a tensor at all) and the answer into a
-:class:`~pakv_onnx.spec.GatherPlan`.
+:class:`~pakv_onnx.plans.GatherPlan`.
 
 Index tensors are read on the host: those on a device are copied there first (they are the small
 part; the NPU kernel needs them there anyway). Caches and outputs contribute metadata and
@@ -24,16 +24,14 @@ from typing import Any
 import torch
 
 from pakv_onnx import native_lib
+from pakv_onnx.plans import AttentionPlan, GatherPlan, ScatterPlan
 from pakv_onnx.spec import (
     ATTENTION,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
     SCATTER,
-    AttentionPlan,
     CacheMode,
-    GatherPlan,
-    ScatterPlan,
     parse_cache_mode,
     parse_cumsum_flag,
     parse_scale,

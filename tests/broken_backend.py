@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
 from pakv_onnx.kernels.torch_index import gather_torch
-from pakv_onnx.spec import GatherPlan, GatherTensors
+from pakv_onnx.plans import GatherPlan, GatherTensors
 
 
 def gather_off_by_one(plan: GatherPlan, tensors: GatherTensors) -> None:

@@ -36,7 +36,8 @@ def _driver_env(path: str) -> dict[str, str]:
 
 
 def test_every_op_has_cpu_cuda_and_cann_entries_with_host_resident_index_inputs(fake_driver) -> None:
-    assert "726 entries" in _session("entries", env=_driver_env(fake_driver))  # 121 pairs x 2 ops x 3 EPs
+    # 121 pairs x 2 ops x 3 EPs, then PagedAttention's CPU entries (3 dtypes)
+    assert "726 cache-op entries, 3 attention entries" in _session("entries", env=_driver_env(fake_driver))
 
 
 def test_device_entries_are_bit_exact_over_every_dtype_and_layout_on_orts_stream(fake_driver) -> None:

@@ -203,16 +203,16 @@ def test_a_bad_backend_name_is_refused_by_name_on_every_path(backend, error, pat
 @pytest.mark.parametrize("seed", range(40))
 def test_listed_and_vectorised_token_slots_agree(seed: int, monkeypatch) -> None:
     """GatherPlan.token_slots lists small plans in Python and builds large ones with torch ops: the same values."""
-    from pakv_onnx import spec
+    from pakv_onnx import plans
 
     case = random_case(seed, max_blocks=12)
     plan = plan_gather(*case.inputs(), **case.attributes())
     listed = plan.token_slots()
-    monkeypatch.setattr(spec, "SMALL_TOKEN_SLOTS", -1)
+    monkeypatch.setattr(plans, "SMALL_TOKEN_SLOTS", -1)
     vectorised = plan.token_slots()
     assert [t.tolist() for t in listed] == [t.tolist() for t in vectorised]
     for rows_per_block in (plan.block_size, plan.block_size * 3 + 1):
-        monkeypatch.setattr(spec, "SMALL_TOKEN_SLOTS", 4096)
+        monkeypatch.setattr(plans, "SMALL_TOKEN_SLOTS", 4096)
         small = plan.token_rows(rows_per_block).tolist()
-        monkeypatch.setattr(spec, "SMALL_TOKEN_SLOTS", -1)
+        monkeypatch.setattr(plans, "SMALL_TOKEN_SLOTS", -1)
         assert small == plan.token_rows(rows_per_block).tolist()

@@ -17,12 +17,13 @@ import pytest
 import torch
 from conftest import ORT_ERRORS
 from onnx_graphs import plugin_model_for
+from validator_records import index_record, record, validate
 
 import pakv_onnx
 from pakv_onnx import golden, kernels, runtime_plugin
-from pakv_onnx.spec import GatherTensors, bitwise_equal
+from pakv_onnx.plans import GatherTensors
+from pakv_onnx.spec import bitwise_equal
 from pakv_onnx.validator import plan_gather
-from validator_records import index_record, record, validate
 
 PACKAGE = Path(pakv_onnx.__file__).resolve().parent
 CONTRACT = PACKAGE / "native_lib" / "pakv_contract.c"

@@ -13,8 +13,9 @@ import torch
 from pakv_onnx import kernels
 from pakv_onnx.cases import random_case
 from pakv_onnx.kernels import pypto_nd
+from pakv_onnx.plans import GatherTensors
 from pakv_onnx.runtime_plugin import _device, bind
-from pakv_onnx.spec import CACHE_DTYPES, GatherTensors
+from pakv_onnx.spec import CACHE_DTYPES
 from pakv_onnx.validator import plan_gather
 
 

@@ -24,12 +24,12 @@ from per_token_reference import gather_per_token
 
 from pakv_onnx import golden, native_lib, runtime_plugin
 from pakv_onnx.kernels import native
+from pakv_onnx.plans import GatherTensors
 from pakv_onnx.spec import (
     CACHE_DTYPES,
     INPUT_NAMES,
     OUTPUT_NAMES,
     CacheMode,
-    GatherTensors,
     bitwise_equal,
     block_size_axis,
     nz_last_dim,

@@ -1,6 +1,6 @@
 """Compute backends for GatherPaKvCache (ScatterPaKvCache, PagedAttention) and the registry that picks one.
 
-Every backend takes the same validated :class:`~pakv_onnx.spec.GatherPlan` and writes the
+Every backend takes the same validated :class:`~pakv_onnx.plans.GatherPlan` and writes the
 same bytes into caller-allocated outputs. A new backend is one module here that defines a
 module-level ``BACKEND`` (a :class:`Backend`) plus one line in :data:`BACKEND_MODULES`.
 Modules are imported lazily, so optional dependencies (pypto, torch_npu) are only touched
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from pakv_onnx.spec import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
 GatherFn = Callable[[GatherPlan, GatherTensors], None]
@@ -42,7 +42,7 @@ class Backend:
     Attributes:
         name: registry key (``backend=`` argument).
         description: one line for ``--help`` and error messages.
-        gather: ``gather(plan, tensors)`` (a :class:`~pakv_onnx.spec.GatherTensors`), writes the outputs in place.
+        gather: ``gather(plan, tensors)`` (a :class:`~pakv_onnx.plans.GatherTensors`), writes the outputs in place.
         unavailable_reason: returns ``None`` when the backend can run in this process,
             otherwise why not (e.g. "pypto is not installed").
         unsupported_reason: returns ``None`` when the backend handles this plan and these
@@ -53,13 +53,13 @@ class Backend:
         mixed_dtypes: the backend takes each cache's element size from its own dtype
             (``plan.key_dtype`` / ``plan.value_dtype``); a backend without it is refused key and
             value caches of different dtypes by name.
-        scatter: ``scatter(plan, tensors)`` (a :class:`~pakv_onnx.spec.ScatterTensors`) for
+        scatter: ``scatter(plan, tensors)`` (a :class:`~pakv_onnx.plans.ScatterTensors`) for
             ScatterPaKvCache, writing the caches in place; ``None``: the backend has no write op
-            (refused by name for a :class:`~pakv_onnx.spec.ScatterPlan`). Its
+            (refused by name for a :class:`~pakv_onnx.plans.ScatterPlan`). Its
             ``unsupported_reason`` is asked about every plan kind.
-        attention: ``attention(plan, tensors)`` (a :class:`~pakv_onnx.spec.AttentionTensors`) for
+        attention: ``attention(plan, tensors)`` (a :class:`~pakv_onnx.plans.AttentionTensors`) for
             PagedAttention, writing ``tensors.out``; ``None``: the backend has none (refused by
-            name for an :class:`~pakv_onnx.spec.AttentionPlan`).
+            name for an :class:`~pakv_onnx.plans.AttentionPlan`).
     """
 
     name: str

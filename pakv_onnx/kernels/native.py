@@ -1,7 +1,7 @@
 """The ``native`` backend: the C copy core of :mod:`pakv_onnx.native_lib`, running the validator's plan.
 
 :func:`pakv_onnx.validator.plan_gather` leaves the C plan the validator made in the
-:class:`~pakv_onnx.spec.GatherPlan` (caches by base address and block stride in bytes, the block
+:class:`~pakv_onnx.plans.GatherPlan` (caches by base address and block stride in bytes, the block
 table and the per-sequence arrays by address); this backend adds the output addresses and runs
 it: one memcpy per contiguous (sequence, block) run, on 2 threads for large copies. A cache
 that is a view of a larger pool (``pool[:, 0]`` of a ``[num_blocks, 2, block_size, H, D]``
@@ -14,7 +14,7 @@ import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 # int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
 _WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))

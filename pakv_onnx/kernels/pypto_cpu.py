@@ -7,7 +7,7 @@ not part of ``auto``. Implementation: :mod:`pakv_onnx.pypto.cpu`.
 from __future__ import annotations
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.plans import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 
 def _unavailable_reason() -> str | None:

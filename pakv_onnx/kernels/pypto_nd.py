@@ -13,8 +13,8 @@ import importlib.util
 import torch
 
 from pakv_onnx.kernels import Backend
+from pakv_onnx.plans import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 from pakv_onnx.pypto import host
-from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 
 def _find_spec(name: str):

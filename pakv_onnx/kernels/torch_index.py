@@ -15,17 +15,16 @@ from collections.abc import Callable
 import torch
 
 from pakv_onnx.kernels import Backend
-from pakv_onnx.spec import (
+from pakv_onnx.plans import (
     AttentionPlan,
     AttentionTensors,
-    CacheMode,
     GatherPlan,
     GatherTensors,
     ScatterPlan,
     ScatterTensors,
-    bits_view,
     int64_tensor,
 )
+from pakv_onnx.spec import CacheMode, bits_view
 
 
 def _row_view(cache: torch.Tensor, row_len: int, block_rows: int) -> tuple[torch.Tensor, int] | None:

@@ -1,22 +1,14 @@
-/* pakv::GatherPaKvCache, pakv::ScatterPaKvCache, pakv::PagedAttention: the ONNX Runtime glue of
- * the custom-op library.
- *
- * Entry point: RegisterCustomOps(OrtSessionOptions*, const OrtApiBase*), loaded by ORT with
- * SessionOptions.register_custom_ops_library(path) (Python) / RegisterCustomOpsLibrary (C API).
+/* pakv::GatherPaKvCache, pakv::ScatterPaKvCache, pakv::PagedAttention: the ONNX Runtime kernels of
+ * the custom-op library (the ops ORT reads and RegisterCustomOps are pakv_ort_register.c).
  * No ORT header, no libonnxruntime, no Python: see ort_abi.h for the ABI subset used.
  *
- * This file is ORT glue only: registration (one domain per backend, reused), the ops (the cache
- * ops one per (key dtype, value dtype) pair of the contract, so a dtype outside it has no kernel
- * and the session is refused at creation, and each pair once per execution provider of pakv_ep.h;
- * PagedAttention once per dtype it computes in, CPU only),
- * strict attributes, and compute: ORT's tensors become the
- * validator's records (pakv_contract.c: every rule of the contract, with its message), the
- * outputs ORT hands back are validated too, and the copy core (pakv_core.c) runs the plan.
- * Python backends are reached through pakv_bridge.c.
+ * ORT glue only: strict attributes, and compute: ORT's tensors become the validator's records
+ * (pakv_contract.c: every rule of the contract, with its message), the outputs ORT hands back are
+ * validated too, and the copy core (pakv_core.c) or the attention core (pakv_attention.c) runs the
+ * plan. Python backends are reached through pakv_bridge.c.
  *
  * The contract (names, layouts, dtypes) is defined in pakv_onnx/spec.py.
  */
-#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,34 +20,22 @@
 #include "pakv_core.h"
 #include "pakv_dtypes.h"
 #include "pakv_ep.h"
+#include "pakv_ort.h"
 
-#define PAKV_DOMAIN "pakv"
-#define PAKV_OPSET_VERSION 1
-#define PAKV_NUM_PAIRS (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES)
-/* The cache ops (pakv_ep.h's PAKV_OP_GATHER / PAKV_OP_SCATTER), each registered once per execution
- * provider (pakv_ep.h) and (key dtype, value dtype) pair: op n < PAKV_NUM_CACHE_OPS is EP
- * n / (kinds x pairs), kind (n / pairs) % kinds, pair n % pairs. Then PagedAttention on the CPU, one
- * op per dtype of ATTENTION_DTYPES. */
-#define PAKV_NUM_CACHE_OPS (PAKV_NUM_EPS * PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS)
-#define PAKV_NUM_OPS (PAKV_NUM_CACHE_OPS + PAKV_NUM_ATTENTION_DTYPES)
 #define PAKV_MAX_MODE_LEN 64
-/* Session config entry naming the backend these SessionOptions were registered for. */
-#define PAKV_CONFIG_KEY "pakv_onnx.backend"
 
 static const char* const INPUT_NAMES[PAKV_OP_ATTENTION + 1][PAKV_NUM_INPUTS] = {
     {"key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset"},
     {"key", "value", "key_cache", "value_cache", "slot_mapping"},
     {"query", "key_cache", "value_cache", "block_table", "cumulative_sequence_lengths", "past_sequence_lengths"}};
-/* Inputs and outputs of each op kind. */
-static const size_t INPUT_COUNT[PAKV_OP_ATTENTION + 1] = {PAKV_GATHER_INPUTS, PAKV_SCATTER_INPUTS, PAKV_ATTENTION_INPUTS};
-static const size_t OUTPUT_COUNT[PAKV_OP_ATTENTION + 1] = {2, 2, 1};
-/* PagedAttention's dtypes, as indices into PAKV_CACHE_DTYPES: bfloat16, float16, float32. */
-static const int ATTENTION_DTYPES[PAKV_NUM_ATTENTION_DTYPES] = {0, 1, 2};
+const size_t PAKV_ORT_INPUT_COUNT[PAKV_OP_ATTENTION + 1] = {PAKV_GATHER_INPUTS, PAKV_SCATTER_INPUTS,
+                                                        PAKV_ATTENTION_INPUTS};
+const size_t PAKV_ORT_OUTPUT_COUNT[PAKV_OP_ATTENTION + 1] = {2, 2, 1};
 
 /* ------------------------------------------------------------------------------------------- */
 /* ORT helpers                                                                                 */
 /* ------------------------------------------------------------------------------------------- */
-static OrtStatus* make_status(const OrtApi* api, int code, const char* msg) {
+OrtStatus* pakv_ort_status(const OrtApi* api, int code, const char* msg) {
   return PAKV_API(api, CreateStatus)(code, msg);
 }
 
@@ -111,7 +91,7 @@ static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
-  return make_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
+  return pakv_ort_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
 }
 
 /* cache_mode: a STRING, exactly "Norm" or "PA_NZ" (default "Norm"). */
@@ -170,18 +150,8 @@ static OrtStatus* read_scale(const OrtApi* api, const OrtKernelInfo* info, float
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Ops and kernels                                                                             */
+/* Kernels                                                                                     */
 /* ------------------------------------------------------------------------------------------- */
-typedef struct {
-  PakvOrtCustomOp base; /* first: ORT sees an OrtCustomOp* */
-  int kind;             /* PAKV_OP_GATHER / PAKV_OP_SCATTER (pakv_ep.h) */
-  int key_dtype;        /* index into PAKV_CACHE_DTYPES */
-  int value_dtype;
-  int backend;          /* bridge slot; PAKV_NATIVE_BACKEND = the C kernel */
-  int ep;               /* PAKV_EP_*: the execution provider of this entry */
-  int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
-} pakv_op;
-
 typedef struct {
   const OrtApi* api;
   int kind, backend, nz;
@@ -190,45 +160,7 @@ typedef struct {
   float scale; /* PagedAttention's */
 } pakv_kernel;
 
-static const char* op_name(const PakvOrtCustomOp* op) { return pakv_op_type(((const pakv_op*)op)->kind); }
-static const char* op_ep(const PakvOrtCustomOp* op) { return pakv_ep_name(((const pakv_op*)op)->ep); }
-/* Gather: key_cache, value_cache, then index tensors. Scatter: key, value (of their caches'
- * dtypes), key_cache, value_cache, then slot_mapping. Attention: query, key_cache, value_cache of
- * one dtype, then index tensors. Index inputs are int32 or int64 (checked at run time). */
-static int op_input_type(const PakvOrtCustomOp* op, size_t i) {
-  const pakv_op* o = (const pakv_op*)op;
-  size_t typed = o->kind == PAKV_OP_SCATTER ? 4 : o->kind == PAKV_OP_ATTENTION ? 3 : 2;
-  if (i >= typed) return PAKV_ONNX_UNDEFINED;
-  return PAKV_CACHE_DTYPES[i % 2 == 0 ? o->key_dtype : o->value_dtype].onnx_type;
-}
-static size_t op_input_count(const PakvOrtCustomOp* op) { return INPUT_COUNT[((const pakv_op*)op)->kind]; }
-static int op_output_type(const PakvOrtCustomOp* op, size_t i) {
-  const pakv_op* o = (const pakv_op*)op;
-  return PAKV_CACHE_DTYPES[i == 0 ? o->key_dtype : o->value_dtype].onnx_type;
-}
-static size_t op_output_count(const PakvOrtCustomOp* op) { return OUTPUT_COUNT[((const pakv_op*)op)->kind]; }
-static int op_input_char(const PakvOrtCustomOp* op, size_t i) {
-  return ((const pakv_op*)op)->kind == PAKV_OP_GATHER && i == 4 ? PAKV_ORT_OPTIONAL : PAKV_ORT_REQUIRED;
-}
-static int op_output_char(const PakvOrtCustomOp* op, size_t i) { (void)op; (void)i; return PAKV_ORT_REQUIRED; }
-static int op_mem_type(const PakvOrtCustomOp* op, size_t i) {
-  const pakv_op* o = (const pakv_op*)op;
-  return pakv_ep_input_memory_type(o->ep, o->kind, i); /* a device entry's index inputs on the host */
-}
-static int op_min_arity(const PakvOrtCustomOp* op) { (void)op; return 1; }
-static int op_homogeneity(const PakvOrtCustomOp* op) { (void)op; return 0; }
-static int op_opset_version(const PakvOrtCustomOp* op) { (void)op; return PAKV_OPSET_VERSION; }
-/* The scatter's alias map (ORT >= 1.18 reads it): key_cache (input 2) is key_cache_out (output 0),
- * value_cache (3) is value_cache_out (1). Static arrays: ReleaseAliasMap has nothing to free. */
-static int g_alias_inputs[2] = {2, 3}, g_alias_outputs[2] = {0, 1};
-static size_t scatter_alias_map(int** inputs, int** outputs) {
-  *inputs = g_alias_inputs;
-  *outputs = g_alias_outputs;
-  return 2;
-}
-static void release_alias_map(int* inputs, int* outputs) { (void)inputs; (void)outputs; }
-
-static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
+OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   int nz = 0, kind = ((const pakv_op*)op)->kind;
   int64_t cumsum = 1;
   float scale = 0.0f;
@@ -236,7 +168,7 @@ static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, co
   if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
-  if (!k) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
+  if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
   k->api = api;
   k->kind = kind;
   k->backend = ((const pakv_op*)op)->backend;
@@ -249,7 +181,7 @@ static OrtStatus* kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, co
   return NULL;
 }
 
-static void kernel_destroy(void* kernel) { free(kernel); }
+void pakv_ort_kernel_destroy(void* kernel) { free(kernel); }
 
 /* ------------------------------------------------------------------------------------------- */
 /* Compute: ORT's tensors -> the validator's records -> the copy core (or a Python backend)    */
@@ -402,10 +334,10 @@ static int run_attention(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tenso
 static OrtStatus* call_error(const OrtApi* api, const pakv_err* err) {
   char msg[PAKV_ERR_LEN + 16];
   snprintf(msg, sizeof(msg), "%s: %s", err->kind == PAKV_ERR_TYPE ? "TypeError" : "ValueError", err->msg);
-  return make_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
+  return pakv_ort_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
 }
 
-static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx) {
   const pakv_kernel* k = (const pakv_kernel*)kernel;
   const OrtApi* api = k->api;
   pakv_request* req = (pakv_request*)calloc(1, sizeof(pakv_request));
@@ -417,7 +349,7 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < INPUT_COUNT[k->kind]; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_ORT_INPUT_COUNT[k->kind]; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
@@ -425,10 +357,10 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
     req->cache_mode = k->nz ? "PA_NZ" : "Norm";
     req->is_seq_lens_cumsum = k->cumsum;
     req->scale = k->scale;
-    req->num_inputs = (int32_t)INPUT_COUNT[k->kind];
+    req->num_inputs = (int32_t)PAKV_ORT_INPUT_COUNT[k->kind];
     req->ctx = ctx;
     req->api = api;
-    if (pakv_call_python(k->backend, req)) result = make_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
+    if (pakv_call_python(k->backend, req)) result = pakv_ort_status(api, PAKV_ORT_INVALID_ARGUMENT, req->error);
   } else if (!rc) {
     rc = k->kind == PAKV_OP_SCATTER     ? run_scatter(k, ctx, records, &err)
          : k->kind == PAKV_OP_ATTENTION ? run_attention(k, ctx, records, &err)
@@ -438,151 +370,4 @@ static OrtStatus* kernel_compute(void* kernel, OrtKernelContext* ctx) {
   free(records);
   free(req);
   return result;
-}
-
-/* ------------------------------------------------------------------------------------------- */
-/* Registration                                                                                */
-/* ------------------------------------------------------------------------------------------- */
-static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
-static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_OPS ops per backend, never freed */
-static OrtCustomOpDomain* g_domains[PAKV_MAX_BACKENDS];  /* one domain per backend, reused (no leak per call) */
-/* The backend the next RegisterCustomOps call on this thread binds to. Thread-local: a raw
- * registration on another thread always gets native, and cannot take a backend chosen here. */
-static _Thread_local int g_next_backend = PAKV_NATIVE_BACKEND;
-
-PAKV_EXPORT int pakv_bind_next_registration(const char* name) {
-  int slot = name ? pakv_backend_slot(name) : PAKV_NATIVE_BACKEND;
-  g_next_backend = slot < 0 ? PAKV_NATIVE_BACKEND : slot;
-  return slot;
-}
-
-static size_t no_inplace(int** inputs, int** outputs) {
-  *inputs = *outputs = NULL;
-  return 0;
-}
-
-/* Every op of `backend` (PAKV_NUM_OPS, ordered as PAKV_NUM_OPS says). `api` is the runtime's API
- * version: it reads the opset range and has ParallelFor from 17, reads the scatter's alias map
- * from 18. */
-static void init_ops(pakv_op* ops, int backend, int api) {
-  for (int n = 0; n < PAKV_NUM_OPS; n++) {
-    pakv_op* o = &ops[n];
-    int ep = n / (PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS), kind = (n / PAKV_NUM_PAIRS) % PAKV_NUM_OP_KINDS;
-    int d = n % PAKV_NUM_PAIRS;
-    if (n >= PAKV_NUM_CACHE_OPS) { /* PagedAttention: CPU, one dtype for every tensor it types */
-      int dtype = ATTENTION_DTYPES[n - PAKV_NUM_CACHE_OPS];
-      ep = PAKV_EP_CPU;
-      kind = PAKV_OP_ATTENTION;
-      d = dtype * PAKV_NUM_DTYPES + dtype;
-    }
-    memset(o, 0, sizeof(*o));
-    o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
-    if (kind == PAKV_OP_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {
-      o->base.version = PAKV_ORT_API_ALIAS_MAP;
-      o->base.GetMayInplace = no_inplace;
-      o->base.ReleaseMayInplace = release_alias_map;
-      o->base.GetAliasMap = scatter_alias_map;
-      o->base.ReleaseAliasMap = release_alias_map;
-    }
-    o->base.GetName = op_name;
-    o->base.GetExecutionProviderType = op_ep;
-    o->base.GetInputType = op_input_type;
-    o->base.GetInputTypeCount = op_input_count;
-    o->base.GetOutputType = op_output_type;
-    o->base.GetOutputTypeCount = op_output_count;
-    o->base.KernelDestroy = kernel_destroy;
-    o->base.GetInputCharacteristic = op_input_char;
-    o->base.GetOutputCharacteristic = op_output_char;
-    o->base.GetInputMemoryType = op_mem_type;
-    o->base.GetVariadicInputMinArity = op_min_arity;
-    o->base.GetVariadicInputHomogeneity = op_homogeneity;
-    o->base.GetVariadicOutputMinArity = op_min_arity;
-    o->base.GetVariadicOutputHomogeneity = op_homogeneity;
-    o->base.CreateKernelV2 = kernel_create;
-    o->base.KernelComputeV2 = kernel_compute;
-    o->base.GetStartVersion = op_opset_version; /* read by ORT only for version >= 17 */
-    o->base.GetEndVersion = op_opset_version;
-    o->kind = kind;
-    o->key_dtype = d / PAKV_NUM_DTYPES;
-    o->value_dtype = d % PAKV_NUM_DTYPES;
-    o->backend = backend;
-    o->ep = ep;
-    o->parallel_for = api >= PAKV_ORT_API_PARALLEL_FOR;
-  }
-}
-
-/* The runtime's API version from its version string ("1.16.3" -> 16: ORT 1.x ships API x).
- * Parsed rather than probed with GetApi(17), which prints an error on older runtimes. */
-static int runtime_api_version(const OrtApiBase* base) {
-  const char* v = base->GetVersionString ? base->GetVersionString() : NULL;
-  long major = 0, minor = 0;
-  if (!v || sscanf(v, "%ld.%ld", &major, &minor) != 2) return PAKV_ORT_API_VERSION;
-  return major > 1 ? 1000 : (int)minor;
-}
-
-/* The domain of `backend`, created on first use (caller holds g_reg_lock). */
-static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int backend, OrtCustomOpDomain** out) {
-  if (g_domains[backend]) {
-    *out = g_domains[backend];
-    return NULL;
-  }
-  if (!g_ops[backend]) {
-    pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_OPS, sizeof(pakv_op));
-    if (!ops) return make_status(api, PAKV_ORT_FAIL, "pakv: out of memory registering the ops");
-    init_ops(ops, backend, runtime_api_version(base));
-    g_ops[backend] = ops;
-  }
-  OrtCustomOpDomain* domain = NULL;
-  OrtStatus* st = PAKV_API(api, CreateCustomOpDomain)(PAKV_DOMAIN, &domain);
-  for (int n = 0; !st && n < PAKV_NUM_OPS; n++) st = PAKV_API(api, CustomOpDomain_Add)(domain, &g_ops[backend][n]);
-  if (st) return st; /* a half-built domain is not kept (ORT owns nothing of it yet; it is leaked once) */
-  g_domains[backend] = *out = domain;
-  return NULL;
-}
-
-/* A second registration on the same SessionOptions would make ORT fail at session creation with
- * "Domain already set in registry"; refuse it here, saying what to do. */
-static OrtStatus* mark_options(const OrtApi* api, OrtSessionOptions* options, int backend) {
-  int has = 0;
-  OrtStatus* st = PAKV_API(api, HasSessionConfigEntry)(options, PAKV_CONFIG_KEY, &has);
-  if (st) return st;
-  if (has) {
-    char prev[PAKV_BACKEND_NAME_LEN + 8] = "?";
-    size_t size = sizeof(prev);
-    st = PAKV_API(api, GetSessionConfigEntry)(options, PAKV_CONFIG_KEY, prev, &size);
-    if (st) PAKV_API(api, ReleaseStatus)(st);
-    prev[sizeof(prev) - 1] = 0;
-    char msg[512];
-    snprintf(msg, sizeof(msg),
-             "the pakv GatherPaKvCache library is already registered on these SessionOptions (backend '%s'); "
-             "register it once per SessionOptions (every session made from them can use it), or use a new "
-             "SessionOptions for backend '%s'",
-             prev, pakv_backend_name(backend));
-    return make_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
-  }
-  return PAKV_API(api, AddSessionConfigEntry)(options, PAKV_CONFIG_KEY, pakv_backend_name(backend));
-}
-
-PAKV_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  int backend = g_next_backend;
-  g_next_backend = PAKV_NATIVE_BACKEND; /* one registration per selection; hosts that never select get native */
-  const OrtApi* api = api_base->GetApi(PAKV_ORT_API_VERSION);
-  if (!api) {
-    /* Older runtime: find any API table to report the error with (CreateStatus is slot 0 in all). */
-    for (uint32_t v = PAKV_ORT_API_VERSION - 1; v >= 1 && !api; v--) api = api_base->GetApi(v);
-    if (!api) return NULL; /* cannot even report; ORT this old has no usable API */
-    char msg[256];
-    snprintf(msg, sizeof(msg),
-             "pakv GatherPaKvCache plugin needs ONNX Runtime >= 1.16 (C API version %d); this runtime is %s",
-             PAKV_ORT_API_VERSION, api_base->GetVersionString ? api_base->GetVersionString() : "older");
-    return make_status(api, PAKV_ORT_FAIL, msg);
-  }
-  OrtStatus* st = mark_options(api, options, backend);
-  if (st) return st;
-  OrtCustomOpDomain* domain = NULL;
-  pthread_mutex_lock(&g_reg_lock);
-  st = backend_domain(api, api_base, backend, &domain);
-  pthread_mutex_unlock(&g_reg_lock);
-  if (st) return st;
-  return PAKV_API(api, AddCustomOpDomain)(options, domain);
 }

@@ -26,8 +26,8 @@ import threading
 import torch
 
 from pakv_onnx.paths import cache_dir
+from pakv_onnx.plans import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 from pakv_onnx.pypto import host, runs
-from pakv_onnx.spec import GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
 
 READY_TIMEOUT_S = 600  # the first worker on a machine may build the helper library
 

@@ -20,9 +20,10 @@ import os
 import torch
 
 from pakv_onnx.paths import cache_dir, pypto_output_env
+from pakv_onnx.plans import GatherPlan, GatherTensors
 from pakv_onnx.pypto import tiles as tiles_mod
 from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
-from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, GatherPlan, GatherTensors, nz_last_dim
+from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, nz_last_dim
 
 INT32_MAX = 2**31 - 1
 

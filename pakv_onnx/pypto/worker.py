@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-
 # A worker stops taking work once its resident memory passes this: each SIM/verify call
 # leaks a copy of its inputs and interpreter state (measured 100-250 MB per seed-sized verify;
 # six in one process reached 6.7 GB).
@@ -159,9 +158,9 @@ def execute_scatter(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
 
 def execute(request: dict[str, Any], kernel_fn=None) -> dict[str, Any]:
     """Run one request in this process (the subprocess body; tests call it for injected kernels)."""
+    from pakv_onnx.plans import GatherTensors
     from pakv_onnx.pypto import adapter, cases, host
     from pakv_onnx.pypto.tiles import Tiles
-    from pakv_onnx.spec import GatherTensors
     from pakv_onnx.validator import plan_gather
 
     mode = request["mode"]
@@ -261,8 +260,8 @@ def write_result(path: str, payload: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- #
 def gather_files(request: dict[str, Any]) -> dict[str, Any]:
     """One pypto-cpu call: load the inputs, plan, run the kernel through the interpreter, save the outputs."""
+    from pakv_onnx.plans import GatherTensors
     from pakv_onnx.pypto import adapter, host
-    from pakv_onnx.spec import GatherTensors
     from pakv_onnx.validator import plan_gather
 
     inputs = torch.load(request["inputs"], weights_only=True)

@@ -120,10 +120,20 @@ def counts() -> dict[str, int]:
 OPS = {b"GatherPaKvCache": {2, 3, 4}, b"ScatterPaKvCache": {4}}
 
 
+# PagedAttention: one entry per dtype it computes in (bfloat16, float16, float32), CPU only, after
+# every cache op.
+ATTENTION_ENTRIES = 3
+
+
 def entries() -> str:
     pairs = len(CACHE_DTYPES) ** 2
-    assert len(ops) == pairs * len(OPS) * len(EPS), len(ops)
-    by_ep = {ep: [a for a in ops if runtime.op(a).GetExecutionProviderType(a).decode() == ep] for ep in EPS}
+    assert len(ops) == pairs * len(OPS) * len(EPS) + ATTENTION_ENTRIES, len(ops)
+    cache_ops, attention = ops[:-ATTENTION_ENTRIES], ops[-ATTENTION_ENTRIES:]
+    for address in attention:
+        a = runtime.op(address)
+        assert a.GetName(address) == b"PagedAttention" and a.GetExecutionProviderType(address).decode() == EPS[0]
+        assert (a.GetInputTypeCount(address), a.GetOutputTypeCount(address)) == (6, 1)
+    by_ep = {ep: [a for a in cache_ops if runtime.op(a).GetExecutionProviderType(a).decode() == ep] for ep in EPS}
     assert all(len(v) == pairs * len(OPS) for v in by_ep.values()), {k: len(v) for k, v in by_ep.items()}
     for cpu, *devices in zip(*by_ep.values()):
         c = runtime.op(cpu)
@@ -144,7 +154,7 @@ def entries() -> str:
             for i in range(2):
                 assert d.GetOutputType(address, i) == c.GetOutputType(cpu, i)
                 assert d.GetOutputCharacteristic(address, i) == c.GetOutputCharacteristic(cpu, i)
-    return f"{len(ops)} entries"
+    return f"{len(cache_ops)} cache-op entries, {len(attention)} attention entries"
 
 
 def scatter() -> str:

@@ -24,7 +24,9 @@ typedef struct { int code; char msg[1100]; } Status;
 typedef struct { int type; size_t nd; int64_t dims[16]; void* data; int mem_type, mem_id; } Value;
 typedef struct { Value* in[5]; size_t nin; Value out[2]; int out_mem; long parallel_calls; } Ctx;
 typedef struct { const char* mode; int64_t cumsum; } Info; /* cumsum < 0: absent */
-typedef struct { const PakvOrtCustomOp* ops[PAKV_NUM_DTYPES * PAKV_NUM_DTYPES * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + 8]; int n; } Domain;
+/* Room for every cache op (pairs x kinds x EPs), PagedAttention's entries and a few more. */
+#define DOMAIN_CAPACITY (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + PAKV_NUM_ATTENTION_DTYPES + 8)
+typedef struct { const PakvOrtCustomOp* ops[DOMAIN_CAPACITY]; int n; } Domain;
 typedef struct { char key[64]; char value[64]; int set; } Options;
 
 static Status* CreateStatus(int code, const char* msg) {
@@ -33,7 +35,11 @@ static Status* CreateStatus(int code, const char* msg) {
 static const char* GetErrorMessage(const Status* s) { return s->msg; }
 static Status* CreateCustomOpDomain(const char* d, Domain** out) { (void)d; *out = calloc(1, sizeof(Domain)); return NULL; }
 static Domain* g_domain;
-static Status* CustomOpDomain_Add(Domain* d, const PakvOrtCustomOp* op) { d->ops[d->n++] = op; return NULL; }
+static Status* CustomOpDomain_Add(Domain* d, const PakvOrtCustomOp* op) {
+  if (d->n >= DOMAIN_CAPACITY) return CreateStatus(1, "fake ORT: domain full");
+  d->ops[d->n++] = op;
+  return NULL;
+}
 static Status* AddCustomOpDomain(void* o, Domain* d) { (void)o; g_domain = d; return NULL; }
 static Status* GetTensorMutableData(Value* v, void** out) { *out = v->data; return NULL; }
 static Status* GetTensorElementType(const Value* v, int* out) { *out = v->type; return NULL; }
@@ -197,8 +203,9 @@ int main(int argc, char** argv) {
   Status* (*reg)(void*, const OrtApiBase*) = (Status * (*)(void*, const OrtApiBase*)) dlsym(lib, "RegisterCustomOps");
   Options options = {{0}, {0}, 0}, other = {{0}, {0}, 0};
   int npairs = PAKV_NUM_DTYPES * PAKV_NUM_DTYPES;
-  /* Per EP: the gathers (one per dtype pair), then as many scatters. */
-  if (reg(&options, &g_base) || !g_domain || g_domain->n != npairs * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS) {
+  /* Per EP: the gathers (one per dtype pair), then as many scatters; then PagedAttention's CPU entries. */
+  if (reg(&options, &g_base) || !g_domain ||
+      g_domain->n != npairs * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + PAKV_NUM_ATTENTION_DTYPES) {
     fprintf(stderr, "registration failed\n"); return 3; }
   if (strcmp(g_domain->ops[0]->GetName(g_domain->ops[0]), "GatherPaKvCache") ||
       strcmp(g_domain->ops[npairs]->GetName(g_domain->ops[npairs]), "ScatterPaKvCache")) {

@@ -21,7 +21,7 @@ from pakv_onnx.models.hf import generate, mla
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
 from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
-from pakv_onnx.spec import GatherPlan
+from pakv_onnx.plans import GatherPlan
 from pakv_onnx.validator import plan_gather
 
 # fp32 everywhere; the paged path and transformers' dense eager path differ only in summation
