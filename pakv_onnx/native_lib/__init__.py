@@ -15,7 +15,8 @@ below; a stale build is refused with a message saying how to rebuild.
 Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's validator (every
 rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
 core (no ORT, no Python), ``pakv_attention.c`` the PagedAttention core (its plan is declared in
-pakv_core.h), ``pakv_ort.c`` the ORT glue, ``pakv_bridge.[ch]`` the Python bridge,
+pakv_core.h), ``pakv_ort.[ch]`` the ORT kernels and ``pakv_ort_register.c`` the ops ORT reads (the ORT
+glue), ``pakv_bridge.[ch]`` the Python bridge,
 ``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
 test), ``ort_abi.h`` the ORT ABI subset, ``pakv_ep.[ch]`` the execution providers (CPU, CUDA, CANN
 entries; ORT's stream and intra-op pool), ``pakv_device.[ch]`` the device copies through the CUDA /
