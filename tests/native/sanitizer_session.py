@@ -89,6 +89,7 @@ def random_call(i):
     kt, vt = rng.choice(list(CACHE)), rng.choice(list(CACHE))
     nz, cumsum = bool(rng.integers(2)), bool(rng.integers(2))
     nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
+
     def cache(t):
         e = 32 // np.dtype(t).itemsize
         if nz:
@@ -96,6 +97,7 @@ def random_call(i):
         else:
             shape = (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
         return rng.integers(0, 100, shape).astype(t)
+
     kc, vc = cache(kt), cache(vt)
     lengths = rng.integers(0, 3 * bs + 1, q)
     offsets = rng.integers(0, 2 * bs + 1, q)
@@ -146,6 +148,7 @@ def extreme_shapes():
     f16, i64 = TensorProto.FLOAT16, TensorProto.INT64
     types = [f16, f16, i64, i64, None]
     big = 2**63 - 1
+
     def empty_gather(mode, key_shape, value_shape, tables_shape, lens_shape):
         shapes = {"key_cache": (f16, key_shape), "value_cache": (f16, value_shape),
                   "block_tables": (i64, tables_shape), "seq_lens": (i64, lens_shape)}  # fmt: skip
@@ -187,10 +190,12 @@ def race(seconds=1.0):
     binding.bind_output("key", "cpu")
     binding.bind_output("value", "cpu")
     stop = []
+
     def writer():
         while not stop:
             table[...] = huge
             table[...] = good
+
     thread = threading.Thread(target=writer)
     thread.start()
     counts = {"ok": 0, "refused": 0}
@@ -229,6 +234,7 @@ def core():
     table = np.array([[5, 0, 3]], np.int64)
     lengths, starts, cols = np.array([10], np.int64), np.array([0], np.int64), np.array([0], np.int64)
     out_k, out_v = np.zeros((10, 16), np.uint8), np.zeros((10, 16), np.uint8)
+
     def plan(**changes):
         fields = dict(layout=0, tables64=1, num_blocks=6, block_size=4, key_cache=pool.ctypes.data,
                       value_cache=pool.ctypes.data + 64, key_block_stride=128, value_block_stride=128,
@@ -238,6 +244,7 @@ def core():
                       col_starts=cols.ctypes.data, num_tokens=10)  # fmt: skip
         fields.update(changes)
         return loader.Plan(**fields)
+
     error = ctypes.create_string_buffer(1024)
     assert lib.pakv_gather(ctypes.byref(plan()), error, 1024) == 0, error.value
     for t in range(10):
@@ -354,7 +361,11 @@ def device_entries(iterations, driver_path):
 
         def cache(t):
             e = 32 // np.dtype(t).itemsize
-            shape = (nb, int(rng.integers(1, 3)), bs, e) if nz else (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
+            shape = (
+                (nb, int(rng.integers(1, 3)), bs, e)
+                if nz
+                else (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
+            )
             return rng.integers(0, 100, shape).astype(t)
 
         kc, vc = cache(kt), cache(vt)
@@ -369,7 +380,13 @@ def device_entries(iterations, driver_path):
         ep = EPS[int(rng.integers(len(EPS)))]
         device = {"CUDAExecutionProvider": DEVICE_GPU, "CANNExecutionProvider": DEVICE_NPU}.get(ep, 0)
         arrays = [kc, vc, bt, sl, so]
-        onnx = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type], None if so is None else INDEX[so.dtype.type]]
+        onnx = [
+            CACHE[kt],
+            CACHE[vt],
+            INDEX[bt.dtype.type],
+            INDEX[sl.dtype.type],
+            None if so is None else INDEX[so.dtype.type],
+        ]
         feeds = [None if a is None else FakeTensor(a.ctypes.data, t, a.shape, device if k < 2 else 0)
                  for k, (a, t) in enumerate(zip(arrays, onnx))]  # fmt: skip
         if so is None:
