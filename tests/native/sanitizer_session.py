@@ -60,12 +60,16 @@ def model(types, mode="Norm", cumsum=1, attrs=None, opset=1):
     return proto
 
 
-def session(proto):
-    key = proto.SerializeToString()
+def session(proto, threads=0):
+    """One session per (model, intra_op_num_threads; 0 is ORT's default), without ORT's CPU arena: each
+    output is then a malloc of its own, so ASan sees a write one byte past it."""
+    key = (proto.SerializeToString(), threads)
     if key not in sessions:
         options = ort.SessionOptions()
         options.register_custom_ops_library(LIB)
-        sessions[key] = ort.InferenceSession(key, options, providers=["CPUExecutionProvider"])
+        options.intra_op_num_threads = threads
+        options.enable_cpu_mem_arena = False
+        sessions[key] = ort.InferenceSession(key[0], options, providers=["CPUExecutionProvider"])
     return sessions[key]
 
 
