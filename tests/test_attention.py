@@ -98,8 +98,10 @@ def test_dtypes_gqa_ratios_and_block_sizes(dtype: torch.dtype, group: int, block
         dict(group=16, kv_heads=1, new_tokens=[3, 1], past=[7, 200], head_dim=8),  # one token per part, 16 heads
         dict(group=3, new_tokens=[1, 1], past=[0, 31], head_dim=5, value_head_dim=3),  # odd group and widths
         dict(group=2, new_tokens=[1], past=[1000], block_size=128, head_dim=128),  # a long context
+        dict(group=2, new_tokens=[2, 1], past=[3, 0], head_dim=3, value_head_dim=2),  # default scale 1/sqrt(3)
+        dict(group=1, new_tokens=[4], past=[5], head_dim=2),  # ... and 1/sqrt(2) (head_dim < 4)
     ],
-    ids=["tiles", "wide-group", "odd", "long"],
+    ids=["tiles", "wide-group", "odd", "long", "head-dim-3", "head-dim-2"],
 )
 def test_the_kernels_tiles_chunks_and_widths(shape: dict) -> None:
     case = random_attention_case(3, **shape)

@@ -1,11 +1,14 @@
 """The C library built with ASan + UBSan (gcc -fsanitize=address,undefined, no recovery) and loaded
 into ONNX Runtime: random valid/invalid calls, mixed dtypes, any seq_offset, extreme shapes ORT
 accepts, a writer racing the block table, strict attributes, double registration, and the copy
-core through ctypes (tests/native/sanitizer_session.py); and, in a process of its own, the CPU,
+core through ctypes (tests/native/sanitizer_session.py); in a process of its own, the CPU,
 CUDA and CANN entries through the fake ORT runtime and the fake device driver (host memcpy, so
-ASan checks every device copy's bounds). Any invalid access or undefined behaviour aborts the run.
+ASan checks every device copy's bounds); and, in another, PagedAttention inside ORT (random valid
+calls against a numpy reference, every rule broken once, int64-edge shapes, a writer racing the
+block table, outputs bound over inputs). Any invalid access or undefined behaviour aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
-path are checked too."""
+path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
+so both its loop on the calling thread and its parts on ORT's pool run."""
 
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
         ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",  # CPython's own allocations are not ours
         UBSAN_OPTIONS="print_stacktrace=1",
         PAKV_ONNX_PARALLEL_MIN_BYTES="0",
+        PAKV_ONNX_ATTENTION_PARALLEL_MIN="16384",  # multiply-adds: about half the random calls split
         ORT_LOGGING_LEVEL="3",
     )
     result = subprocess.run(
@@ -85,3 +89,7 @@ def test_library_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Pat
 
 def test_device_entries_are_clean_under_asan_and_ubsan_through_the_fakes(sanitized_library: Path, tmp_path) -> None:
     _sanitized_run(sanitized_library, "400", "--device", str(build_fake_driver(tmp_path)))
+
+
+def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+    _sanitized_run(sanitized_library, "300", "--attention")

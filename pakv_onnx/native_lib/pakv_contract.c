@@ -668,9 +668,13 @@ static const char* const ATTENTION_NAMES[PAKV_ATTENTION_RECORDS] = {
 
 enum { ONNX_FLOAT32 = 1, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
 
-/* 1 / sqrt(d) rounded to float, for d >= 1 (Newton's iteration in double: the library needs no libm). */
+/* 1 / sqrt(d) rounded to float, for d >= 1 (Newton's iteration in double: the library needs no libm).
+ * It starts at x itself, which is >= sqrt(x) for every x >= 1: from above, Newton's steps decrease
+ * until they reach sqrt(x), so the first step that does not decrease ends it. (A start at x / 2 is
+ * below sqrt(x) for x < 4: the first step rose and stopped it at once, so head_dim 2 and 3 got a
+ * scale of 1 and 2/3 instead of 1/sqrt(2) and 1/sqrt(3).) ~36 steps for d = 2^62. */
 static float inverse_sqrt(int64_t d) {
-  double x = (double)d, s = x > 1.0 ? x / 2.0 : 1.0;
+  double x = (double)d, s = x > 1.0 ? x : 1.0;
   for (int i = 0; i < 200; i++) {
     double next = 0.5 * (s + x / s);
     if (next >= s) break; /* from above it decreases until it reaches sqrt(x) */
