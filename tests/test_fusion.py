@@ -6,6 +6,9 @@ a pakv node or a model-local function. The exported models' counts are in test_h
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -106,6 +109,57 @@ def rotary_model(half: int = HALF) -> onnx.ModelProto:
     )  # fmt: skip
 
 
+def norm_model(exponent: float = 2.0) -> onnx.ModelProto:
+    """out = rms_norm(x) with no residual Add before it (the first layer's norm)."""
+    norm, extra = rms_norm_nodes("x", "out", exponent)
+    inits = [
+        const("last_axis", np.array([-1])),
+        const("eps", np.float32(1e-6)),
+        const("gamma", RNG.random(D, np.float32)),
+    ]
+    shape = [1, "S", D]
+    return model_of(
+        norm, [value("x", TensorProto.FLOAT, shape)], [value("out", TensorProto.FLOAT, shape)], inits + extra
+    )
+
+
+def token_major_rotary_model(batch: int = 1, out_shape=(-1, HEADS, D)) -> onnx.ModelProto:
+    """q and k ``[batch, S, H*D]`` viewed ``[batch, S, H, D]``, rotated with cos/sin unsqueezed at the
+    heads, viewed ``out_shape`` (pakv_onnx.models.hf.gqa's attention, exported)."""
+    angles = [
+        helper.make_node("Unsqueeze", ["positions", "axes02"], ["pos3"]),
+        helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["posf", "inv_freq"], ["freqs"]),
+        helper.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1),
+        helper.make_node("Cos", ["emb"], ["cos"]),
+        helper.make_node("Sin", ["emb"], ["sin"]),
+        helper.make_node("Unsqueeze", ["cos", "axis2"], ["cos4"]),
+        helper.make_node("Unsqueeze", ["sin", "axis2"], ["sin4"]),
+    ]
+    nodes = list(angles)
+    for name in ("q", "k"):
+        nodes.append(helper.make_node("Reshape", [name, "heads_shape"], [f"{name}4"]))
+        nodes += rotary_nodes(f"{name}4", f"{name}_rot4")
+        nodes.append(helper.make_node("Reshape", [f"{name}_rot4", "out_shape"], [f"{name}_rot"]))
+    inits = [
+        const("axes02", np.array([0, 2])), const("axis2", np.array([2])), const("axis3", np.array([3])),
+        const("zero", np.array([0])), const(f"split_{HALF}", np.array([HALF])), const("end", np.array([INT64_MAX])),
+        const("one", np.array([1])), const("inv_freq", (1.0 / 10000 ** (np.arange(HALF) / HALF)).astype(np.float32)),
+        const("heads_shape", np.array([batch, -1, HEADS, D])), const("out_shape", np.array(out_shape)),
+    ]  # fmt: skip
+    model = model_of(
+        nodes,
+        [value("q", TensorProto.FLOAT, [batch, "S", HEADS * D]), value("k", TensorProto.FLOAT, [batch, "S", HEADS * D]),
+         value("positions", TensorProto.INT64, ["S"])],
+        [value("q_rot", TensorProto.FLOAT, None), value("k_rot", TensorProto.FLOAT, None)],
+        inits,
+    )  # fmt: skip
+    for info in model.graph.value_info:  # the exporter knows the views keep S; ONNX's inference of -1 does not
+        if info.name in ("q4", "k4"):
+            info.type.tensor_type.shape.dim[1].dim_param = "S"
+    return model
+
+
 def structure(nodes) -> list[tuple]:
     """What nodes compute: domain, op, input and output names, attributes (not node names, which
     the rewriter gives to unnamed nodes)."""
@@ -158,6 +212,51 @@ def test_a_rotation_split_off_the_middle_is_left_alone() -> None:
     model = rotary_model(half=HALF - 1)
     fused, report = fuse_step(model)
     assert report.applied["rotary"] == 0
+    assert op_counts(fused) == op_counts(model)
+
+
+def test_a_bare_rms_norm_becomes_the_division_ort_fuses_at_load() -> None:
+    model = norm_model()
+    fused, report = fuse_step(model)
+    assert report.applied["rms_norm_div"] == 1
+    assert op_counts(fused) == {"Pow": 1, "ReduceMean": 1, "Add": 1, "Sqrt": 1, "Div": 1, "Mul": 1}
+    onnx.checker.check_model(fused, full_check=True)
+    assert_same_outputs(model, fused, {"x": RNG.standard_normal((1, 5, D), np.float32)})
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(Path(tempfile.mkdtemp()) / "loaded.onnx")
+    ort.InferenceSession(fused.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node] == [
+        "SimplifiedLayerNormalization"
+    ]
+
+
+def test_a_bare_norm_that_is_not_rms_is_left_alone() -> None:
+    model = norm_model(exponent=3.0)
+    fused, report = fuse_step(model)
+    assert report.applied["rms_norm_div"] == 0
+    assert op_counts(fused) == op_counts(model)
+
+
+def test_token_major_rotary_becomes_one_contrib_op_on_the_projection() -> None:
+    model = token_major_rotary_model()
+    fused, report = fuse_step(model)
+    assert report.applied["token_major_rotary"] == 2 and report.applied["rotary"] == 0
+    counts = op_counts(fused)
+    assert counts[f"{MS_DOMAIN}::RotaryEmbedding"] == 2 and counts["Cos"] == counts["Sin"] == 1
+    assert counts["Neg"] == counts["Slice"] == 0 and counts["Reshape"] == 3  # q's, k's and the angles' rows
+    onnx.checker.check_model(fused, full_check=True)
+    positions = np.array([7, 8, 300, 301, 302, 100_000], np.int64)  # ragged, far past any cache length
+    feeds = {name: RNG.standard_normal((1, 6, HEADS * D), np.float32) for name in ("q", "k")}
+    assert_same_outputs(model, fused, {**feeds, "positions": positions}, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"batch": 2}, {"out_shape": (0, -1, D)}], ids=["two-sequences", "output-shape-copies-a-dim"]
+)
+def test_token_major_rotary_near_misses_are_left_alone(kwargs) -> None:
+    model = token_major_rotary_model(**kwargs)
+    fused, report = fuse_step(model)
+    assert report.applied["token_major_rotary"] == 0
     assert op_counts(fused) == op_counts(model)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli, kernels
@@ -24,6 +25,7 @@ from pakv_onnx.models.hf import (
     build_model,
     check,
     compare,
+    export_step,
     generate_paged,
     generate_reference,
     make_workload,
@@ -261,3 +263,33 @@ def test_generate_cli_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, m
     assert rows["plugin:native"].rstrip().endswith("PASS")
     assert rows["plugin:broken"].rstrip().endswith("FAIL")
     assert out.rstrip().endswith("FAIL")
+
+
+def perturbed_norms(model):
+    """``model`` with every RMS norm weight drawn around 1 (transformers inits them all to ones, so
+    a fused norm wired to another norm's weight, or to none, would go unseen)."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
+    return model
+
+
+@pytest.mark.slow  # one export per arch
+@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+def test_fused_norms_read_their_own_weights(arch: str, tmp_path) -> None:
+    """The exported (fused) step of a model whose norm weights all differ generates like transformers."""
+    workload = make_workload(batch=3, new_tokens=6, vocab_size=build_model(arch, SEED).config.vocab_size, seed=7)
+    reference = generate_reference(perturbed_norms(build_model(arch, SEED)), workload)
+    step = PagedDecoderStep(perturbed_norms(build_model(arch, SEED)))
+    cache = new_cache(step.model.config, workload, BLOCK_SIZE, SEED)
+    for i in range(len(workload.prompts)):
+        cache.add_sequence(i)
+    _, _, feeds = step_inputs(cache, list(range(len(workload.prompts))), workload.prompts)
+    path = tmp_path / "step.onnx"
+    export_step(step, feeds, path)
+    session = check.make_runner_session("plugin:native", path)
+    result = generate_paged(session_step(session), new_cache(step.model.config, workload, BLOCK_SIZE, SEED), workload)
+    same, err = compare(result, reference)
+    assert same and err <= check.LOGIT_ATOL, f"{arch}: tokens same {same}, logit error {err:.3g}"

@@ -196,15 +196,17 @@ def step_slots(
 
     Token ``t`` of row ``b`` (``cu[b] <= t < cu[b+1]``) is at position ``past[b] + t - cu[b]``
     and goes to slot ``block_table[b, pos // block_size] * block_size + pos % block_size``.
-    Returns int64 ``(positions [N], slots [N])``.
+    Returns int32 ``(positions [N], slots [N])``: the inputs' own dtype, so the graph casts only
+    what its index ops need (every node of this prologue runs once per step, whatever N).
     """
-    cu = cumulative_sequence_lengths.to(torch.int64)
-    token = torch.arange(num_tokens)
-    row = (token[:, None] >= cu[1:][None, :]).sum(dim=-1)  # sequences ending at or before t
-    position = past_sequence_lengths.to(torch.int64).index_select(0, row) + token - cu.index_select(0, row)
-    column = torch.div(position, block_size, rounding_mode="floor")
-    block = block_table.to(torch.int64)[row, column]
-    return position, block * block_size + position % block_size
+    token = torch.arange(num_tokens, dtype=torch.int32)
+    row = (token[:, None] >= cumulative_sequence_lengths[1:]).sum(dim=-1)  # sequences ending at or before t
+    offset = past_sequence_lengths - cumulative_sequence_lengths[:-1]  # position of a row's token t: t + offset
+    position = offset.gather(0, row) + token  # (gather: index_select's export reshapes its index first)
+    # Floor division through fp32, as the exporter writes an integer floor division anyway (exact below
+    # 2^24 positions), cast straight to the int64 that GatherND's indices must be.
+    column = (position.to(torch.float32) / block_size).floor().to(torch.int64)
+    return position, block_table[row, column] * block_size + position % block_size
 
 
 class StepCache:
@@ -281,7 +283,10 @@ class FusedStepCache(StepCache):
         slots: torch.Tensor,
     ) -> None:
         super().__init__(key_pools, value_pools, block_table, cumulative_sequence_lengths, slots)
-        self.cumulative_sequence_lengths, self.past_sequence_lengths = cumulative_sequence_lengths, past_sequence_lengths
+        self.cumulative_sequence_lengths, self.past_sequence_lengths = (
+            cumulative_sequence_lengths,
+            past_sequence_lengths,
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer_idx)
@@ -291,10 +296,15 @@ class FusedStepCache(StepCache):
         """Layer ``layer_idx``'s attention: ``query`` ``[1, Hq, N, D]`` (transformers' head-major new
         tokens) over the layer's updated pools; returns ``[1, N, Hq, Dv]`` (what an attention
         function returns, in query's dtype)."""
+        out = self.attend_packed(layer_idx, query[0].transpose(0, 1), scaling)
+        return out.to(query.dtype).unsqueeze(0)
+
+    def attend_packed(self, layer_idx: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """One ``pakv::PagedAttention`` of ``query`` ``[N, Hq, D]`` (the new tokens, token-major) over
+        layer ``layer_idx``'s updated pools; returns ``[N, Hq, Dv]`` in the pools' dtype."""
         key_pool, value_pool = self.key_pools[layer_idx], self.value_pools[layer_idx]
-        q = query[0].transpose(0, 1).to(key_pool.dtype).contiguous()  # [N, Hq, D]
-        out = torch.ops.pakv.paged_attention(
-            q,
+        return torch.ops.pakv.paged_attention(
+            query.to(key_pool.dtype).contiguous(),
             key_pool,
             value_pool,
             self.block_table,
@@ -302,4 +312,3 @@ class FusedStepCache(StepCache):
             self.past_sequence_lengths,
             float(scaling or 0.0),
         )
-        return out.to(query.dtype).unsqueeze(0)

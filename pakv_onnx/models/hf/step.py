@@ -12,6 +12,9 @@ GQA decoders (Llama and the like: every model but MLA's) attend instead with one
 ``pakv::PagedAttention`` per layer over the updated pools, read in place through the block table
 (:class:`~pakv_onnx.models.hf.cache.FusedStepCache`; ``attention=``:data:`FUSED` of
 :class:`PagedDecoderStep`); DeepSeek-V3 (MLA) keeps the gather (:data:`GATHER`).
+Llama's attention then runs token-major (:mod:`~pakv_onnx.models.hf.gqa`: q/k/v ``[N, H, D]`` as
+the pakv ops read them, no transposes), and for the causal LMs of :data:`HEAD_OVER_HIDDEN` the
+step applies the LM head to each sequence's last hidden row itself (one Gather).
 
 Graph inputs (:func:`step_input_names`), the names og.Engine feeds: ``input_ids`` int64 ``[N]``,
 ``cumulative_sequence_lengths`` int32 ``[B+1]`` (cumulative new tokens), ``past_sequence_lengths``
@@ -55,6 +58,9 @@ FUSED_CACHE_KWARG = "pakv_fused_cache"
 FUSED, GATHER = "fused", "gather"
 FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
 LOGITS_BATCH_DIM = "batch_size"
+# Causal LMs whose logits are exactly ``lm_head`` of the decoder's (``.model``) last hidden states:
+# the step applies the head to each sequence's last row itself.
+HEAD_OVER_HIDDEN = frozenset({"LlamaForCausalLM", "DeepseekV3ForCausalLM"})
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -126,13 +132,20 @@ class PagedDecoderStep(torch.nn.Module):
         mla = bool(getattr(model.config, "kv_lora_rank", None))
         attention = attention or (GATHER if mla else FUSED)
         if attention not in (FUSED, GATHER) or (mla and attention == FUSED):
-            raise ValueError(f"attention must be {GATHER!r}{'' if mla else f' or {FUSED!r}'} for this model, got {attention!r}")
+            raise ValueError(
+                f"attention must be {GATHER!r}{'' if mla else f' or {FUSED!r}'} for this model, got {attention!r}"
+            )
 
         from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
 
         register_attention()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
+        if attention == FUSED:
+            from pakv_onnx.models.hf.gqa import token_major_attention
+
+            token_major_attention(model)  # Llama: q/k/v token-major, as the pakv ops read them
+        self.head_apart = type(model).__name__ in HEAD_OVER_HIDDEN
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
         self.attention = attention
@@ -157,15 +170,15 @@ class PagedDecoderStep(torch.nn.Module):
             kv_seq_lens = torch.cat((cu[:1], (past_sequence_lengths + new_counts).cumsum(0).to(cu.dtype)))
             cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
             attention_kwargs = {QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens}
-        last_rows = cu[1:].to(torch.int64) - 1  # each sequence's last new token
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            cache=cache,
-            logits_to_keep=last_rows,
-            **attention_kwargs,
-        )
-        return (out.logits[0], *cache.key_pools, *cache.value_pools)
+        inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "cache": cache}
+        last_rows = cu[1:] - 1  # each sequence's last new token
+        if self.head_apart:  # the head of those rows: a Gather, where logits_to_keep's tensor index is four nodes
+            hidden = self.model.model(**inputs, **attention_kwargs).last_hidden_state[0]
+            # embedding() of the rows: one Gather by the int32 rows (index_select's export adds a Reshape and a Cast).
+            logits = self.model.lm_head(torch.nn.functional.embedding(last_rows, hidden))
+        else:
+            logits = self.model(**inputs, logits_to_keep=last_rows.to(torch.int64), **attention_kwargs).logits[0]
+        return (logits, *cache.key_pools, *cache.value_pools)
 
 
 def step_feeds(cache: PagedKVCache, layout: StepLayout, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
