@@ -76,6 +76,7 @@ class CacheMode(str, enum.Enum):
 DEFAULT_CACHE_MODE = CacheMode.NORM
 DEFAULT_IS_SEQ_LENS_CUMSUM = True
 
+
 @dataclasses.dataclass(frozen=True)
 class OpSignature:
     """One op's signature: the tensor inputs in order (optional ones may be None), then the
@@ -209,7 +210,9 @@ def cache_dtype(name_or_dtype: str | torch.dtype) -> DType:
         return table[name_or_dtype]
     except KeyError:
         allowed = ", ".join(d.name for d in CACHE_DTYPES)
-        raise ValueError(f"no cache dtype of the contract is called {name_or_dtype} (the cache dtypes: {allowed})") from None
+        raise ValueError(
+            f"no cache dtype of the contract is called {name_or_dtype} (the cache dtypes: {allowed})"
+        ) from None
 
 
 def index_dtype(dtype: torch.dtype) -> DType:
