@@ -15,6 +15,8 @@ independent reference for tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._higher_order_ops.while_loop import while_loop
 
@@ -84,47 +86,14 @@ def ragged_attention(
         fp32 ``[N, H, Dv]``. Peak memory holds one sequence's ``[H, n_q, p_q + n_q]`` scores.
     """
     tok = 1 if heads_first else 0  # the token axis
-    spec_scores, spec_out = ("htd,hsd->hts", "hts,hsd->htd") if heads_first else ("thd,shd->hts", "hts,shd->thd")
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_cu = query_seq_lens.to(torch.int64)
-    p_cu = past_seq_lens.to(torch.int64)
-    # Only sequences with new tokens: an empty one has nothing to compute (and zero-row
-    # attention makes ORT's Loop body divide by zero).
-    active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
-    bounds = torch.stack((q_cu[:-1], q_cu[1:], p_cu[:-1], p_cu[1:]), dim=1).index_select(0, active)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # [N, H, Dv] or [H, N, Dv]
 
-    def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return i < bounds.shape[0]
-
-    def one_sequence(i: torch.Tensor, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        row = bounds.index_select(0, i.reshape(1)).reshape(4)
-        q_start, q_end, p_start, p_end = (row[j].item() for j in range(4))
-        torch._check(q_start >= 0)
-        torch._check(q_end > q_start)
-        torch._check(p_start >= 0)
+    def key_rows_of(query_rows: torch.Tensor, new: int, p_start: int, p_end: int) -> tuple[torch.Tensor, int]:
         torch._check(p_end >= p_start)
-        query_rows = torch.arange(q_start, q_end)
         # Shapes read here, not closed over: dynamo cannot lift an unbacked size into the loop body.
         num_past = k.shape[tok] - q.shape[tok]
-        key_rows = torch.cat((torch.arange(p_start, p_end), query_rows + num_past))
-        past = p_end - p_start
-        scores = torch.einsum(spec_scores, q.index_select(tok, query_rows), k.index_select(tok, key_rows)) * scale
-        key_pos = torch.arange(key_rows.shape[0])
-        query_pos = torch.arange(query_rows.shape[0]) + past
-        allowed = key_pos[None, :] <= query_pos[:, None]
-        probs = torch.softmax(scores.masked_fill(~allowed[None], float("-inf")), dim=-1)
-        attended = torch.einsum(spec_out, probs, v.index_select(tok, key_rows))
-        return i + 1, out.index_copy(tok, query_rows, attended)
+        return torch.cat((torch.arange(p_start, p_end), query_rows + num_past)), p_end - p_start
 
-    i = torch.zeros((), dtype=torch.int64)
-    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
-        _, out = while_loop(more, one_sequence, (i, out))
-        return out
-    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
-    while bool(more(i, out)):
-        i, out = one_sequence(i, out)
-    return out
+    return _per_sequence(q, k, v, query_seq_lens, past_seq_lens, key_rows_of, scale, heads_first)
 
 
 def cached_ragged_attention(
@@ -154,14 +123,38 @@ def cached_ragged_attention(
     Returns:
         fp32 ``[N, H, Dv]`` (``[H, N, Dv]`` head-major). Peak memory holds one sequence's scores.
     """
-    tok = 1 if heads_first else 0
+
+    def key_rows_of(query_rows: torch.Tensor, new: int, kv_start: int, kv_end: int) -> tuple[torch.Tensor, int]:
+        torch._check(kv_end - kv_start >= new)
+        return torch.arange(kv_start, kv_end), (kv_end - kv_start) - new
+
+    return _per_sequence(q, k, v, query_seq_lens, kv_seq_lens, key_rows_of, scale, heads_first)
+
+
+def _per_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    query_seq_lens: torch.Tensor,
+    kv_seq_lens: torch.Tensor,
+    key_rows_of: Callable[[torch.Tensor, int, int, int], tuple[torch.Tensor, int]],
+    scale: float | None,
+    heads_first: bool,
+) -> torch.Tensor:
+    """The loop both ragged forms run: for each sequence i with new tokens (query rows
+    ``query_seq_lens[i] ..`` ``[i+1]``, ``new`` of them), ``key_rows_of(query_rows, new,
+    kv_seq_lens[i], kv_seq_lens[i+1])`` gives its key rows and how many precede its first query
+    (``past``); query ``j`` attends to key rows ``0 .. past + j``.
+    A ``torch.while_loop`` when traced (an ONNX ``Loop``), a Python loop over the same body in eager."""
+    tok = 1 if heads_first else 0  # the token axis
     spec_scores, spec_out = ("htd,hsd->hts", "hts,hsd->htd") if heads_first else ("thd,shd->hts", "hts,shd->thd")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_cu = query_seq_lens.to(torch.int64)
-    kv_cu = kv_seq_lens.to(torch.int64)
+    q_cu, kv_cu = query_seq_lens.to(torch.int64), kv_seq_lens.to(torch.int64)
+    # Only sequences with new tokens: an empty one has nothing to compute (and zero-row
+    # attention makes ORT's Loop body divide by zero).
     active = torch.nonzero(q_cu[1:] > q_cu[:-1]).flatten()
     bounds = torch.stack((q_cu[:-1], q_cu[1:], kv_cu[:-1], kv_cu[1:]), dim=1).index_select(0, active)
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])  # [N, H, Dv] or [H, N, Dv]
 
     def more(i: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return i < bounds.shape[0]
@@ -172,10 +165,8 @@ def cached_ragged_attention(
         torch._check(q_start >= 0)
         torch._check(q_end > q_start)
         torch._check(kv_start >= 0)
-        torch._check(kv_end - kv_start >= q_end - q_start)
         query_rows = torch.arange(q_start, q_end)
-        key_rows = torch.arange(kv_start, kv_end)
-        past = (kv_end - kv_start) - (q_end - q_start)
+        key_rows, past = key_rows_of(query_rows, q_end - q_start, kv_start, kv_end)
         scores = torch.einsum(spec_scores, q.index_select(tok, query_rows), k.index_select(tok, key_rows)) * scale
         key_pos = torch.arange(key_rows.shape[0])
         query_pos = torch.arange(query_rows.shape[0]) + past
@@ -188,6 +179,7 @@ def cached_ragged_attention(
     if torch.compiler.is_exporting() or torch.compiler.is_compiling():
         _, out = while_loop(more, one_sequence, (i, out))
         return out
+    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
     while bool(more(i, out)):
         i, out = one_sequence(i, out)
     return out
