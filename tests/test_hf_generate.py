@@ -293,3 +293,27 @@ def test_fused_norms_read_their_own_weights(arch: str, tmp_path) -> None:
     result = generate_paged(session_step(session), new_cache(step.model.config, workload, BLOCK_SIZE, SEED), workload)
     same, err = compare(result, reference)
     assert same and err <= check.LOGIT_ATOL, f"{arch}: tokens same {same}, logit error {err:.3g}"
+
+
+@pytest.mark.slow  # one export
+def test_the_gather_form_of_a_gqa_step_generates_like_transformers(tmp_path) -> None:
+    """``attention="gather"`` (GatherPaKvCache, then a Loop of standard ops per sequence: the form the
+    fused PagedAttention replaced, kept for comparison) in eager torch and exported to ORT."""
+    workload = make_workload(batch=3, new_tokens=4, vocab_size=256, seed=3)
+    reference = generate_reference(build_model("llama", SEED), workload)
+    step = PagedDecoderStep(build_model("llama", SEED), attention="gather")
+    eager = generate_paged(
+        lambda feeds: run_step_torch(step, feeds), new_cache(step.model.config, workload, 4, SEED), workload
+    )
+    cache = new_cache(step.model.config, workload, 4, SEED)
+    for i in range(len(workload.prompts)):
+        cache.add_sequence(i)
+    _, _, feeds = step_inputs(cache, list(range(len(workload.prompts))), workload.prompts)
+    path = tmp_path / "step.onnx"
+    model = export_step(step, feeds, path)
+    assert [n.op_type for n in pakv_nodes(model.graph)] == ["ScatterPaKvCache", "GatherPaKvCache"] * 2
+    session = check.make_runner_session("plugin:native", path)
+    exported = generate_paged(session_step(session), new_cache(step.model.config, workload, 4, SEED), workload)
+    for result in (eager, exported):
+        same, err = compare(result, reference)
+        assert same and err <= check.LOGIT_ATOL, f"tokens same {same}, logit error {err:.3g}"
