@@ -188,21 +188,26 @@ def make_schema() -> onnx.defs.OpSchema:
     there the schema still gives the checker the names, types and attributes, and shape inference
     leaves the outputs as declared.
     """
-    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)  # onnx >= 1.17
-    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
-    schema = onnx.defs.OpSchema(
+    return _op_schema(
         OP_TYPE,
-        DOMAIN,
-        OPSET_VERSION,
         _DOC,
         inputs=_formal_inputs(),
         outputs=[onnx.defs.OpSchema.FormalParameter(name, _OUTPUT_T[name]) for name in OUTPUT_NAMES],
         type_constraints=_type_constraints(),
         attributes=_attributes(),
-        **extra,
+        infer=_infer,
     )
-    if hasattr(schema, "set_type_and_shape_inference_function"):  # onnx >= 1.17
-        schema.set_type_and_shape_inference_function(_infer)
+
+
+def _op_schema(op_type: str, doc: str, *, infer, **parameters) -> onnx.defs.OpSchema:
+    """An OpSchema of the pakv domain: deterministic and with ``infer`` as its shape inference where
+    this onnx has them (>= 1.17; onnx 1.16 takes neither, see :func:`make_schema`)."""
+    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
+    if determinism is not None:
+        parameters["node_determinism"] = determinism.Deterministic
+    schema = onnx.defs.OpSchema(op_type, DOMAIN, OPSET_VERSION, doc, **parameters)
+    if hasattr(schema, "set_type_and_shape_inference_function"):
+        schema.set_type_and_shape_inference_function(infer)
     return schema
 
 
@@ -227,13 +232,9 @@ def _infer_scatter(ctx) -> None:
 
 def make_scatter_schema() -> onnx.defs.OpSchema:
     """A fresh OpSchema for ScatterPaKvCache (not registered); see :func:`make_schema` for old onnx."""
-    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
-    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
     cache_types = [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES]
-    schema = onnx.defs.OpSchema(
+    return _op_schema(
         SCATTER.op_type,
-        DOMAIN,
-        OPSET_VERSION,
         _SCATTER_DOC,
         inputs=[onnx.defs.OpSchema.FormalParameter(n, _SCATTER_T[n]) for n in SCATTER.input_names],
         outputs=[onnx.defs.OpSchema.FormalParameter(n, t) for n, t in zip(SCATTER.output_names, ("TK", "TV"))],
@@ -243,11 +244,8 @@ def make_scatter_schema() -> onnx.defs.OpSchema:
             ("TS", [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES], "slot_mapping index type"),
         ],
         attributes=[_attributes()[0]],
-        **extra,
+        infer=_infer_scatter,
     )
-    if hasattr(schema, "set_type_and_shape_inference_function"):
-        schema.set_type_and_shape_inference_function(_infer_scatter)
-    return schema
 
 
 # --------------------------------------------------------------------------- #
@@ -282,18 +280,18 @@ def _infer_attention(ctx) -> None:
 
 def make_attention_schema() -> onnx.defs.OpSchema:
     """A fresh OpSchema for PagedAttention (not registered); see :func:`make_schema` for old onnx."""
-    determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
-    extra = {"node_determinism": determinism.Deterministic} if determinism is not None else {}
     index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
-    schema = onnx.defs.OpSchema(
+    return _op_schema(
         ATTENTION.op_type,
-        DOMAIN,
-        OPSET_VERSION,
         _ATTENTION_DOC,
         inputs=[onnx.defs.OpSchema.FormalParameter(n, _ATTENTION_T[n]) for n in ATTENTION.input_names],
         outputs=[onnx.defs.OpSchema.FormalParameter(ATTENTION.output_names[0], "T")],
         type_constraints=[
-            ("T", [onnx_type_str(d.onnx_type) for d in ATTENTION_DTYPES], "query, key_cache, value_cache and output type"),
+            (
+                "T",
+                [onnx_type_str(d.onnx_type) for d in ATTENTION_DTYPES],
+                "query, key_cache, value_cache and output type",
+            ),
             ("TB", list(index_types), "block_table index type"),
             ("TC", list(index_types), "cumulative_sequence_lengths index type"),
             ("TP", list(index_types), "past_sequence_lengths index type"),
@@ -305,11 +303,8 @@ def make_attention_schema() -> onnx.defs.OpSchema:
                 "the scores' scale; 0 (the default) means 1 / sqrt(head_dim)",
             )
         ],
-        **extra,
+        infer=_infer_attention,
     )
-    if hasattr(schema, "set_type_and_shape_inference_function"):
-        schema.set_type_and_shape_inference_function(_infer_attention)
-    return schema
 
 
 def register_schema() -> onnx.defs.OpSchema:
