@@ -6,13 +6,18 @@
   model and its inputs keyed by the model's input names.
 * :func:`parallel_copies` — independent copies of a model's node in one graph (ORT_PARALLEL).
 * :func:`pakv_nodes` — a graph's ``pakv`` nodes in order, subgraphs' (a Loop body's) in their node's place.
+* :func:`plugin_refusal` — what the plugin says of one call of a one-node model (a refusal's message).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import onnx
 import torch
+from conftest import ORT_ERRORS
 
+from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase
 from pakv_onnx.export import make_gather_model, make_gather_model_for
 from pakv_onnx.spec import INPUT_NAMES
@@ -83,3 +88,20 @@ def pakv_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
             if attribute.type == onnx.AttributeProto.GRAPH:
                 found += pakv_nodes(attribute.g)
     return found
+
+
+def plugin_refusal(
+    make_model: Callable[[], onnx.ModelProto], names: Sequence[str], tensors: Sequence[torch.Tensor], backend: str
+) -> str | None:
+    """Run ``make_model()`` once on ``tensors`` (fed as ``names``) in a plugin session of ``backend``:
+    the ORT error's message, ``""`` if the call ran, or ``None`` if ORT refused the session itself (a
+    dtype outside the op's type constraints, which is not the plugin's answer)."""
+    try:
+        session = runtime_plugin.make_session(make_model(), backend=backend)
+    except Exception:  # noqa: BLE001 - refused at session creation, before the plugin sees a call
+        return None
+    try:
+        runtime_plugin.run(session, dict(zip(names, tensors)))
+    except ORT_ERRORS as err:
+        return str(err)
+    return ""

@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ORT_ERRORS
+from onnx_graphs import plugin_refusal
 
 import pakv_onnx
 from pakv_onnx import runtime_plugin
@@ -310,15 +311,8 @@ def _ort_refusal(inputs: dict, scale: object, backend: str) -> str | None:
     tensors = [inputs[n] for n in ATTENTION.input_names]
     if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors) or not isinstance(scale, float):
         return None
-    try:
-        session = runtime_plugin.make_session(make_attention_model_for(*tensors, scale=scale, fallback=False, opset_version=17), backend=backend)
-    except Exception:  # noqa: BLE001 - a dtype outside the op's type constraints is refused at session creation
-        return None
-    try:
-        runtime_plugin.run(session, dict(zip(ATTENTION.input_names, tensors)))
-    except ORT_ERRORS as err:
-        return str(err)
-    return ""
+    model = lambda: make_attention_model_for(*tensors, scale=scale, fallback=False, opset_version=17)  # noqa: E731
+    return plugin_refusal(model, ATTENTION.input_names, tensors, backend)
 
 
 @pytest.mark.parametrize("name", list(refusals()))

@@ -11,6 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import ORT_ERRORS
+from onnx_graphs import plugin_refusal
 from per_token_reference import scatter_per_token
 
 import pakv_onnx
@@ -164,15 +165,8 @@ def _ort_refusal(inputs: dict, mode: str, backend: str) -> str | None:
         return None
     if len({t.data_ptr() for t in tensors[2:4]}) < 2:
         return None  # two graph inputs cannot be one buffer through the Python API
-    try:
-        session = runtime_plugin.make_session(make_scatter_model_for(*tensors, cache_mode=mode, fallback=False, opset_version=17), backend=backend)
-    except Exception:  # noqa: BLE001 - a dtype outside the op's type constraints is refused at session creation
-        return None
-    try:
-        runtime_plugin.run(session, dict(zip(SCATTER.input_names, tensors)))
-    except ORT_ERRORS as err:
-        return str(err)
-    return ""
+    model = lambda: make_scatter_model_for(*tensors, cache_mode=mode, fallback=False, opset_version=17)  # noqa: E731
+    return plugin_refusal(model, SCATTER.input_names, tensors, backend)
 
 
 @pytest.mark.parametrize("name", list(refusals()))
