@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from pakv_onnx import __version__
+from pakv_onnx.commands import _args
 
 # One line per subcommand, in --help order.
 COMMAND_MODULES = (
@@ -31,7 +32,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.cache",
 )
 
-EXIT_USAGE = 2
+EXIT_USAGE = _args.EXIT_USAGE
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 # OSErrors that mean "this machine's files are not as the run needs" rather than a bug.
@@ -74,16 +75,28 @@ def _cache_hint(filename: str) -> str:
     return f" (in the pakv-onnx cache: set {CACHE_DIR_ENV} to a writable directory)" if inside else ""
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """argparse's parse, except that an unknown option before the command is named as such (argparse
+    alone says only that COMMAND is missing). Raises SystemExit as argparse does."""
+    parser = build_parser()
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized arguments: {argv[0]} (a command comes first: pakv-onnx COMMAND [options])")
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code (see the module docstring)."""
-    if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
-        print(f"pakv-onnx {__version__}")  # without loading the subcommands (and torch)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:
+        print(f"pakv-onnx {__version__}")  # without loading the subcommands
         return 0
+    command = None
     try:
         try:
-            args = build_parser().parse_args(argv)
+            args = parse(argv)
         except SystemExit as done:  # --help, --version, or argparse's usage error (2)
             return 0 if done.code is None else int(done.code)
+        command = args.command
         return args.run(args)
     except KeyboardInterrupt:
         print("pakv-onnx: interrupted", file=sys.stderr)
@@ -92,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = environment_message(err)
         if message is None:
             raise
-        print(f"pakv-onnx: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+        return _args.usage_error(command, message)
 
 
 if __name__ == "__main__":

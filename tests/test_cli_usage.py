@@ -54,6 +54,48 @@ def test_a_backend_that_cannot_run_here_is_refused_with_its_reason(
     assert f"backend 'pypto' cannot run here: {reason}" in err and "backends that can: native" in err
 
 
+# --help of every command, and usage errors argparse or a command finds before any work.
+TORCH_FREE_ARGVS = [
+    ["--help"],
+    *([m.rsplit(".", 1)[1].replace("_", "-"), "--help"] for m in cli.COMMAND_MODULES),
+    ["--bogus"],
+    [],
+    ["demo", "--repeats", "0"],
+    ["demo", "--model", "vit"],
+    ["cases", "level0", "nope"],
+    ["cases", "--backend", "fastest"],
+    ["generate"],
+    ["generate", "--arch", "llama", "--batch", "99"],
+    ["export", "no-such-folder", "out"],
+    ["tune", "--dtype", "float64"],
+    ["verify-kernel", "--device", "gpu"],
+]
+
+
+def test_help_and_usage_errors_do_not_import_torch() -> None:
+    """``--help`` and a usage error answer at once: the parsers need neither torch nor any model."""
+    script = f"""
+import contextlib, io, sys
+from pakv_onnx import cli
+heavy = ("torch", "transformers", "onnx", "onnxruntime", "numpy")
+for argv in {TORCH_FREE_ARGVS!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        code = cli.main(argv)
+    assert code in (0, 2), (argv, code, err.getvalue())
+    assert code == 0 or "error:" in err.getvalue(), (argv, err.getvalue())
+    loaded = [name for name in heavy if name in sys.modules]
+    assert not loaded, (argv, "imported", loaded)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--bogus"]) == 2
+    assert "pakv-onnx: error: unrecognized arguments: --bogus" in _err(capsys)
+
+
 def test_version(capsys: pytest.CaptureFixture) -> None:
     assert cli.main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"pakv-onnx {pakv_onnx.__version__}"
@@ -102,6 +144,95 @@ def _run_cli(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = N
     )
 
 
+# --------------------------------------------------------------------------- #
+# export: HF_DIR and OUT_DIR checked before torch or any weight is loaded
+# --------------------------------------------------------------------------- #
+def _model_folder(path: Path, *, weights: bool = True) -> Path:
+    """A folder with a Llama config.json and (``weights``) an empty weights file: enough for the checks."""
+    from pakv_onnx.models.hf import make_config
+
+    make_config("llama").save_pretrained(path)
+    if weights:
+        (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_export_refuses_a_folder_without_weights_in_one_line(tmp_path: Path) -> None:
+    hf = _model_folder(tmp_path / "hf", weights=False)
+    result = _run_cli("export", str(hf), str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pakv-onnx export: error: {hf}: no weights (none of model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin, pytorch_model.bin.index.json; nothing is downloaded)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("full", "full: exists and is not empty; pass --force to write into it"),
+        ("a-file", "a-file: exists and is not a folder"),
+        ("a-file/out", "a-file/out: {tmp}/a-file is not a folder"),
+        ("hf", "hf: OUT_DIR is HF_DIR"),
+    ],
+)
+def test_export_refuses_an_out_dir_it_must_not_write(
+    out: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pakv_onnx.models.hf import genai
+
+    monkeypatch.setattr(genai, "load_hf_config", lambda hf_dir: pytest.fail("read the model before refusing OUT_DIR"))
+    _model_folder(tmp_path / "hf")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["export", "hf", out]) == 2
+    err = _err(capsys).strip()
+    assert err.startswith(f"pakv-onnx export: error: {message.format(tmp=tmp_path)}") and "\n" not in err
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_export_writes_into_an_empty_or_forced_out_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pakv_onnx.models.hf import genai
+
+    reached = []
+
+    def fake_export(hf_dir, out_dir, **options):
+        reached.append(Path(out_dir).name)
+        raise genai.UnsupportedModelError("stop here")
+
+    monkeypatch.setattr(genai, "export_genai", fake_export)
+    hf = _model_folder(tmp_path / "hf")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "model.onnx").write_text("an earlier export")
+    for argv in (["empty"], ["new/nested"], ["full", "--force"]):
+        assert cli.main(["export", str(hf), str(tmp_path / argv[0]), *argv[1:]]) == 2
+        assert _err(capsys).strip() == "pakv-onnx export: error: stop here"
+    assert reached == ["empty", "nested", "full"]
+
+
+def test_export_refuses_a_model_without_a_kv_geometry_before_its_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import GPT2Config
+
+    from pakv_onnx.models.hf import genai
+
+    monkeypatch.setattr(genai, "load_hf_model", lambda hf_dir: pytest.fail("loaded the weights before refusing"))
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
+    assert cli.main(["export", str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
+    err = _err(capsys)
+    assert "pakv-onnx export: error: gpt2 (GPT2Config): its config has no num_key_value_heads;" in err
+    assert "AttributeError" not in err and "object has no attribute" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cache_command_with_empty_home_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     env = {"HOME": "", "XDG_CACHE_HOME": ""}
     result = subprocess.run(
@@ -114,8 +245,8 @@ def test_cache_command_with_empty_home_is_one_line_not_a_traceback(tmp_path: Pat
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "pakv-onnx: error: cannot place the pakv-onnx cache: HOME is empty; set PAKV_ONNX_CACHE_DIR to a writable "
-        "directory"
+        "pakv-onnx cache: error: cannot place the pakv-onnx cache: HOME is empty; set PAKV_ONNX_CACHE_DIR to a "
+        "writable directory"
     ]
 
 

@@ -329,7 +329,8 @@ def test_no_fuse_reaches_the_step_export(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     monkeypatch.setattr(genai, "export_step", fake_export_step)
     monkeypatch.setattr(genai, "load_hf_model", lambda hf_dir: build_model("llama"))
-    (tmp_path / "config.json").write_text("{}")
+    build_model("llama").config.save_pretrained(tmp_path)  # the export reads the config before the weights
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: load_hf_model is the fake above
     for extra in ([], ["--no-fuse"]):
         with pytest.raises(Stop):
             cli.main(["export", str(tmp_path), str(tmp_path / "out"), *extra])

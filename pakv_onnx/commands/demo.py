@@ -72,13 +72,11 @@ def run(args: argparse.Namespace) -> int:
     graphs = demo.MODEL_CHOICES[args.model]
     need, have = demo.estimated_peak_bytes(graphs, args.tokens, seed=args.seed), _physical_memory_bytes()
     if have and need > have:
-        print(
-            f"pakv-onnx demo: error: --tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs "
-            f"attend per sequence: memory grows with the longest sequence squared) but this machine has "
-            f"{have / 2**30:.0f} GiB",
-            file=sys.stderr,
+        return _args.usage_error(
+            "demo",
+            f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs attend per sequence: "
+            f"memory grows with the longest sequence squared) but this machine has {have / 2**30:.0f} GiB",
         )
-        return 2
 
     def progress(message: str) -> None:
         print(f"  .. {message}", file=sys.stderr, flush=True)
@@ -88,8 +86,7 @@ def run(args: argparse.Namespace) -> int:
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX if args.out else "pakv-onnx-demo-", dir=args.out))
     except OSError as err:
         where = args.out or "the temporary directory (TMPDIR)"
-        print(f"pakv-onnx demo: error: cannot write to {where}: {err.strerror or err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("demo", f"cannot write to {where}: {err.strerror or err}")
     try:
         all_passed = True
         for name in graphs:

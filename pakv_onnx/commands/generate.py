@@ -20,8 +20,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from pakv_onnx.models.hf import check  # imports transformers: only when the command runs
     except ImportError as err:
-        print(f"error: pakv-onnx generate needs transformers (pip install 'pakv-onnx[hf]'): {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
 
     def progress(message: str) -> None:
         print(f"  .. {message}", file=sys.stderr, flush=True)
@@ -62,9 +61,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=(
             "Build a small transformers decoder with seeded random weights (no downloads): Llama-style "
             "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer writes the step's K/V into its "
-            "paged block pools with pakv::ScatterPaKvCache and reads past + new back through "
-            "pakv::GatherPaKvCache, inside the graph (ORT GenAI's paged inputs and outputs; the pools are "
-            "bound in place). One model step (prefill and decode share it) is "
+            "paged block pools with pakv::ScatterPaKvCache and reads past + new from the updated pools, "
+            "inside the graph (Llama: one pakv::PagedAttention over the pools; DeepSeek-V3: "
+            "pakv::GatherPaKvCache of each sequence's latent; ORT GenAI's paged inputs and outputs, the "
+            "pools bound in place). One model step (prefill and decode share it) is "
             "exported to ONNX and drives greedy generation for a batch of prompts of different lengths "
             "(sequences finish at different steps and return their blocks) on each runner: the plugin "
             "with each --backend, plugin:pypto-cpu when that backend is registered and the case is "
