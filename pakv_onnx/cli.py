@@ -6,7 +6,8 @@ Each subcommand is one module of :mod:`pakv_onnx.commands` with ``add_parser(sub
 Exit codes, the same in every command: 0 success; 1 a check failed; 2 a usage error (argparse's
 code: bad arguments, unknown case ids, a backend that cannot run here) or an environment problem
 this run cannot get past (an unwritable directory, no place for the cache), printed as one line;
-130 interrupted (Ctrl-C), also one line, never a traceback.
+130 interrupted (Ctrl-C), also one line, never a traceback, within seconds wherever the command was
+(:mod:`pakv_onnx.commands._interrupt`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from pakv_onnx import __version__
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 # One line per subcommand, in --help order.
 COMMAND_MODULES = (
@@ -33,7 +34,7 @@ COMMAND_MODULES = (
 )
 
 EXIT_USAGE = _args.EXIT_USAGE
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_INTERRUPTED = _interrupt.EXIT_INTERRUPTED
 
 # OSErrors that mean "this machine's files are not as the run needs" rather than a bug.
 ENVIRONMENT_ERRNOS = frozenset(
@@ -90,22 +91,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv == ["--version"]:
         print(f"pakv-onnx {__version__}")  # without loading the subcommands
         return 0
-    command = None
-    try:
+    with _interrupt.handling() as interrupt:
+        command = None
         try:
-            args = parse(argv)
-        except SystemExit as done:  # --help, --version, or argparse's usage error (2)
-            return 0 if done.code is None else int(done.code)
-        command = args.command
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("pakv-onnx: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as err:
-        message = environment_message(err)
-        if message is None:
-            raise
-        return _args.usage_error(command, message)
+            try:
+                args = parse(argv)
+            except SystemExit as done:  # --help, --version, or argparse's usage error (2)
+                if not interrupt.requested:
+                    return 0 if done.code is None else int(done.code)
+                raise
+            command = args.command
+            return args.run(args)
+        except BaseException as err:
+            # Plain attribute reads and a store first: nothing here lets a pending SIGINT run its handler.
+            if interrupt.requested:  # whatever Ctrl-C turned into on its way here (see _interrupt)
+                interrupt.acknowledged = True
+                print(_interrupt.MESSAGE, file=sys.stderr)
+                return EXIT_INTERRUPTED
+            message = environment_message(err) if isinstance(err, OSError) else None
+            if message is None:
+                raise
+            return _args.usage_error(command, message)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch
 
 import pakv_onnx
 from pakv_onnx import cli, kernels, paths
+from pakv_onnx.commands import _interrupt
 from pakv_onnx.cases import seeded_randn
 
 
@@ -362,6 +363,73 @@ def test_ctrl_c_in_demo_leaves_no_partial_output(tmp_path: Path) -> None:
     )
     assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "pakv-onnx: interrupted"
     assert list(out_dir.iterdir()) == []  # the staging directory is gone, no half-written model
+
+
+# A command whose body does what libraries do to a KeyboardInterrupt (commands/_interrupt.py), run
+# through cli.main in a child: `swallow` drops every one (a weakref callback, forever), `once` drops
+# the first and works on, `convert` turns it into another exception, `stuck` sits in a call that
+# ignores it. Each prints "started" (and creates the folder argv[2] names, registered for a hard exit).
+_MISBEHAVING = r"""
+import os, shutil, sys, time, types
+from pakv_onnx import cli
+from pakv_onnx.commands import _args, _interrupt
+
+def run(args):
+    os.makedirs(args.folder)
+    _interrupt.on_hard_exit(lambda: shutil.rmtree(args.folder, ignore_errors=True))
+    announced, dropped = [], 0
+
+    def work():  # "started" from inside the try blocks below: every Ctrl-C after it meets the handlers
+        if not announced:
+            announced.append(print("started", flush=True))
+        time.sleep(0.01)
+
+    while True:
+        try:
+            while args.how == "stuck":
+                try:
+                    work()
+                except KeyboardInterrupt:
+                    pass
+            work()
+        except KeyboardInterrupt:
+            dropped += 1
+            if args.how == "convert":
+                raise AttributeError("module 'torch._dynamo' has no attribute 'exc'")
+            if args.how == "once" and dropped > 1:
+                raise
+            print(f"dropped {dropped}", file=sys.stderr, flush=True)
+
+def add_parser(commands):
+    parser = _args.add_command(commands, "misbehave", help="test", description="test", examples=[""])
+    parser.add_argument("how")
+    parser.add_argument("folder")
+    parser.set_defaults(run=run)
+
+sys.modules["misbehaving"] = types.SimpleNamespace(add_parser=add_parser)
+cli.COMMAND_MODULES += ("misbehaving",)
+sys.exit(cli.main(["misbehave", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("how", ["once", "convert", "swallow", "stuck"])
+def test_ctrl_c_ends_a_command_whatever_a_library_does_with_it(how: str, tmp_path: Path) -> None:
+    folder = tmp_path / "work"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _MISBEHAVING, how, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == "started\n"
+    process.send_signal(signal.SIGINT)
+    start = time.perf_counter()
+    _out, err = process.communicate(timeout=60)
+    seconds = time.perf_counter() - start
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "pakv-onnx: interrupted" and "Traceback" not in err, err
+    if how in ("swallow", "stuck"):  # never caught: the hard exit, with its cleanups
+        assert _interrupt.HARD_EXIT_SECONDS <= seconds < 30 and not folder.exists(), (seconds, err)
+    else:  # re-raised (once) or any exception after Ctrl-C (convert): ends through cli.main
+        assert seconds < 30 and folder.exists()
+    assert ("dropped 1" in err) == (how in ("once", "swallow"))
 
 
 def test_seed_caches_are_generated_in_chunks_bit_for_bit() -> None:

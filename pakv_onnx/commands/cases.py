@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from pakv_onnx import kernels, seed_sweep  # neither imports torch: --help and usage errors stay quick
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 from pakv_onnx.commands._report import case_line, totals_line
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     builders += [(f"random-{args.seed + i}", lambda s=args.seed + i: random_case(s)) for i in range(args.random)]
     failures, ran = 0, []
     for index, (case_id, build) in enumerate(builders, 1):
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run before the next case
         start = time.perf_counter()
         case = build()
         try:

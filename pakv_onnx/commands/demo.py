@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 STAGING_PREFIX = ".pakv-onnx-partial-"
 
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     try:
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         where = args.out or "the temporary directory (TMPDIR)"
         return _args.usage_error("demo", f"cannot write to {where}: {err.strerror or err}")
+    _interrupt.on_hard_exit(lambda: shutil.rmtree(staging, ignore_errors=True))
     try:
         all_passed = True
         for name in graphs:

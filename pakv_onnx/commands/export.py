@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 MAX_BLOCK_SIZE = 1024
 # The weight files AutoModelForCausalLM.from_pretrained reads from a local folder (one of them).
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return _args.usage_error("export", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     try:

@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 ARCH_CHOICES = ("llama", "deepseek")  # models.hf.configs.ARCHS (not imported to parse; a test ties them)
 MAX_BATCH = 32
@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
         return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="pakv-onnx-generate-") as tmp:
