@@ -184,7 +184,7 @@ def run_graph(
         (
             f"plugin:{name}",
             lambda name=name: runtime_plugin.make_session(path, backend=name),
-            1 if name == PYPTO_CPU else repeats,  # about a second per call: one timed run
+            1 if name == PYPTO_CPU else repeats,  # seconds per call: one timed run
         )
         for name in names
     ]

@@ -29,7 +29,7 @@ from pakv_onnx.validator import plan_gather
 LOGIT_ATOL = 1e-4
 STOCK_ORT = "stock-ort"
 PYPTO_CPU = "pypto-cpu"
-# pypto-cpu compiles and interprets the kernel on every call (about a second or more): run it only
+# pypto-cpu compiles and interprets the kernel on every call (1-5 s each on the 2-core machine): run it only
 # when the whole generation makes at most this many gather calls (steps x layers).
 PYPTO_CPU_MAX_CALLS = 12
 # What a backend needs to run a pakv op of a step's graph: Backend's attribute for that op's kernel.
@@ -138,7 +138,7 @@ def runner_names(
             counted = "steps x live sequences x layers" if per_sequence else "steps x layers"
             what = "PagedAttention" if "PagedAttention" in ops else "gather"
             skipped[f"plugin:{PYPTO_CPU}"] = (
-                f"{calls} {what} calls at about a second each (runs when {counted} <= {PYPTO_CPU_MAX_CALLS})"
+                f"{calls} {what} calls at seconds each (runs when {counted} <= {PYPTO_CPU_MAX_CALLS})"
             )
         else:
             names.append(f"plugin:{PYPTO_CPU}")
