@@ -5,7 +5,7 @@ attributes, dtype and layout tables, shapes (the plans the validator returns are
 This module is the single source of the operator's names and tables. Every backend, the
 exporter and the runtime plugin import them from here. The contract's *rules* (what a valid
 call is, and the message for each way a call can be invalid) are written once, in the C
-validator ``pakv_onnx/native_lib/pakv_contract.c``; :func:`pakv_onnx.validator.plan_gather`
+validator ``pakv_onnx/native_lib/pakv_contract_*.c``; :func:`pakv_onnx.validator.plan_gather`
 hands it a call and returns its :class:`~pakv_onnx.plans.GatherPlan` or raises what it said.
 
 Layouts (``nb`` = num_blocks, ``bs`` = block_size, ``T`` = total tokens)::

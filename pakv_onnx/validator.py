@@ -2,7 +2,7 @@
 
 Every Python path (the public front on every backend, ``torch.ops.pakv.gather_pa_kv_cache``,
 the ORT plugin's Python callback) validates through :func:`plan_gather`, which describes each
-tensor to ``pakv_contract.c`` as a record (element type, dims, strides, device, addresses) and
+tensor to ``pakv_contract_*.c`` as a record (element type, dims, strides, device, addresses) and
 raises the ``TypeError`` / ``ValueError`` it answers, with its message. The rules and their
 messages are written there and nowhere else; this module only translates Python objects into
 records (and refuses what is not a tensor at all) and the answer into a

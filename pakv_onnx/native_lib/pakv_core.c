@@ -61,7 +61,7 @@ static int check_cache(const pakv_plan* p, const char* name, const void* base, i
 }
 
 /* Every (sequence, used block) the copy will read: inside the outputs and the table, and every
- * block id read now in [0, num_blocks). The contract's own checks (pakv_contract.c) said all
+ * block id read now in [0, num_blocks). The contract's own checks (pakv_contract_*.c) said all
  * this before the plan was made, with their messages; these only keep a plan from elsewhere
  * memory-safe, so they word it as the plan's fault. */
 static int check_sequences(const pakv_plan* p, pakv_err* err) {

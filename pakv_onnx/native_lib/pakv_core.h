@@ -76,7 +76,7 @@ typedef struct pakv_plan {
 /* One ScatterPaKvCache in bytes: token t of `key` / `value` (rows of key_row_bytes / value_row_bytes
  * at t * token stride) goes to slot s = slot_mapping[t] of its cache: block s / block_size, row
  * s % block_size (PA_NZ: its 32-byte fractals f at block*stride + (f*bs + row)*32). A negative slot
- * is padding and skipped. Made by pakv_validate_scatter (pakv_contract.c). */
+ * is padding and skipped. Made by pakv_validate_scatter (pakv_contract_scatter.c). */
 typedef struct pakv_scatter_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_scatter_plan) */
@@ -106,7 +106,7 @@ typedef struct pakv_scatter_plan {
  * place: position p is row p % block_size of block block_tables[b, p / block_size], head h's row
  * at block * stride + (p % bs) * Hk * D * itemsize + h * D * itemsize (Norm). Query head h reads
  * kv head h / (Hq / Hk) (GQA). fp32 accumulation; `out` is [N, Hq, Dv] dense in the query's type.
- * Made by pakv_validate_attention (pakv_contract.c). */
+ * Made by pakv_validate_attention (pakv_contract_attention.c). */
 typedef struct pakv_attention_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_attention_plan) */

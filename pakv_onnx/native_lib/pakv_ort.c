@@ -3,7 +3,7 @@
  * No ORT header, no libonnxruntime, no Python: see ort_abi.h for the ABI subset used.
  *
  * ORT glue only: strict attributes, and compute: ORT's tensors become the validator's records
- * (pakv_contract.c: every rule of the contract, with its message), the outputs ORT hands back are
+ * (pakv_contract_*.c: every rule of the contract, with its message), the outputs ORT hands back are
  * validated too, and the copy core (pakv_core.c) or the attention core (pakv_attention.c) runs the
  * plan. Python backends are reached through pakv_bridge.c.
  *

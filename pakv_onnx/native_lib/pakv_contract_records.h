@@ -1,0 +1,93 @@
+/* The pieces every op's validator shares (pakv_contract_records.c): reading tensor records (element
+ * type names, ranks, extents, host-readable index entries), the caches' geometry and rules, the
+ * index tensors' form, the output rules (shape, dtype, device, contiguity, no overlap) and the report
+ * the exported entry points return. Internal to the contract units (pakv_contract_*.c): no other unit
+ * includes it. The messages these pieces fail with are the contract's too, written here once. */
+#ifndef PAKV_CONTRACT_RECORDS_H
+#define PAKV_CONTRACT_RECORDS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pakv_contract.h"
+#include "pakv_dtypes.h"
+
+/* A cache's geometry as its record gives it (Norm or PA_NZ). */
+typedef struct {
+  int itemsize;
+  int64_t num_blocks, block_size, row_bytes, block_bytes, block_stride;
+  int64_t token_dims[2]; /* Norm (H, D); PA_NZ (H*D, unused) */
+} pakv_cache_geometry;
+
+/* Records -------------------------------------------------------------------------------------- */
+const char* pakv_type_name(int onnx_type); /* ONNX element type as torch spells it */
+
+static inline int pakv_is_index_type(int t) { return t == PAKV_ONNX_INT32 || t == PAKV_ONNX_INT64; }
+
+static inline int pakv_index_itemsize(int t) { return t == PAKV_ONNX_INT64 ? 8 : 4; }
+
+/* "[6, 4, 16]" (or "rank N" past PAKV_MAX_RANK), into buf. */
+const char* pakv_format_list(const int64_t* values, int32_t n, char* buf, size_t size);
+#define SHAPE(t, buf) pakv_format_list((t)->dims, (t)->ndim, buf, sizeof(buf))
+#define STRIDES(t, buf) pakv_format_list((t)->strides, (t)->ndim, buf, sizeof(buf))
+
+int pakv_require_rank(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
+int pakv_record_ok(const pakv_tensor* t, const char* name, pakv_err* err); /* no negative rank, dim or stride */
+int pakv_has_elements(const pakv_tensor* t);
+/* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
+int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end);
+int pakv_element_size(int onnx_type);
+int pakv_require_present(const pakv_tensor* t, const char* name, pakv_err* err);
+
+/* Entry i of a vector record readable on the host. */
+static inline int64_t pakv_vector_at(const pakv_tensor* t, int64_t i) {
+  const char* at = (const char*)t->host_data + i * t->strides[0] * pakv_index_itemsize(t->elem_type);
+  return t->elem_type == PAKV_ONNX_INT64 ? *(const int64_t*)at : (int64_t) * (const int32_t*)at;
+}
+
+/* Entry (q, c) of a matrix record readable on the host. */
+static inline int64_t pakv_table_at(const pakv_tensor* bt, int64_t q, int64_t c) {
+  const char* at =
+      (const char*)bt->host_data + (q * bt->strides[0] + c * bt->strides[1]) * pakv_index_itemsize(bt->elem_type);
+  return bt->elem_type == PAKV_ONNX_INT64 ? *(const int64_t*)at : (int64_t) * (const int32_t*)at;
+}
+
+/* Caches --------------------------------------------------------------------------------------- */
+int pakv_cache_dtype(const pakv_tensor* t, const char* name, pakv_err* err); /* one of the contract's (TYPE) */
+/* Rank 4 with the layout's shape (nz: PA_NZ); fills the geometry but the block stride. */
+int pakv_cache_shape(const pakv_tensor* t, const char* name, int nz, pakv_cache_geometry* g, pakv_err* err);
+/* Each block row-major contiguous (dims 1..3; size-1 dims may have any stride); the block axis
+ * any stride >= 0 whose extent (num_blocks - 1) * stride + one block fits int64. */
+int pakv_cache_layout(const pakv_tensor* t, const char* name, pakv_cache_geometry* g, pakv_err* err);
+/* Both caches: dtype, one device, shape, one num_blocks and block_size (>= 1), layout. */
+int pakv_check_caches(const pakv_tensor* kc, const pakv_tensor* vc, int nz, pakv_cache_geometry* k,
+                      pakv_cache_geometry* v, pakv_err* err);
+
+/* Index tensors -------------------------------------------------------------------------------- */
+/* Present, int32/int64 (TYPE), of the rank, readable on the host. */
+int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
+
+/* Outputs and sources -------------------------------------------------------------------------- */
+int pakv_same_dtype(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,
+                    pakv_err* err);
+int pakv_same_device(const pakv_tensor* t, const char* name, const pakv_tensor* cache, pakv_err* err);
+/* An output (dense, of its cache's dtype and device) of the given dims. */
+int pakv_output_record(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,
+                       const int64_t* dims, int32_t rank, pakv_err* err);
+int pakv_overlaps(const pakv_tensor* a, const pakv_tensor* b);
+/* Output t[which] overlaps none of the inputs t[0 .. inputs), except that it may be exactly input
+ * `in_place` (the same buffer: an in-place update; -1: none may). */
+int pakv_output_apart(const pakv_tensor* t, const char* const* names, int which, int inputs, int in_place,
+                      pakv_err* err);
+/* The two outputs t[inputs], t[inputs + 1] overlap neither each other nor any input, except that
+ * output i may be exactly its input in_place[i] (the same buffer: an in-place update). */
+int pakv_outputs_apart(const pakv_tensor* t, const char* const* names, int inputs, const int* in_place,
+                       pakv_err* err);
+/* A rank-3 [T, H, D] record whose tokens are each row-major (any token stride >= 0: a slice of a
+ * fused QKV projection is fine); the token stride in bytes. */
+int pakv_token_layout(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
+
+/* 0, or the error's kind (PAKV_ERR_VALUE / PAKV_ERR_TYPE) with its message copied to err_out. */
+int pakv_report(int rc, const pakv_err* err, char* err_out, size_t err_len);
+
+#endif /* PAKV_CONTRACT_RECORDS_H */
