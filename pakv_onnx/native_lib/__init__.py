@@ -34,7 +34,7 @@ import threading
 from pathlib import Path
 
 LIBRARY_NAME = "libpakv_ort.dylib" if sys.platform == "darwin" else "libpakv_ort.so"
-ABI_VERSION = 5  # PAKV_ABI_VERSION in pakv_core.h
+ABI_VERSION = 6  # PAKV_ABI_VERSION in pakv_core.h
 MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
 DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
@@ -191,25 +191,38 @@ class ScatterCall(ctypes.Structure):
 
 
 class AttentionPlan(ctypes.Structure):
-    """``pakv_attention_plan`` (pakv_core.h): one PagedAttention in bytes, made by the validator, run by ``pakv_attention``."""
+    """``pakv_attention_plan`` (pakv_core.h): one paged attention in bytes, made by a validator, run by ``pakv_attention``."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
         ("struct_size", ctypes.c_uint32),
-        ("elem_type", ctypes.c_int32),
+        ("query_type", ctypes.c_int32),
+        ("out_type", ctypes.c_int32),
         ("tables64", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
         ("num_blocks", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("key_type", ctypes.c_int32),
+        ("value_type", ctypes.c_int32),
+        ("key_quant", ctypes.c_int32),
+        ("value_quant", ctypes.c_int32),
+        ("key_scale", ctypes.c_void_p),
+        ("value_scale", ctypes.c_void_p),
         ("key_block_stride", ctypes.c_int64),
         ("value_block_stride", ctypes.c_int64),
+        ("key_row_stride", ctypes.c_int64),
+        ("value_row_stride", ctypes.c_int64),
+        ("key_head_stride", ctypes.c_int64),
+        ("value_head_stride", ctypes.c_int64),
         ("num_heads", ctypes.c_int64),
         ("num_kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),
         ("value_head_dim", ctypes.c_int64),
         ("query", ctypes.c_void_p),
         ("query_token_stride", ctypes.c_int64),
+        ("query_head_stride", ctypes.c_int64),
         ("out", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int64),
         ("num_seqs", ctypes.c_int64),
@@ -221,7 +234,9 @@ class AttentionPlan(ctypes.Structure):
         ("query_counts", ctypes.c_void_p),
         ("context_lens", ctypes.c_void_p),
         ("scale", ctypes.c_float),
-        ("reserved", ctypes.c_int32),
+        ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("head_sink", ctypes.c_void_p),
     ]
 
 
@@ -493,7 +508,7 @@ def run_attention(plan_address: int) -> None:
 
 
 # pakv_attention_plan as one struct format, and each field's position in its unpacked tuple.
-ATTENTION_PLAN_FORMAT = "@IIiiqqPPqqqqqqPqPqqqPqqPPPfi"
+ATTENTION_PLAN_FORMAT = "@IIiiiiqqPPiiiiPPqqqqqqqqqqPqqPqqqPqqPPPffqP"
 ATTENTION_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(AttentionPlan._fields_)}
 if struct.calcsize(ATTENTION_PLAN_FORMAT) != ctypes.sizeof(AttentionPlan):  # pragma: no cover
     raise LibraryABIError("ATTENTION_PLAN_FORMAT does not match the AttentionPlan mirror on this platform")

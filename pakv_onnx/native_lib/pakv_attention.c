@@ -70,25 +70,41 @@ static inline int64_t table_entry(const pakv_attention_plan* p, int64_t b, int64
   return (int64_t) * (const volatile int32_t*)at;
 }
 
-/* Bytes [0, extent) a cache's blocks span, or -1 on overflow. */
-static int64_t cache_extent(const pakv_attention_plan* p, int64_t heads, int64_t dim, int64_t stride) {
-  int64_t row, block, span;
-  if (pakv_mul(heads, dim, &row) || pakv_mul(row, item_size(p->elem_type), &row) ||
-      pakv_mul(row, p->block_size, &block) || stride < 0)
+/* Bytes [0, extent) one cache's reads span (block, position, kv head, elements), or -1 on overflow
+ * or a negative stride. */
+static int64_t cache_extent(const pakv_attention_plan* p, int64_t block_stride, int64_t row_stride,
+                            int64_t head_stride, int64_t dim, int32_t type) {
+  int64_t span = 0, term;
+  if (block_stride < 0 || row_stride < 0 || head_stride < 0) return -1;
+  if (p->num_blocks == 0 || dim == 0) return 0;
+  if (pakv_mul(block_stride, p->num_blocks - 1, &span) || pakv_mul(row_stride, p->block_size - 1, &term) ||
+      pakv_add(span, term, &span) || pakv_mul(head_stride, p->num_kv_heads - 1, &term) || pakv_add(span, term, &span) ||
+      pakv_mul(dim, item_size(type), &term) || pakv_add(span, term, &span))
     return -1;
-  if (p->num_blocks == 0) return 0;
-  if (pakv_mul(stride, p->num_blocks - 1, &span) || pakv_add(span, block, &span)) return -1;
   return span;
 }
+
+static int is_float_type(int32_t t) { return t == ONNX_FLOAT || t == ONNX_FLOAT16 || t == ONNX_BFLOAT16; }
 
 int pakv_check_attention_plan(const pakv_attention_plan* p, pakv_err* err) {
   if (!p) return pakv_fail(err, "NULL attention plan");
   if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_attention_plan))
     return pakv_fail(err, "attention plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
                      p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_attention_plan));
-  if (p->elem_type != ONNX_FLOAT && p->elem_type != ONNX_FLOAT16 && p->elem_type != ONNX_BFLOAT16)
-    return pakv_fail(err, "attention plan: element type %d is none of float32 (1), float16 (10), bfloat16 (16)",
-                     p->elem_type);
+  if (!is_float_type(p->query_type) || !is_float_type(p->out_type))
+    return pakv_fail(err,
+                     "attention plan: query type %d / output type %d: each must be float32 (1), float16 (10) or "
+                     "bfloat16 (16)",
+                     p->query_type, p->out_type);
+  /* What this core computes today; the plan's other features (quantized caches, mixed types,
+   * softcap, window, sinks, non-causal) are refused here until the core implements them. */
+  if (p->key_type != p->query_type || p->value_type != p->query_type || p->out_type != p->query_type ||
+      p->key_quant != PAKV_QUANT_NONE || p->value_quant != PAKV_QUANT_NONE || p->softcap != 0.0f ||
+      p->window != -1 || p->head_sink || p->causal != 1)
+    return pakv_fail(err, "attention plan: a feature this attention core does not implement yet (types %d/%d/%d/%d, "
+                     "quant %d/%d, softcap, window %lld, sinks, causal %d)",
+                     p->query_type, p->key_type, p->value_type, p->out_type, p->key_quant, p->value_quant,
+                     (long long)p->window, p->causal);
   if (p->block_size < 1 || p->num_blocks < 0 || p->num_heads < 0 || p->num_kv_heads < 1 || p->head_dim < 0 ||
       p->value_head_dim < 0 || p->num_tokens < 0 || p->num_seqs < 0 || p->table_cols < 0 ||
       p->num_heads % p->num_kv_heads)
@@ -98,17 +114,18 @@ int pakv_check_attention_plan(const pakv_attention_plan* p, pakv_err* err) {
                      (long long)p->block_size, (long long)p->num_blocks, (long long)p->num_heads,
                      (long long)p->num_kv_heads, (long long)p->head_dim, (long long)p->value_head_dim,
                      (long long)p->num_tokens, (long long)p->num_seqs, (long long)p->table_cols);
-  if (cache_extent(p, p->num_kv_heads, p->head_dim, p->key_block_stride) < 0 ||
-      cache_extent(p, p->num_kv_heads, p->value_head_dim, p->value_block_stride) < 0)
+  if (cache_extent(p, p->key_block_stride, p->key_row_stride, p->key_head_stride, p->head_dim, p->key_type) < 0 ||
+      cache_extent(p, p->value_block_stride, p->value_row_stride, p->value_head_stride, p->value_head_dim,
+                   p->value_type) < 0)
     return pakv_fail(err, "attention plan: a cache's %lld blocks overflow int64 byte offsets (or a negative stride)",
                      (long long)p->num_blocks);
   int64_t row, span, out_bytes;
-  if (p->query_token_stride < 0 || pakv_mul(p->num_heads, p->head_dim, &row) ||
-      pakv_mul(row, item_size(p->elem_type), &row) ||
+  if (p->query_token_stride < 0 || p->query_head_stride < 0 || pakv_mul(p->num_heads - (p->num_heads > 0), p->query_head_stride, &row) ||
+      pakv_mul(p->head_dim, item_size(p->query_type), &span) || pakv_add(row, span, &row) ||
       (p->num_tokens > 0 && (pakv_mul(p->num_tokens - 1, p->query_token_stride, &span) || pakv_add(span, row, &span))))
     return pakv_fail(err, "attention plan: the query's %lld rows overflow int64 byte offsets", (long long)p->num_tokens);
   if (pakv_mul(p->num_tokens, p->num_heads, &out_bytes) || pakv_mul(out_bytes, p->value_head_dim, &out_bytes) ||
-      pakv_mul(out_bytes, item_size(p->elem_type), &out_bytes))
+      pakv_mul(out_bytes, item_size(p->out_type), &out_bytes))
     return pakv_fail(err, "attention plan: the output of %lld rows overflows int64 byte offsets",
                      (long long)p->num_tokens);
   int64_t rows_extent, cols_extent;
@@ -183,10 +200,10 @@ static int shape_of(const pakv_attention_plan* p, int64_t tile_tokens, part_shap
 PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part_shape* shape, float* scratch, int64_t b, int64_t kv_head,
                        int64_t j0, int64_t j1) {
   const int64_t d = p->head_dim, dv = p->value_head_dim, bs = p->block_size, group = shape->group;
-  const int64_t isz = item_size(p->elem_type), n = p->query_counts[b], length = p->context_lens[b];
+  const int64_t n = p->query_counts[b], length = p->context_lens[b];
   const int64_t past = length - n, queries = (j1 - j0) * group, first_head = kv_head * group;
-  const int64_t key_row = p->num_kv_heads * d * isz, value_row = p->num_kv_heads * dv * isz;
-  const int fp32 = p->elem_type == ONNX_FLOAT;
+  const int64_t key_row = p->key_row_stride, value_row = p->value_row_stride;
+  const int fp32 = p->key_type == ONNX_FLOAT && p->value_type == ONNX_FLOAT;
   float* qf = scratch;
   float* acc = qf + queries * d;
   float* run_max = acc + queries * dv;
@@ -200,7 +217,8 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
 
   for (int64_t q = 0; q < queries; q++) {
     int64_t token = p->query_starts[b] + j0 + q / group, head = first_head + q % group;
-    widen(qf + q * d, (const char*)p->query + token * p->query_token_stride + head * d * isz, d, p->elem_type);
+    widen(qf + q * d, (const char*)p->query + token * p->query_token_stride + head * p->query_head_stride, d,
+          p->query_type);
     run_max[q] = 0.0f; /* set by the first chunk (run_sum 0 marks "no chunk yet") */
     run_sum[q] = 0.0f;
   }
@@ -214,16 +232,17 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
       int64_t slot = pos % bs, run = bs - slot < c1 - pos ? bs - slot : c1 - pos;
       int64_t block = table_entry(p, b, pos / bs);
       if (block < 0 || block >= p->num_blocks) return 1;
-      const char* k = (const char*)p->key_cache + block * p->key_block_stride + slot * key_row + kv_head * d * isz;
-      const char* v = (const char*)p->value_cache + block * p->value_block_stride + slot * value_row + kv_head * dv * isz;
+      const char* k = (const char*)p->key_cache + block * p->key_block_stride + slot * key_row + kv_head * p->key_head_stride;
+      const char* v =
+          (const char*)p->value_cache + block * p->value_block_stride + slot * value_row + kv_head * p->value_head_stride;
       for (int64_t r = 0; r < run; r++, pos++, k += key_row, v += value_row) {
         int64_t i = pos - c0;
         if (fp32) {
           key_rows[i] = (const float*)k;
           value_rows[i] = (const float*)v;
         } else {
-          widen(kf + i * d, k, d, p->elem_type);
-          widen(vf + i * dv, v, dv, p->elem_type);
+          widen(kf + i * d, k, d, p->key_type);
+          widen(vf + i * dv, v, dv, p->value_type);
           key_rows[i] = kf + i * d;
           value_rows[i] = vf + i * dv;
         }
@@ -276,7 +295,7 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
     int64_t token = p->query_starts[b] + j0 + q / group, head = first_head + q % group;
     float* row = acc + q * dv;
     scale_row(row, 1.0f / run_sum[q], dv); /* run_sum >= 1 (the max's own weight), or NaN */
-    narrow((char*)p->out + (token * p->num_heads + head) * dv * isz, row, dv, p->elem_type);
+    narrow((char*)p->out + (token * p->num_heads + head) * dv * item_size(p->out_type), row, dv, p->out_type);
   }
   return 0;
 }

@@ -167,7 +167,9 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   memset(plan, 0, sizeof(*plan));
   plan->abi_version = PAKV_ABI_VERSION;
   plan->struct_size = sizeof(pakv_attention_plan);
-  plan->elem_type = q->elem_type;
+  plan->query_type = plan->out_type = plan->key_type = plan->value_type = q->elem_type;
+  plan->causal = 1;
+  plan->window = -1;
   plan->tables64 = bt->elem_type == PAKV_ONNX_INT64;
   plan->num_blocks = k.num_blocks;
   plan->block_size = k.block_size;
@@ -175,12 +177,17 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   plan->value_cache = vc->data;
   plan->key_block_stride = k.block_stride;
   plan->value_block_stride = v.block_stride;
+  plan->key_head_stride = k.token_dims[1] * k.itemsize; /* Norm [nb, bs, Hk, D]: heads dense in a row */
+  plan->value_head_stride = v.token_dims[1] * v.itemsize;
+  plan->key_row_stride = k.row_bytes;
+  plan->value_row_stride = v.row_bytes;
   plan->num_heads = q->dims[1];
   plan->num_kv_heads = k.token_dims[0];
   plan->head_dim = k.token_dims[1];
   plan->value_head_dim = v.token_dims[1];
   plan->query = q->data;
   plan->query_token_stride = query_stride;
+  plan->query_head_stride = plan->head_dim * k.itemsize;
   plan->num_tokens = N;
   plan->num_seqs = B;
   plan->table_cols = bt->dims[1];
