@@ -35,12 +35,14 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_ort.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",
     "pakv_contract.h",
     "pakv_contract_records.h",
+    "pakv_contract_fused_internal.h",
+    "pakv_fused.h",
     "pakv_float.h",
     "pakv_vec.h",
     "pakv_bridge.h",
@@ -58,6 +60,9 @@ COMPILE_ARGS = [
     "-fno-trapping-math",
     # Fused multiply-adds where the CPU has them (the attention's dot products; -std=c11 turns them off).
     "-ffp-contract=fast",
+    # Square roots as one instruction (the fused op's RMSNorm, 1 / sqrt(head_size)), never a libm call:
+    # no math function sets errno here.
+    "-fno-math-errno",
     "-pthread",
     "-Wall",
     "-Wextra",

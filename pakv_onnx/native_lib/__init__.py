@@ -254,6 +254,98 @@ class AttentionCall(ctypes.Structure):
     ]
 
 
+FUSED_STRING_LEN = 32  # PAKV_FUSED_STRING_LEN in pakv_fused.h
+FUSED_RECORDS = 20  # PAKV_FUSED_RECORDS: com.microsoft::PagedAttention's 17 inputs and 3 outputs
+
+
+class FusedAttributes(ctypes.Structure):
+    """``pakv_fused_attributes`` (pakv_fused.h): com.microsoft::PagedAttention's attributes as given."""
+
+    _fields_ = [
+        ("num_heads", ctypes.c_int64),
+        ("kv_num_heads", ctypes.c_int64),
+        ("local_window_size", ctypes.c_int64),
+        ("is_causal", ctypes.c_int64),
+        ("do_rotary", ctypes.c_int64),
+        ("rotary_interleaved", ctypes.c_int64),
+        ("v_head_size", ctypes.c_int64),
+        ("rotary_offset", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("qk_norm_epsilon", ctypes.c_float),
+        ("given", ctypes.c_int32),
+        ("k_quant_type", ctypes.c_char * FUSED_STRING_LEN),
+        ("v_quant_type", ctypes.c_char * FUSED_STRING_LEN),
+        ("k_cache_dtype", ctypes.c_char * FUSED_STRING_LEN),
+        ("v_cache_dtype", ctypes.c_char * FUSED_STRING_LEN),
+        ("kv_cache_layout", ctypes.c_char * FUSED_STRING_LEN),
+    ]
+
+
+class FusedPlan(ctypes.Structure):
+    """``pakv_fused_plan`` (pakv_fused.h): one com.microsoft::PagedAttention in bytes (prologue, then
+    its ``attention`` plan), made by the validator, run by ``pakv_fused_attention``."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("struct_size", ctypes.c_uint32),
+        ("query_type", ctypes.c_int32),
+        ("cache_type", ctypes.c_int32),
+        ("key_quant", ctypes.c_int32),
+        ("value_quant", ctypes.c_int32),
+        ("latent", ctypes.c_int32),
+        ("normalize", ctypes.c_int32),
+        ("rotary_interleaved", ctypes.c_int32),
+        ("prepare_query", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("query", ctypes.c_void_p),
+        ("query_token_stride", ctypes.c_int64),
+        ("key", ctypes.c_void_p),
+        ("key_token_stride", ctypes.c_int64),
+        ("value", ctypes.c_void_p),
+        ("value_token_stride", ctypes.c_int64),
+        ("q_norm_weight", ctypes.c_void_p),
+        ("k_norm_weight", ctypes.c_void_p),
+        ("epsilon", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("cos_cache", ctypes.c_void_p),
+        ("sin_cache", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64),
+        ("rotary_offset", ctypes.c_int64),
+        ("rotary_rows", ctypes.c_int64),
+        ("key_scale", ctypes.c_void_p),
+        ("value_scale", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("key_block_stride", ctypes.c_int64),
+        ("value_block_stride", ctypes.c_int64),
+        ("key_row_bytes", ctypes.c_int64),
+        ("value_row_bytes", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("query_rows", ctypes.c_void_p),
+        ("attention", AttentionPlan),
+    ]
+
+
+class FusedCall(ctypes.Structure):
+    """``pakv_fused_call`` (pakv_fused.h): one com.microsoft::PagedAttention validation handed over in one piece."""
+
+    _fields_ = [
+        ("plan", FusedPlan),
+        ("records", Tensor * FUSED_RECORDS),
+        ("attributes", FusedAttributes),
+        ("scratch_len", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("error", ctypes.c_void_p),
+    ]
+
+
 class Request(ctypes.Structure):
     """``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend."""
 
@@ -293,6 +385,12 @@ _SIGNATURES = {
     "pakv_plan_attention": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_attention_output": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_fused_plan_size": ([], ctypes.c_size_t),
+    "pakv_fused_call_size": ([], ctypes.c_size_t),
+    "pakv_fused_defaults": ([ctypes.c_void_p], None),
+    "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
@@ -312,6 +410,8 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
         "sizeof(pakv_scatter_call)": (lib.pakv_scatter_call_size(), ctypes.sizeof(ScatterCall)),
         "sizeof(pakv_attention_plan)": (lib.pakv_attention_plan_size(), ctypes.sizeof(AttentionPlan)),
         "sizeof(pakv_attention_call)": (lib.pakv_attention_call_size(), ctypes.sizeof(AttentionCall)),
+        "sizeof(pakv_fused_plan)": (lib.pakv_fused_plan_size(), ctypes.sizeof(FusedPlan)),
+        "sizeof(pakv_fused_call)": (lib.pakv_fused_call_size(), ctypes.sizeof(FusedCall)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]

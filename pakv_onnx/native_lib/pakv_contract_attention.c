@@ -8,8 +8,6 @@ static const char* const ATTENTION_NAMES[PAKV_ATTENTION_RECORDS] = {
     "query", "key_cache", "value_cache", "block_table", "cumulative_sequence_lengths", "past_sequence_lengths",
     "output"};
 
-enum { ONNX_FLOAT32 = 1, ONNX_FLOAT16 = 10, ONNX_BFLOAT16 = 16 };
-
 /* 1 / sqrt(d) rounded to float, for d >= 1 (Newton's iteration in double: the library needs no libm).
  * It starts at x itself, which is >= sqrt(x) for every x >= 1: from above, Newton's steps decrease
  * until they reach sqrt(x), so the first step that does not decrease ends it. (A start at x / 2 is
@@ -70,7 +68,7 @@ static int attention_sequences(const pakv_tensor* t, int64_t N, int64_t bs, int6
                                int64_t* counts, int64_t* lengths, pakv_err* err) {
   const pakv_tensor *bt = &t[PAKV_ATTENTION_BLOCK_TABLE], *cu = &t[PAKV_ATTENTION_CU_SEQ_LENS],
                     *past = &t[PAKV_ATTENTION_PAST_LENS];
-  int64_t B = bt->dims[0], cols = bt->dims[1], a = pakv_vector_at(cu, 0);
+  int64_t B = bt->dims[0], a = pakv_vector_at(cu, 0);
   if (a != 0)
     return pakv_fail(err, "cumulative_sequence_lengths must start at 0, got cumulative_sequence_lengths[0] = %lld",
                      (long long)a);
@@ -94,27 +92,7 @@ static int attention_sequences(const pakv_tensor* t, int64_t N, int64_t bs, int6
   if (a != N)
     return pakv_fail(err, "cumulative_sequence_lengths must end at query's %lld tokens, got cumulative_sequence_lengths[%lld] = %lld",
                      (long long)N, (long long)B, (long long)a);
-  for (int64_t b = 0; b < B; b++) { /* rows first, then ids (as the gather) */
-    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0; /* no new token: nothing read */
-    if (need > cols)
-      return pakv_fail(err,
-                       "block_table row %lld is too short: sequence %lld's context of %lld tokens (%lld past + %lld "
-                       "new) needs %lld blocks of %lld, but block_table has %lld columns",
-                       (long long)b, (long long)b, (long long)lengths[b], (long long)(lengths[b] - counts[b]),
-                       (long long)counts[b], (long long)need, (long long)bs, (long long)cols);
-  }
-  for (int64_t b = 0; b < B; b++) {
-    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0;
-    for (int64_t c = 0; c < need; c++) {
-      int64_t block = pakv_table_at(bt, b, c);
-      if (block < 0 || block >= nb)
-        return pakv_fail(err,
-                         "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
-                         "reads it (entries past a sequence's context may hold anything, e.g. -1)",
-                         (long long)b, (long long)c, (long long)block, (long long)nb, (long long)b);
-    }
-  }
-  return 0;
+  return pakv_check_table_reads(bt, counts, lengths, bs, nb, err);
 }
 
 int64_t pakv_attention_scratch_len(const pakv_tensor t[PAKV_ATTENTION_RECORDS]) {
@@ -142,9 +120,7 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   for (int i = 0; i < PAKV_ATTENTION_INPUTS; i++)
     if (t[i].present && pakv_record_ok(&t[i], ATTENTION_NAMES[i], err)) return -1;
   if (pakv_require_present(q, "query", err)) return -1;
-  if (q->elem_type != ONNX_FLOAT32 && q->elem_type != ONNX_FLOAT16 && q->elem_type != ONNX_BFLOAT16)
-    return pakv_fail_type(err, "query dtype %s is not one PagedAttention computes in (float32, float16, bfloat16)",
-                          pakv_type_name(q->elem_type));
+  if (pakv_require_compute_dtype(q, err)) return -1;
   if (pakv_require_present(kc, "key_cache", err) || pakv_same_dtype(kc, "key_cache", q, "query", err) ||
       pakv_require_present(vc, "value_cache", err) || pakv_same_dtype(vc, "value_cache", q, "query", err))
     return -1;

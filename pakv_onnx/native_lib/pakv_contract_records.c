@@ -59,6 +59,14 @@ int pakv_has_elements(const pakv_tensor* t) {
   return 1;
 }
 
+int64_t pakv_element_count(const pakv_tensor* t) {
+  int64_t count = 1;
+  if (t->ndim < 0 || t->ndim > PAKV_MAX_RANK) return 0;
+  for (int32_t d = 0; d < t->ndim; d++)
+    if (pakv_mul(count, t->dims[d], &count)) return 0;
+  return count;
+}
+
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end) {
   int64_t span = 0, term;
@@ -166,6 +174,17 @@ int pakv_cache_layout(const pakv_tensor* t, const char* name, pakv_cache_geometr
   return 0;
 }
 
+int pakv_require_compute_dtype(const pakv_tensor* query, pakv_err* err) {
+  if (query->elem_type == 1 || query->elem_type == 10 || query->elem_type == 16) return 0;
+  return pakv_fail_type(err, "query dtype %s is not one PagedAttention computes in (float32, float16, bfloat16)",
+                        pakv_type_name(query->elem_type));
+}
+
+int pakv_check_block_size(const pakv_cache_geometry* k, pakv_err* err) {
+  if (k->block_size >= 1) return 0;
+  return pakv_fail(err, "key_cache block_size must be >= 1, got %lld", (long long)k->block_size);
+}
+
 int pakv_check_caches(const pakv_tensor* kc, const pakv_tensor* vc, int nz, pakv_cache_geometry* k, pakv_cache_geometry* v,
                         pakv_err* err) {
   if (pakv_cache_dtype(kc, "key_cache", err) || pakv_cache_dtype(vc, "value_cache", err)) return -1;
@@ -176,18 +195,73 @@ int pakv_check_caches(const pakv_tensor* kc, const pakv_tensor* vc, int nz, pakv
     return pakv_fail(err, "value_cache num_blocks/block_size (%lld, %lld) must equal key_cache's (%lld, %lld)",
                      (long long)v->num_blocks, (long long)v->block_size, (long long)k->num_blocks,
                      (long long)k->block_size);
-  if (k->block_size < 1) return pakv_fail(err, "key_cache block_size must be >= 1, got %lld", (long long)k->block_size);
+  if (pakv_check_block_size(k, err)) return -1;
   if (pakv_cache_layout(kc, "key_cache", k, err) || pakv_cache_layout(vc, "value_cache", v, err)) return -1;
   return 0;
 }
+int pakv_caches_apart(const pakv_tensor* kc, const pakv_tensor* vc, const pakv_cache_geometry* k,
+                      const pakv_cache_geometry* v, pakv_err* err) {
+  const pakv_cache_geometry* g[2] = {k, v};
+  const char* names[2] = {"key_cache", "value_cache"};
+  for (int i = 0; i < (vc->present ? 2 : 1); i++)
+    if (g[i]->num_blocks > 1 && g[i]->block_stride < g[i]->block_bytes && g[i]->block_bytes > 0)
+      return pakv_fail(err,
+                       "%s: block stride %lld bytes is less than one block (%lld bytes): its blocks overlap, and a "
+                       "write would put one slot's bytes into another",
+                       names[i], (long long)g[i]->block_stride, (long long)g[i]->block_bytes);
+  if (!vc->present || !pakv_overlaps(kc, vc)) return 0;
+  if (k->block_stride == v->block_stride && k->num_blocks > 1) {
+    /* Interleaved views of one pool: apart when value's blocks sit in the gaps between key's. */
+    uintptr_t kb = (uintptr_t)kc->data, vb = (uintptr_t)vc->data, stride = (uintptr_t)k->block_stride;
+    uintptr_t d = (vb >= kb ? vb - kb : stride - (kb - vb) % stride) % stride;
+    if (d >= (uintptr_t)k->block_bytes && stride - d >= (uintptr_t)v->block_bytes) return 0;
+  }
+  if (k->row_bytes == 0 || v->row_bytes == 0) return 0;
+  return pakv_fail(err, "key_cache and value_cache share bytes: a write into one would change the other");
+}
+
 int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err) {
   if (pakv_require_present(t, name, err)) return -1;
   if (!pakv_is_index_type(t->elem_type))
     return pakv_fail_type(err, "%s must be int32 or int64, got %s", name, pakv_type_name(t->elem_type));
   if (pakv_require_rank(t, name, rank, form, err)) return -1;
-  if (pakv_has_elements(t) && !t->host_data)
-    return pakv_fail(err, "%s: its data is not readable on the host (index tensors are read there)", name);
+  return pakv_has_elements(t) ? pakv_require_host(t, name, err) : 0;
+}
+
+int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
+  if (t->host_data) return 0;
+  return pakv_fail(err, "%s: its data is not readable on the host (the validator reads it there)", name);
+}
+
+int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
+                           pakv_err* err) {
+  int64_t batch = bt->dims[0], cols = bt->dims[1];
+  for (int64_t b = 0; b < batch; b++) { /* rows first, then ids (as the gather) */
+    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0; /* no new token: nothing read */
+    if (need > cols)
+      return pakv_fail(err,
+                       "block_table row %lld is too short: sequence %lld's context of %lld tokens (%lld past + %lld "
+                       "new) needs %lld blocks of %lld, but block_table has %lld columns",
+                       (long long)b, (long long)b, (long long)lengths[b], (long long)(lengths[b] - counts[b]),
+                       (long long)counts[b], (long long)need, (long long)bs, (long long)cols);
+  }
+  for (int64_t b = 0; b < batch; b++) {
+    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0;
+    for (int64_t c = 0; c < need; c++) {
+      int64_t block = pakv_table_at(bt, b, c);
+      if (block < 0 || block >= nb)
+        return pakv_fail(err,
+                         "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
+                         "reads it (entries past a sequence's context may hold anything, e.g. -1)",
+                         (long long)b, (long long)c, (long long)block, (long long)nb, (long long)b);
+    }
+  }
   return 0;
+}
+
+int pakv_fail_repeated_slot(pakv_err* err, int64_t token, int64_t slot, int64_t first) {
+  return pakv_fail(err, "slot_mapping[%lld] = %lld repeats slot_mapping[%lld]: two tokens cannot write one slot",
+                   (long long)token, (long long)slot, (long long)first);
 }
 /* ------------------------------------------------------------------------------------------- */
 /* Outputs                                                                                     */

@@ -34,6 +34,8 @@ const char* pakv_format_list(const int64_t* values, int32_t n, char* buf, size_t
 int pakv_require_rank(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
 int pakv_record_ok(const pakv_tensor* t, const char* name, pakv_err* err); /* no negative rank, dim or stride */
 int pakv_has_elements(const pakv_tensor* t);
+/* The product of a record's dims (0 for an empty or unsizable record). */
+int64_t pakv_element_count(const pakv_tensor* t);
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end);
 int pakv_element_size(int onnx_type);
@@ -63,9 +65,28 @@ int pakv_cache_layout(const pakv_tensor* t, const char* name, pakv_cache_geometr
 int pakv_check_caches(const pakv_tensor* kc, const pakv_tensor* vc, int nz, pakv_cache_geometry* k,
                       pakv_cache_geometry* v, pakv_err* err);
 
+/* Caches a call writes: each cache's blocks apart (a block stride below one block would make two
+ * slots one), and the two caches sharing no bytes (pool views side by side in one pool are fine);
+ * vc may be absent (one cache). */
+int pakv_caches_apart(const pakv_tensor* kc, const pakv_tensor* vc, const pakv_cache_geometry* k,
+                      const pakv_cache_geometry* v, pakv_err* err);
+
+/* query float32, float16 or bfloat16: the types both paged-attention ops compute in (TYPE). */
+int pakv_require_compute_dtype(const pakv_tensor* query, pakv_err* err);
+/* block_size >= 1 (key_cache's geometry). */
+int pakv_check_block_size(const pakv_cache_geometry* k, pakv_err* err);
+
 /* Index tensors -------------------------------------------------------------------------------- */
 /* Present, int32/int64 (TYPE), of the rank, readable on the host. */
 int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
+/* The record's data readable on the host (host_data set). */
+int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
+/* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a
+ * context of lengths[b] positions: its first ceil(length / bs) columns), each in [0, nb). */
+int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
+                           pakv_err* err);
+/* The write ops' refusal of token `token` writing the slot an earlier token `first` writes; returns -1. */
+int pakv_fail_repeated_slot(pakv_err* err, int64_t token, int64_t slot, int64_t first);
 
 /* Outputs and sources -------------------------------------------------------------------------- */
 int pakv_same_dtype(const pakv_tensor* t, const char* name, const pakv_tensor* cache, const char* cache_name,

@@ -92,10 +92,7 @@ static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, slot_
       repeat = pairs[i].token;
       first = pairs[i - 1].token;
     }
-  if (repeat >= 0)
-    return pakv_fail(err, "slot_mapping[%lld] = %lld repeats slot_mapping[%lld]: two tokens cannot write one slot",
-                     (long long)repeat, (long long)pakv_vector_at(sm, repeat), (long long)first);
-  return 0;
+  return repeat >= 0 ? pakv_fail_repeated_slot(err, repeat, pakv_vector_at(sm, repeat), first) : 0;
 }
 
 int pakv_validate_scatter_outputs(const pakv_tensor t[PAKV_SCATTER_RECORDS], pakv_err* err) {
