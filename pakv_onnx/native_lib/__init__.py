@@ -14,8 +14,9 @@ below; a stale build is refused with a message saying how to rebuild.
 
 Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's validator (every
 rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
-core (no ORT, no Python), ``pakv_attention.c`` the PagedAttention core (its plan is declared in
-pakv_core.h), ``pakv_ort.[ch]`` the ORT kernels and ``pakv_ort_register.c`` the ops ORT reads (the ORT
+core (no ORT, no Python), ``pakv_attention*.c`` the attention core of both paged-attention ops (its
+plan is declared in pakv_core.h: ``_check`` its checks, ``_part`` one part, ``pakv_attention.c`` the
+run), ``pakv_ort.[ch]`` the ORT kernels and ``pakv_ort_register.c`` the ops ORT reads (the ORT
 glue), ``pakv_bridge.[ch]`` the Python bridge,
 ``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
 test), ``ort_abi.h`` the ORT ABI subset, ``pakv_ep.[ch]`` the execution providers (CPU, CUDA, CANN
@@ -391,6 +392,7 @@ _SIGNATURES = {
     "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_attention_threads": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
@@ -600,11 +602,16 @@ def check_attention_output_call(call: int) -> int:
     return _function("pakv_check_attention_output")(call)
 
 
-def run_attention(plan_address: int) -> None:
-    """Run the validated pakv_attention_plan at ``plan_address`` (it writes its output), on this thread."""
+def run_attention(plan_address: int, threads: int = 1) -> None:
+    """Run the validated pakv_attention_plan at ``plan_address`` (it writes its output) on this thread,
+    or split over ``threads`` of the library's threads (the same answer, bit for bit)."""
     error = _scratch.error_address
-    if _function("pakv_attention")(plan_address, error, ERROR_LEN) != 0:
-        raise ValueError(_scratch.error.value.decode(errors="replace"))
+    if threads == 1:
+        kind = _function("pakv_attention")(plan_address, error, ERROR_LEN)
+    else:
+        kind = _function("pakv_attention_threads")(plan_address, threads, error, ERROR_LEN)
+    if kind != 0:  # ERR_TYPE: the plan names a type the core does not read
+        raise (TypeError if kind == ERR_TYPE else ValueError)(_scratch.error.value.decode(errors="replace"))
 
 
 # pakv_attention_plan as one struct format, and each field's position in its unpacked tuple.

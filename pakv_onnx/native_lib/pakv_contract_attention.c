@@ -92,7 +92,7 @@ static int attention_sequences(const pakv_tensor* t, int64_t N, int64_t bs, int6
   if (a != N)
     return pakv_fail(err, "cumulative_sequence_lengths must end at query's %lld tokens, got cumulative_sequence_lengths[%lld] = %lld",
                      (long long)N, (long long)B, (long long)a);
-  return pakv_check_table_reads(bt, counts, lengths, bs, nb, err);
+  return pakv_check_table_reads(bt, counts, lengths, bs, nb, -1, err);
 }
 
 int64_t pakv_attention_scratch_len(const pakv_tensor t[PAKV_ATTENTION_RECORDS]) {

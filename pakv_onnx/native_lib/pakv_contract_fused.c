@@ -47,7 +47,7 @@ static int is_finite(float f) {
 
 static int flag(int64_t value, const char* name, pakv_err* err) {
   if (value == 0 || value == 1) return 0;
-  return pakv_fail(err, "%s must be 0 or 1, got %lld", name, (long long)value);
+  return pakv_fail(err, "%s must be 0 (off) or 1 (on), got %lld", name, (long long)value);
 }
 
 /* k_cache_dtype / v_cache_dtype: "" or a cache type's ONNX name; the packed sub-byte ones refused by name. */

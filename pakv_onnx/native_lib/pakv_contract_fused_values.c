@@ -48,32 +48,33 @@ int64_t pakv_fused_scratch_len(const pakv_tensor t[PAKV_FUSED_RECORDS]) {
 
 /* Per sequence: query start, new tokens, context; per token its position; the lengths' rules and
  * the table entries each sequence with new tokens reads (positions 0 .. context - 1). */
-static int fused_sequences(const pakv_tensor* t, const pakv_fused_shape* s, int64_t* starts, int64_t* counts,
-                           int64_t* lengths, int64_t* positions, pakv_err* err) {
+static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a, const pakv_fused_shape* s,
+                           int64_t* starts, int64_t* counts, int64_t* lengths, int64_t* positions, pakv_err* err) {
   const pakv_tensor *cu = &t[PAKV_FUSED_CU_SEQLENS], *past = &t[PAKV_FUSED_PAST_SEQLENS], *bt = &t[PAKV_FUSED_BLOCK_TABLE];
-  int64_t batch = cu->dims[0] - 1, bs = s->key.block_size, a = pakv_vector_at(cu, 0);
-  if (a != 0)
-    return pakv_fail(err, "cumulative_sequence_length must start at 0, got cumulative_sequence_length[0] = %lld", (long long)a);
+  int64_t batch = cu->dims[0] - 1, bs = s->key.block_size, at = pakv_vector_at(cu, 0);
+  if (at != 0)
+    return pakv_fail(err, "cumulative_sequence_length must start at 0, got cumulative_sequence_length[0] = %lld", (long long)at);
   for (int64_t b = 0; b < batch; b++) { /* each entry read once: a snapshot */
     int64_t next = pakv_vector_at(cu, b + 1), before = pakv_vector_at(past, b);
-    if (next < a || next > s->num_tokens)
+    if (next < at || next > s->num_tokens)
       return pakv_fail(err, "cumulative_sequence_length must be non-decreasing and end at num_tokens = %lld, got "
                        "cumulative_sequence_length[%lld] = %lld after %lld", (long long)s->num_tokens,
-                       (long long)(b + 1), (long long)next, (long long)a);
+                       (long long)(b + 1), (long long)next, (long long)at);
     if (before < 0)
       return pakv_fail(err, "past_seqlens must be non-negative, got past_seqlens[%lld] = %lld", (long long)b, (long long)before);
-    starts[b] = a;
-    counts[b] = next - a;
+    starts[b] = at;
+    counts[b] = next - at;
     if (pakv_add(before, counts[b], &lengths[b]))
       return pakv_fail(err, "past_seqlens[%lld] = %lld plus its %lld new tokens overflows int64", (long long)b,
                        (long long)before, (long long)counts[b]);
-    for (int64_t j = 0; j < counts[b]; j++) positions[a + j] = before + j;
-    a = next;
+    for (int64_t j = 0; j < counts[b]; j++) positions[at + j] = before + j;
+    at = next;
   }
-  if (a != s->num_tokens)
+  if (at != s->num_tokens)
     return pakv_fail(err, "cumulative_sequence_length must end at num_tokens = %lld (query's rows), got "
-                     "cumulative_sequence_length[%lld] = %lld", (long long)s->num_tokens, (long long)batch, (long long)a);
-  if (pakv_check_table_reads(bt, counts, lengths, bs, s->key.num_blocks, err)) return -1;
+                     "cumulative_sequence_length[%lld] = %lld", (long long)s->num_tokens, (long long)batch, (long long)at);
+  int64_t window = a->local_window_size > 0 ? a->local_window_size - 1 : -1;
+  if (pakv_check_table_reads(bt, counts, lengths, bs, s->key.num_blocks, window, err)) return -1;
   for (int64_t b = 0; b < batch; b++) {
     if (s->rotary_dim && counts[b] && lengths[b] > t[PAKV_FUSED_COS_CACHE].dims[0])
       return pakv_fail(err, "cos_cache has %lld positions but sequence %lld's new tokens sit at positions up to %lld "
@@ -272,7 +273,7 @@ int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fuse
   const float* scales[2] = {NULL, NULL};
   const float* sink = NULL;
   int64_t out_bytes;
-  if (fused_sequences(t, &s, starts, counts, lengths, positions, err) ||
+  if (fused_sequences(t, a, &s, starts, counts, lengths, positions, err) ||
       fused_slots(t, &s, starts, counts, positions, slots, (slot_entry*)pairs, err) ||
       fused_floats(t, &l, floats, scales, &sink, err) || fused_metadata(&t[PAKV_FUSED_ATTENTION_METADATA], err))
     return -1;

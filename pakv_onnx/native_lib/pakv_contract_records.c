@@ -234,7 +234,7 @@ int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
 }
 
 int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
-                           pakv_err* err) {
+                           int64_t window, pakv_err* err) {
   int64_t batch = bt->dims[0], cols = bt->dims[1];
   for (int64_t b = 0; b < batch; b++) { /* rows first, then ids (as the gather) */
     int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0; /* no new token: nothing read */
@@ -246,13 +246,15 @@ int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const i
                        (long long)counts[b], (long long)need, (long long)bs, (long long)cols);
   }
   for (int64_t b = 0; b < batch; b++) {
-    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0;
-    for (int64_t c = 0; c < need; c++) {
+    int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0, past = lengths[b] - counts[b];
+    int64_t first = window >= 0 && past > window ? (past - window) / bs : 0; /* what its first new token sees */
+    for (int64_t c = first; c < need; c++) {
       int64_t block = pakv_table_at(bt, b, c);
       if (block < 0 || block >= nb)
         return pakv_fail(err,
                          "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
-                         "reads it (entries past a sequence's context may hold anything, e.g. -1)",
+                         "reads it (entries a sequence does not read, past its context or before its window, may hold "
+                         "anything, e.g. -1)",
                          (long long)b, (long long)c, (long long)block, (long long)nb, (long long)b);
     }
   }

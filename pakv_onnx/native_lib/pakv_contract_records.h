@@ -82,9 +82,11 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
 /* The record's data readable on the host (host_data set). */
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
 /* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a
- * context of lengths[b] positions: its first ceil(length / bs) columns), each in [0, nb). */
+ * context of lengths[b] positions: columns up to ceil(length / bs), from the one of the first position
+ * its first new token sees: 0, or with a window >= 0 (pakv_attention_plan's) past - window), each in
+ * [0, nb); the row long enough for them. */
 int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
-                           pakv_err* err);
+                           int64_t window, pakv_err* err);
 /* The write ops' refusal of token `token` writing the slot an earlier token `first` writes; returns -1. */
 int pakv_fail_repeated_slot(pakv_err* err, int64_t token, int64_t slot, int64_t first);
 

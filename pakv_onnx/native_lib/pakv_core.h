@@ -119,7 +119,13 @@ typedef struct pakv_scatter_plan {
  * softcap) when softcap > 0; softmax over the visible positions plus, with head_sink, one more logit
  * head_sink[h] that has no value; out[token, h] = sum of weights x v, fp32 throughout, written as
  * out_type into `out`, [N, Hq, value_head_dim] dense. Made by a contract unit's validator
- * (pakv_contract_attention.c for pakv::PagedAttention). */
+ * (pakv_contract_attention.c for pakv::PagedAttention).
+ *
+ * Non-finite scores (after softcap, which maps +-inf to +-softcap): positions a token does not see
+ * are never read (nor their block-table entries: a window leaves the columns before the first new
+ * token's window unread); a -inf score weighs exactly 0 and its value row is not multiplied in; a
+ * NaN or +inf score, or sink, makes the row NaN; a row whose every score is -inf is NaN, or 0 when
+ * a finite sink gives the denominator (a -inf sink is no sink). */
 typedef struct pakv_attention_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_attention_plan) */

@@ -1,5 +1,6 @@
-/* Element types the attention reads and writes, as fp32 in registers: bfloat16 and float16 widened
- * exactly, fp32 narrowed with round-to-nearest-even as torch's .to() does. Header-only (static inline):
+/* Element types the attention reads and writes, as fp32 in registers: bfloat16, float16, int8 and
+ * float8e4m3fn widened exactly (a quantized cache's stored element; its scale is applied apart),
+ * fp32 narrowed with round-to-nearest-even as torch's .to() does. Header-only (static inline):
  * every unit that needs a conversion inlines it. No libm. */
 #ifndef PAKV_FLOAT_H
 #define PAKV_FLOAT_H
@@ -10,6 +11,8 @@
 #define ONNX_FLOAT 1
 #define ONNX_FLOAT16 10
 #define ONNX_BFLOAT16 16
+#define ONNX_INT8 3
+#define ONNX_FLOAT8E4M3FN 17
 
 static inline float bits_to_float(uint32_t bits) {
   float f;
@@ -59,18 +62,38 @@ static inline uint16_t float_to_f16(float f) {
   return (uint16_t)(sign | (magnitude >> 13));
 }
 
-static inline int64_t item_size(int32_t elem_type) { return elem_type == ONNX_FLOAT ? 4 : 2; }
+/* float8e4m3fn (ONNX 17): 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinity, S.1111.111
+ * (0x7F / 0xFF) is NaN, exponent 0 is subnormal (mantissa x 2^-9); the largest value is 448. Exact,
+ * branch-free (vectorizes), and independent of the CPU's denormal modes (every result is a normal
+ * fp32 or zero). */
+static inline float fp8e4m3fn_to_float(uint8_t x) {
+  uint32_t sign = (uint32_t)(x & 0x80u) << 24, magnitude = x & 0x7Fu, mantissa = x & 7u;
+  uint32_t normal = ((magnitude >> 3) + 120u) << 23 | mantissa << 20; /* rebias 7 -> 127 */
+  uint32_t subnormal = float_to_bits((float)mantissa * 0.001953125f);   /* 2^-9 */
+  uint32_t bits = magnitude == 0x7Fu ? 0x7FC00000u : magnitude < 8u ? subnormal : normal;
+  return bits_to_float(sign | bits);
+}
 
-/* n elements of `elem_type` at src, widened to fp32. */
+static inline int64_t item_size(int32_t elem_type) {
+  return elem_type == ONNX_FLOAT ? 4 : elem_type == ONNX_INT8 || elem_type == ONNX_FLOAT8E4M3FN ? 1 : 2;
+}
+
+/* n elements of `elem_type` at src, widened to fp32 (a quantized type's stored value, unscaled). */
 static inline void widen(float* dst, const void* src, int64_t n, int32_t elem_type) {
   if (elem_type == ONNX_FLOAT) {
     memcpy(dst, src, (size_t)n * sizeof(float));
   } else if (elem_type == ONNX_BFLOAT16) {
     const uint16_t* s = (const uint16_t*)src;
     for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
-  } else {
+  } else if (elem_type == ONNX_FLOAT16) {
     const uint16_t* s = (const uint16_t*)src;
     for (int64_t i = 0; i < n; i++) dst[i] = f16_to_float(s[i]);
+  } else if (elem_type == ONNX_INT8) {
+    const int8_t* s = (const int8_t*)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+  } else {
+    const uint8_t* s = (const uint8_t*)src;
+    for (int64_t i = 0; i < n; i++) dst[i] = fp8e4m3fn_to_float(s[i]);
   }
 }
 
