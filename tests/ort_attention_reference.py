@@ -11,9 +11,10 @@ Three parts, each in the precision its contract states:
   block_table; -1 skips) stores its key / value rows; int8 and float8e4m3fn caches store
   ``q(x * (1 / scale))`` with fp32 arithmetic (int8: round half to even, clamp to [-128, 127],
   NaN -> 0; float8e4m3fn: clamp to +-448 with NaN -> 448, round to nearest even);
-* attention: float64 throughout (dequantized elements e x scale, scores scale x q.k, softcap
-  c tanh(s / c), a window of W positions ending at the token, causal or not, one sink logit with
-  no value), the result returned in float64 for the test to round and compare with a tolerance.
+* attention: the attention core's float64 reference (attention_reference.py: dequantized elements
+  e x scale, scores scale x q.k, softcap c tanh(s / c), a window, causal or not, one sink logit with
+  no value), ORT's attributes mapped onto it; the result returned in float64 for the test to round
+  and compare with a tolerance.
 
 Arrays are numpy float32 holding T values (bfloat16 / float16 / float32); caches are returned as
 float32 values of their elements (int8 and float8 codes decoded), with the codes themselves.
@@ -25,6 +26,7 @@ import dataclasses
 from typing import Any
 
 import numpy as np
+from attention_reference import NONE, PER_CHANNEL, PER_TENSOR, paged_attention
 
 FLOAT8_MAX = 448.0
 
@@ -97,15 +99,6 @@ def quantize(values: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndar
         return clamped.astype(np.int8)
     v = np.where(np.isnan(v), np.float32(FLOAT8_MAX), v)  # fminf(448, NaN) = 448
     return float8_encode(np.clip(v, -FLOAT8_MAX, FLOAT8_MAX))
-
-
-def dequantize(codes: np.ndarray, scale: np.ndarray | None, cache_dtype: str) -> np.ndarray:
-    """Cache elements -> float64 values (x scale for a quantized cache)."""
-    if cache_dtype == "int8":
-        return codes.astype(np.float64) * scale.astype(np.float64)
-    if cache_dtype == "float8e4m3fn":
-        return float8_decode(codes) * scale.astype(np.float64)
-    return codes.astype(np.float64)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -230,66 +223,42 @@ def reference(call: Call) -> Result:
         value_cache = call.value_cache.copy()
         store(value_cache, _heads(v_rows, hk, d), slots, call.v_scale, call.attr("v_quant_type", "NONE"), call)
 
-    k_values = dequantize(
-        key_cache, call.k_scale if call.k_scale is None else _channel_scale(call.k_scale, call, hk, d), call.cache_dtype
-    )
-    if latent:
-        v_values = k_values[..., :dv]
-    else:
-        v_scale = None if call.v_scale is None else _channel_scale(call.v_scale, call, hk, d, "v_quant_type")
-        v_values = dequantize(value_cache, v_scale, call.cache_dtype)
-    output = attend(queries, k_values, v_values, cu, past, table, call, d)
+    output = attention(call, queries, key_cache, value_cache, cu, past, table, d, dv)
     return Result(output.reshape(n, hq * dv), key_cache, value_cache, queries, slots)
 
 
-def _channel_scale(scale: np.ndarray, call: Call, hk: int, d: int, which: str = "k_quant_type") -> np.ndarray:
-    """A scale broadcast over [Hk, D] (PER_CHANNEL: as given; PER_TENSOR: its one value)."""
-    if call.attr(which, "NONE") == "PER_CHANNEL":
-        return scale.reshape(hk, d).astype(np.float64)
-    return np.full((hk, d), float(scale.reshape(-1)[0]))
-
-
-def attend(
+def attention(
+    call: Call,
     queries: np.ndarray,
-    k_values: np.ndarray,
-    v_values: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray | None,
     cu: np.ndarray,
     past: np.ndarray,
     table: np.ndarray,
-    call: Call,
     d: int,
+    dv: int,
 ) -> np.ndarray:
-    """float64 attention of every new token over its sequence's cached context: [N, Hq, Dv]."""
-    hq, hk = call.attr("num_heads", 0), call.attr("kv_num_heads", 0)
-    bs = k_values.shape[1]
-    scale = call.attr("scale", 0.0) or 1.0 / np.sqrt(d)
-    scale = float(np.float32(scale))
-    softcap, window = float(np.float32(call.attr("softcap", 0.0))), call.attr("local_window_size", -1)
-    causal = call.attr("is_causal", 1)
-    out = np.zeros((queries.shape[0], hq, v_values.shape[-1]))
-    for b in range(len(past)):
-        count = cu[b + 1] - cu[b]
-        length = past[b] + count
-        if count == 0:
-            continue
-        blocks = [table[b, p // bs] for p in range(length)]
-        keys = np.stack([k_values[blocks[p], p % bs] for p in range(length)])  # [L, Hk, D]
-        values = np.stack([v_values[blocks[p], p % bs] for p in range(length)])
-        for j in range(count):
-            token, position = cu[b] + j, past[b] + j
-            last = position if causal else length - 1
-            first = max(0, position - window + 1) if window > 0 else 0
-            for h in range(hq):
-                g = h // (hq // hk)
-                q = queries[token, h].astype(np.float64)
-                scores = scale * (keys[first : last + 1, g] @ q)
-                if softcap > 0:
-                    scores = softcap * np.tanh(scores / softcap)
-                logits = scores
-                if call.head_sink is not None:
-                    logits = np.append(scores, float(call.head_sink[h]))
-                top = logits.max()
-                weights = np.exp(logits - top)
-                weights = weights / weights.sum()
-                out[token, h] = weights[: last + 1 - first] @ values[first : last + 1, g]
-    return out
+    """The attention part, ORT's attributes mapped onto the attention core's reference
+    (attention_reference.paged_attention): a local window of W positions ending at the token is
+    ``window = W - 1`` (ORT passes W - 1 to FlashAttention's window_size_left); scale 0 is 1 / sqrt(D)
+    (rounded to fp32, as an attribute is); LATENT reads V from the key rows with the key's scale."""
+    latent = value_cache is None
+    quant = {"NONE": NONE, "PER_TENSOR": PER_TENSOR, "PER_CHANNEL": PER_CHANNEL}
+    k_quant = quant[call.attr("k_quant_type", "NONE")]
+    v_quant = k_quant if latent else quant[call.attr("v_quant_type", "NONE")]
+    k_scale = None if call.k_scale is None else call.k_scale.reshape(-1).astype(np.float64)
+    v_scale = k_scale if latent else None if call.v_scale is None else call.v_scale.reshape(-1).astype(np.float64)
+    window = call.attr("local_window_size", -1)
+
+    def stored(cache: np.ndarray) -> np.ndarray:
+        return float8_decode(cache) if call.cache_dtype == "float8e4m3fn" else cache.astype(np.float64)
+
+    counts = cu[1:] - cu[:-1]
+    return paged_attention(
+        queries.astype(np.float64), stored(key_cache), None if latent else stored(value_cache), table, cu[:-1], counts,
+        past + counts, scale=float(np.float32(call.attr("scale", 0.0) or 1.0 / np.sqrt(d))), value_head_dim=dv,
+        key_quant=k_quant, key_scale=k_scale, value_quant=v_quant, value_scale=v_scale,
+        softcap=float(np.float32(call.attr("softcap", 0.0))), window=window - 1 if window > 0 else -1,
+        head_sink=None if call.head_sink is None else call.head_sink.astype(np.float64),
+        causal=bool(call.attr("is_causal", 1)),
+    )  # fmt: skip

@@ -14,6 +14,8 @@ What is compared, and how closely:
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,153 @@ def test_refusals_name_the_input() -> None:
         ORT_ERRORS, match=r"cos_cache has 2 positions but sequence \d+'s new tokens sit at positions up to"
     ):
         run_plugin(call)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention features (the attention core's plan, reached through ORT's attributes)
+# ------------------------------------------------------------------------------------------------
+def test_not_causal_sees_the_whole_context() -> None:
+    call = random_ort_call(7, dtype="float32", causal=0)
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 100])
+def test_local_window_of_w_positions_ending_at_the_token(window: int) -> None:
+    """local_window_size W: a token at position p sees p - W + 1 .. p (W = 1: itself only; a W past
+    the context: all of it), as ORT's kernels (W - 1 to FlashAttention's window_size_left)."""
+    call = random_ort_call(12, dtype="float32", window=window, sequences=((9, 3), (0, 7), (4, 1)), num_blocks=16)
+    check(call, run_plugin(call.clone()))
+
+
+def test_window_leaves_unread_leading_blocks_free() -> None:
+    """Blocks wholly before every window may be unmapped (-1), as a serving layer frees them."""
+    call = random_ort_call(13, dtype="float16", window=2, sequences=((9, 1),), num_blocks=8)
+    call.inputs["block_table"][0, :2] = -1  # positions 0..7: the token at 9 sees 8 and 9 only
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softcap_after_the_scale(dtype: str) -> None:
+    call = random_ort_call(14, dtype=dtype, softcap=1.5, scale=0.9)
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_sink_in_the_denominator(dtype: str) -> None:
+    call = random_ort_call(15, dtype=dtype, sink=True)
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8e4m3fn"])
+@pytest.mark.parametrize("quant", ["PER_TENSOR", "PER_CHANNEL"])
+def test_quantized_caches(dtype: str, cache_dtype: str, quant: str) -> None:
+    """int8 / float8e4m3fn caches: the new rows written as the reference's codes, bit for bit; every
+    position read back dequantized (e x scale)."""
+    call = random_ort_call(16, dtype=dtype, cache_dtype=cache_dtype, quant=quant, rotary="half", norm=True)
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "float8e4m3fn"])
+def test_quantization_rounding_and_saturation(cache_dtype: str) -> None:
+    """Keys chosen on the rounding rule's edges (scale 1): ties (to even), the clamps, +-inf, NaN
+    (int8: 0, as CUDA's float-to-int conversion gives; float8: 448, as fminf(448, NaN) gives), and
+    float8's subnormals."""
+    edges = {
+        "int8": [2.5, 3.5, -2.5, -3.5, 126.5, 127.5, -128.5, 1e30, -1e30, np.inf, -np.inf, np.nan, 0.4999, -0.5, 7.0],
+        "float8e4m3fn": [1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 5 * 2.0**-11, 448.0, 464.0, 500.0, -1e9,
+                         np.inf, -np.inf, np.nan, 0.0, -0.0, 240.0],
+    }[cache_dtype]  # fmt: skip
+    call = random_ort_call(17, dtype="float32", cache_dtype=cache_dtype, quant="PER_TENSOR", num_heads=2,
+                           kv_num_heads=1, head_size=16, sequences=((0, 1),), slots="given")  # fmt: skip
+    row = torch.tensor(edges + [0.0] * (16 - len(edges)), dtype=torch.float32)
+    call.inputs["key"][0] = row
+    call.inputs["value"][0] = row
+    call.inputs["k_scale"].fill_(1.0)
+    call.inputs["v_scale"].fill_(1.0)
+    call.inputs["query"].zero_()  # scores 0: the output is the values' mean, finite
+    want = reference(call.numpy_call())
+    got = run_plugin(call.clone())
+    np.testing.assert_array_equal(cache_values(got["key_cache_out"]), want.key_cache)
+    written = cache_values(got["key_cache_out"])[int(call.inputs["slot_mapping"][0]) // 4, 0, 0]
+    expected = {
+        "int8": [2, 4, -2, -4, 126, 127, -128, 127, -128, 127, -128, 0, 0, 0, 7, 0],
+        "float8e4m3fn": [
+            0x38,
+            0x3A,
+            0xB8,
+            0x00,
+            0x02,
+            0x01,
+            0x7E,
+            0x7E,
+            0x7E,
+            0xFE,
+            0x7E,
+            0xFE,
+            0x7E,
+            0x00,
+            0x80,
+            0x77,
+        ],
+    }[cache_dtype]
+    assert written.astype(np.int64).tolist() == [int(np.int8(v)) if cache_dtype == "int8" else v for v in expected]
+
+
+def test_float8_encoding_agrees_with_torch() -> None:
+    """The reference's float8e4m3fn rounding (a table, ties to the even code) is torch's, for every
+    float32 in range that is a midpoint or near one."""
+    from ort_attention_reference import float8_encode
+
+    values = torch.linspace(-448, 448, 200001).float()
+    values = torch.cat([values, torch.tensor([2.0**-10, 3 * 2.0**-10, 2.0**-9 * 1.5, 1.0625, 240.0, 232.0])])
+    ours = float8_encode(values.numpy())
+    theirs = values.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, "float8e4m3fn"])
+def test_latent_absorbed_mla(cache_dtype: str | None) -> None:
+    """LATENT: one cache of the latent rows, V its leading v_head_size channels, rotary over the k_pe
+    suffix (rotary_offset), an explicit scale; float8 with one per-channel key scale for both."""
+    call = random_ort_call(18, dtype="bfloat16", latent=True, num_heads=4, head_size=24, v_head_size=16, scale=0.25,
+                           rotary="half", rotary_dim=8, rotary_offset=16, cache_dtype=cache_dtype,
+                           quant="PER_CHANNEL" if cache_dtype else None)  # fmt: skip
+    check(call, run_plugin(call.clone()))
+
+
+def _combinations() -> list[dict]:
+    """Every combination of window x softcap x sink x GQA x rotary x LATENT x cache type (sinks and
+    norms are refused with LATENT), over a ragged batch (prefill, decode, chunk and empty rows)."""
+    combos = []
+    for window, softcap, sink, groups, rotary, latent, cache in itertools.product(
+        (-1, 3), (0.0, 2.0), (False, True), ((4, 2), (4, 4)), (None, "half", "interleaved"), (False, True),
+        (None, ("int8", "PER_TENSOR"), ("float8e4m3fn", "PER_CHANNEL")),
+    ):  # fmt: skip
+        if latent and sink:
+            continue
+        combo = {"window": window, "softcap": softcap, "sink": sink, "num_heads": groups[0], "kv_num_heads": groups[1],
+                 "rotary": rotary, "latent": latent, "cache_dtype": cache and cache[0], "quant": cache and cache[1],
+                 "head_size": 24 if latent else 16, "v_head_size": 16 if latent else 0,
+                 "rotary_dim": 8 if rotary else None, "rotary_offset": 16 if latent and rotary else 0,
+                 "scale": 0.3 if latent else 0.0}  # fmt: skip
+        combos.append(combo)
+    return combos
+
+
+COMBINATIONS = _combinations()
+
+
+@pytest.mark.parametrize("index", range(0, len(COMBINATIONS), 7))
+def test_feature_combinations_sampled(index: int) -> None:
+    """Every 7th combination (all of them under -m slow), dtypes in turn."""
+    call = random_ort_call(100 + index, dtype=DTYPES[index % 3], **COMBINATIONS[index])
+    check(call, run_plugin(call.clone()))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_feature_combinations_all(dtype: str) -> None:
+    for index, combo in enumerate(COMBINATIONS):
+        call = random_ort_call(1000 + index, dtype=dtype, **combo)
+        check(call, run_plugin(call.clone()))

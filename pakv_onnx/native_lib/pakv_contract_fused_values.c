@@ -285,6 +285,8 @@ int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fuse
   fill_prologue(t, a, &s, plan);
   plan->slots = slots;
   plan->positions = positions;
+  plan->key_scale = scales[0];
+  plan->value_scale = s.latent ? scales[0] : scales[1];
   fill_attention(t, a, &s, plan, scratch, scales, sink);
   if (pakv_validate_fused_outputs(t, plan, err)) return -1;
   plan->attention.out = t[PAKV_FUSED_OUTPUT].present ? (void*)t[PAKV_FUSED_OUTPUT].data : NULL;
