@@ -19,17 +19,20 @@ import array
 import ctypes
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pakv_onnx import native_lib
-from pakv_onnx.plans import AttentionPlan, GatherPlan, ScatterPlan
+from pakv_onnx.plans import AttentionPlan, GatherPlan, OrtAttentionPlan, ScatterPlan
 from pakv_onnx.spec import (
     ATTENTION,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
+    ORT_ATTENTION,
+    ORT_ATTENTION_HOST_INPUTS,
     SCATTER,
     CacheMode,
     parse_cache_mode,
@@ -354,3 +357,130 @@ def check_attention_output(plan: AttentionPlan, out: torch.Tensor) -> None:
     if kind:
         _raise(kind)
     struct.pack_into("@P", call, _ATTENTION_OUT_AT, out.data_ptr())
+
+
+# com.microsoft::PagedAttention: its 17 inputs (the host-read ones with _INDEX), then its 3 outputs.
+_ORT_ROLES = (
+    *(
+        (name, _OPTIONAL * (name in ORT_ATTENTION.optional_inputs) | _INDEX * (name in ORT_ATTENTION_HOST_INPUTS))
+        for name in ORT_ATTENTION.input_names
+    ),
+    *((name, _OPTIONAL) for name in ORT_ATTENTION.output_names),
+)
+_ORT_OUTPUT_ROLES = _ORT_ROLES[len(ORT_ATTENTION.input_names) :]
+_FUSED_RECORDS_AT = native_lib.FusedCall.records.offset
+_FUSED_OUTPUTS_AT = _FUSED_RECORDS_AT + len(ORT_ATTENTION.input_names) * _RECORD_SIZE
+_QUANT_NAMES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
+_STRING_ATTRIBUTES = ("k_quant_type", "v_quant_type", "k_cache_dtype", "v_cache_dtype", "kv_cache_layout")
+_FLOAT_ATTRIBUTES = ("scale", "softcap", "qk_norm_epsilon")
+
+
+def _set_attributes(target: Any, attributes: dict[str, Any]) -> None:
+    """ORT's attributes into a pakv_fused_attributes (defaults already there): the Python types the
+    node's attribute types are (INT, FLOAT, STRING); their values are the validator's to judge."""
+    for name, value in attributes.items():
+        if name not in ORT_ATTENTION.attribute_defaults:
+            raise TypeError(f"PagedAttention got an unknown attribute {name!r}")
+        if name in _STRING_ATTRIBUTES:
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+            setattr(target, name, value.encode()[: native_lib.FUSED_STRING_LEN - 1])
+        elif name in _FLOAT_ATTRIBUTES:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+            setattr(target, name, ctypes.c_float(value).value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            setattr(target, name, max(min(value, 2**63 - 1), -(2**63)))
+    target.given = 3  # num_heads and kv_num_heads: the front's required arguments
+
+
+def _read(address: int, count: int, ctype: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` C values at ``address`` as a CPU tensor (a copy)."""
+    if count <= 0 or not address:
+        return torch.empty(0, dtype=dtype)
+    return torch.tensor(list((ctype * count).from_address(address)), dtype=dtype)
+
+
+def plan_ort_attention(
+    inputs: Sequence[torch.Tensor | None], attributes: dict[str, Any], *, out: torch.Tensor | None = None
+) -> OrtAttentionPlan:
+    """Validate one com.microsoft::PagedAttention call and return its plan.
+
+    Args:
+        inputs: the op's 17 inputs in ORT's order (``spec.ORT_ATTENTION.input_names``), None for an
+            absent optional one: query ``[N, Hq*D]`` (or packed QKV), key / value ``[N, Hk*D]``, the
+            caches ``[nb, bs, Hk, D]`` (T, int8 or float8_e4m3fn), cumulative_sequence_length
+            ``[B+1]``, past_seqlens ``[B]``, block_table ``[B, cols]``, cos / sin ``[rows, rotary/2]``,
+            slot_mapping ``[N]``, head_sink ``[Hq]``, the norm weights ``[D]``, the scales ``[1]`` or
+            ``[Hk, 1, D]`` (float32), attention_metadata ``[2|3]``.
+        attributes: ORT's attributes by name (num_heads and kv_num_heads needed; others default).
+        out: an optional ``[N, Hq * Dv]`` output to check (contiguous, query's dtype, apart from every input).
+
+    Raises:
+        TypeError: a non-tensor, a dtype the op does not take; ValueError: any other rule, named by
+            the C validator (pakv_contract_fused*.c).
+    """
+    values = tuple(inputs)
+    if len(values) != len(ORT_ATTENTION.input_names):
+        raise TypeError(f"PagedAttention takes {len(ORT_ATTENTION.input_names)} inputs, got {len(values)}")
+    call = native_lib.FusedCall()
+    base = ctypes.addressof(call)
+    native_lib.fused_defaults(ctypes.addressof(call.attributes))
+    _set_attributes(call.attributes, attributes)
+    hosts = (_describe or _describer())(base + _FUSED_RECORDS_AT, (*values, out, None, None), _ORT_ROLES)
+    needed = native_lib.fused_scratch_needed(base)
+    scratch = array.array("q", bytes(8 * max(needed, 1)))
+    call.scratch_len, call.scratch, call.error = needed, scratch.buffer_info()[0], _errors.address
+    kind = native_lib.plan_fused_call(base)
+    if kind:
+        _raise(kind)
+    plan, attention = call.plan, call.plan.attention
+    b, n = attention.num_seqs, plan.num_tokens
+    def scale_count(quant: int) -> int:  # PAKV_QUANT_*: NONE, PER_TENSOR, PER_CHANNEL
+        return (0, 1, plan.num_kv_heads * plan.head_dim)[quant]
+
+    def floats(address: int | None, count: int) -> torch.Tensor | None:
+        return _read(address, count, ctypes.c_float, torch.float32) if address else None
+
+    key_cache = values[3]
+    result = object.__new__(OrtAttentionPlan)
+    result.__dict__.update(
+        num_tokens=n, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
+        value_head_dim=attention.value_head_dim, num_seqs=b, num_blocks=plan.num_blocks, block_size=plan.block_size,
+        dtype=values[0].dtype, cache_dtype=key_cache.dtype, latent=bool(plan.latent),
+        packed=values[1] is None and not plan.latent, normalize=bool(plan.normalize), epsilon=plan.epsilon,
+        rotary_dim=plan.rotary_dim, rotary_offset=plan.rotary_offset, rotary_interleaved=bool(plan.rotary_interleaved),
+        key_quant=_QUANT_NAMES[plan.key_quant], value_quant=_QUANT_NAMES[plan.value_quant], scale=attention.scale,
+        softcap=attention.softcap, window=attention.window, causal=bool(attention.causal),
+        query_starts=_read(attention.query_starts, b, ctypes.c_int64, torch.int64),
+        query_counts=_read(attention.query_counts, b, ctypes.c_int64, torch.int64),
+        context_lens=_read(attention.context_lens, b, ctypes.c_int64, torch.int64),
+        positions=_read(plan.positions, n, ctypes.c_int64, torch.int64),
+        slots=_read(plan.slots, n, ctypes.c_int64, torch.int64),
+        key_scale=floats(plan.key_scale, scale_count(plan.key_quant)),
+        value_scale=floats(plan.value_scale, scale_count(plan.value_quant)),
+        head_sink=floats(attention.head_sink, plan.num_heads),
+        tables=hosts[7], native=(call, scratch, hosts),
+    )  # fmt: skip
+    return result
+
+
+def check_ort_attention_outputs(
+    plan: OrtAttentionPlan,
+    out: torch.Tensor,
+    key_cache_out: torch.Tensor | None = None,
+    value_cache_out: torch.Tensor | None = None,
+) -> None:
+    """The validator's output rules for outputs obtained after ``plan`` was made: ``out`` ``[N, Hq*Dv]``
+    of query's dtype, contiguous, apart from every input; a cache output its cache's shape and dtype,
+    the cache itself (in place) or apart from every input. Raises what the validator said."""
+    call = plan.native[0]
+    base = ctypes.addressof(call)
+    (_describe or _describer())(base + _FUSED_OUTPUTS_AT, (out, key_cache_out, value_cache_out), _ORT_OUTPUT_ROLES)
+    kind = native_lib.check_fused_outputs_call(base)
+    if kind:
+        _raise(kind)

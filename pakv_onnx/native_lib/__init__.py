@@ -389,6 +389,8 @@ _SIGNATURES = {
     "pakv_fused_plan_size": ([], ctypes.c_size_t),
     "pakv_fused_call_size": ([], ctypes.c_size_t),
     "pakv_fused_defaults": ([ctypes.c_void_p], None),
+    "pakv_fused_scratch_needed": ([ctypes.c_void_p], ctypes.c_int64),
+    "pakv_fused_bind_plan": ([ctypes.c_void_p] * 5, None),
     "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
@@ -619,3 +621,33 @@ ATTENTION_PLAN_FORMAT = "@IIiiiiqqPPiiiiPPqqqqqqqqqqPqqPqqqPqqPPPffqP"
 ATTENTION_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(AttentionPlan._fields_)}
 if struct.calcsize(ATTENTION_PLAN_FORMAT) != ctypes.sizeof(AttentionPlan):  # pragma: no cover
     raise LibraryABIError("ATTENTION_PLAN_FORMAT does not match the AttentionPlan mirror on this platform")
+
+
+def plan_fused_call(call: int) -> int:
+    """``pakv_plan_fused`` on the FusedCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_plan_fused")(call)
+
+
+def check_fused_outputs_call(call: int) -> int:
+    """``pakv_check_fused_outputs`` on the FusedCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_check_fused_outputs")(call)
+
+
+def fused_scratch_needed(call: int) -> int:
+    """int64 scratch entries the FusedCall at ``call`` needs (its records written), or -1."""
+    return _function("pakv_fused_scratch_needed")(call)
+
+
+def fused_defaults(attributes: int) -> None:
+    """Fill the pakv_fused_attributes at ``attributes`` with ORT's schema defaults."""
+    _function("pakv_fused_defaults")(attributes)
+
+
+def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, value_cache: int) -> None:
+    """Bind the validated pakv_fused_plan at ``plan_address`` to its buffers and run it on this thread
+    (the prologue writes the caches in place, then the attention writes ``out``)."""
+    lib = load()
+    lib.pakv_fused_bind_plan(plan_address, out, query_rows, key_cache, value_cache)
+    error = _scratch.error_address
+    if lib.pakv_fused_attention(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))

@@ -325,6 +325,15 @@ PAKV_EXPORT int pakv_check_fused_outputs(const pakv_fused_call* call) {
                      call->error ? PAKV_ERR_LEN : 0);
 }
 
+PAKV_EXPORT int64_t pakv_fused_scratch_needed(const pakv_fused_call* call) {
+  return call ? pakv_fused_scratch_len(call->records) : -1;
+}
+
+PAKV_EXPORT void pakv_fused_bind_plan(pakv_fused_plan* plan, void* out, void* query_rows, void* key_cache,
+                                      void* value_cache) {
+  pakv_fused_bind(plan, out, query_rows, key_cache, value_cache);
+}
+
 PAKV_EXPORT void pakv_fused_defaults(pakv_fused_attributes* a) { pakv_fused_default_attributes(a); }
 PAKV_EXPORT size_t pakv_fused_call_size(void) { return sizeof(pakv_fused_call); }
 PAKV_EXPORT size_t pakv_fused_plan_size(void) { return sizeof(pakv_fused_plan); }
