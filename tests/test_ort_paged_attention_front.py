@@ -196,7 +196,7 @@ def test_each_latent_rule_is_refused(name: str) -> None:
 def test_the_refusal_table_covers_every_fused_rule() -> None:
     """Every message of the fused op's contract units is matched by one refusal above (or named as one
     that only a C caller or an ORT session can reach)."""
-    from test_one_validator import PACKAGE, _CALL, _LITERAL
+    from test_one_validator import _CALL, _LITERAL, PACKAGE
 
     reachable_elsewhere = {  # rules only ORT's records or the C API can break (tested there)
         "%s must be given (an INT attribute >= 1)", "no memory for the plan's %lld scratch entries",

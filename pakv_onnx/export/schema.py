@@ -316,4 +316,7 @@ def register_schema() -> onnx.defs.OpSchema:
             onnx.defs.register_schema(make_scatter_schema())
         if not onnx.defs.has(ATTENTION.op_type, OPSET_VERSION, DOMAIN):
             onnx.defs.register_schema(make_attention_schema())
+    from pakv_onnx.export.ort_attention import register_ort_attention_schema  # (it imports the torch ops)
+
+    register_ort_attention_schema()
     return onnx.defs.get_schema(OP_TYPE, OPSET_VERSION, DOMAIN)
