@@ -316,3 +316,58 @@ def test_feature_combinations_all(dtype: str) -> None:
     for index, combo in enumerate(COMBINATIONS):
         call = random_ort_call(1000 + index, dtype=dtype, **combo)
         check(call, run_plugin(call.clone()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Registration: what ORT reads of the op (through the fake OrtApi of tests/fake_ort_api.py)
+# ------------------------------------------------------------------------------------------------
+_REGISTRATION = """
+import json, sys
+from fake_ort_api import FakeRuntime
+from pakv_onnx import native_lib
+
+runtime = FakeRuntime(api_version=int(sys.argv[1]))
+ops = runtime.register(native_lib.load())
+rows = []
+for address in ops:
+    op = runtime.op(address)
+    rows.append({
+        "domain": runtime.op_domains[address], "name": op.GetName(address).decode(),
+        "ep": op.GetExecutionProviderType(address).decode(), "version": op.version,
+        "counts": [op.GetInputTypeCount(address), op.GetOutputTypeCount(address)],
+        "inputs": [op.GetInputType(address, i) for i in range(op.GetInputTypeCount(address))],
+        "required": [i for i in range(op.GetInputTypeCount(address)) if op.GetInputCharacteristic(address, i) == 0],
+        "outputs": [op.GetOutputCharacteristic(address, i) for i in range(op.GetOutputTypeCount(address))],
+    })
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.parametrize("api_version", [16, 17, 18])
+def test_registered_for_the_cpu_ep_only_so_orts_cuda_kernel_keeps_the_node(api_version: int) -> None:
+    """The library adds a com.microsoft domain holding PagedAttention for the CPU EP only: twelve
+    (T, T_CACHE) entries, ORT's 17 inputs and 3 outputs with their characteristics. With no CUDA / CANN
+    entry, a session with the CUDA EP places the node on ORT's own CUDA kernel (which ORT registers in
+    its own registry), and a CPU-only session on this kernel. From API 18 the cache inputs are
+    declared aliases of the cache outputs (the op's version says ORT reads the alias map). Each API
+    version in a fresh process: the library builds its ops once per process."""
+    import json
+
+    from conftest import run_python
+
+    result = run_python(_REGISTRATION, args=[str(api_version)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout)
+    ours = [r for r in rows if r["domain"] == "com.microsoft"]
+    assert {r["domain"] for r in rows} == {"pakv", "com.microsoft"}
+    assert len(ours) == 12
+    for row in ours:
+        assert (row["name"], row["ep"], row["counts"]) == ("PagedAttention", "CPUExecutionProvider", [17, 3])
+        assert row["required"] == [0, 3, 5, 6, 7] and row["outputs"] == [0, 1, 1]
+        assert row["inputs"][14] == row["inputs"][15] == 1  # scales: float
+        assert row["inputs"][5] == row["inputs"][10] == 0  # indices: int32 or int64 (checked at run time)
+        assert row["version"] == (18 if api_version >= 18 else 17 if api_version >= 17 else 16)
+    pairs = {(r["inputs"][0], r["inputs"][3]) for r in ours}
+    assert pairs == {(t, c) for t in (1, 10, 16) for c in (t, 3, 17, 2)}  # T x {T, int8, float8e4m3fn, uint8}
+    devices = [r for r in rows if r["ep"] != "CPUExecutionProvider"]
+    assert devices and all(r["domain"] == "pakv" for r in devices)
