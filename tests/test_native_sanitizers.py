@@ -7,7 +7,8 @@ ASan checks every device copy's bounds); and, in another, PagedAttention inside 
 calls against a numpy reference, every rule broken once, int64-edge shapes, a writer racing the
 block table, outputs bound over inputs); and, in another, the attention core on plans built directly
 (every type, quantization and feature of the plan, on the calling thread and the library's threads,
-against tests/attention_reference.py, and malformed plans). Any invalid access or undefined behaviour aborts the run.
+against tests/attention_reference.py, and malformed plans); and, in another, com.microsoft::PagedAttention
+inside ORT (tests/native/ort_attention_session.py). Any invalid access or undefined behaviour aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
 path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
 so both its loop on the calling thread and its parts on ORT's pool run."""
@@ -30,6 +31,7 @@ from pakv_onnx import native_lib
 SOURCES = Path(native_lib.__file__).parent
 SESSION = Path(__file__).parent / "native" / "sanitizer_session.py"
 CORE_SESSION = Path(__file__).parent / "native" / "attention_core_session.py"
+ORT_ATTENTION_SESSION = Path(__file__).parent / "native" / "ort_attention_session.py"
 
 
 def _setup_sources() -> list[str]:
@@ -100,3 +102,10 @@ def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_libr
 
 def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
     _sanitized_run(sanitized_library, "300", session=CORE_SESSION)
+
+
+def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+    """com.microsoft::PagedAttention inside ORT: random valid calls of every feature (caches exact,
+    outputs close to the reference), broken calls refused with nothing written, a writer racing the
+    block table, cache outputs bound over the other cache (tests/native/ort_attention_session.py)."""
+    _sanitized_run(sanitized_library, "150", session=ORT_ATTENTION_SESSION)

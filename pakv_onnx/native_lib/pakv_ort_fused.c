@@ -78,7 +78,10 @@ static OrtStatus* read_attribute(const OrtApi* api, const OrtKernelInfo* info, c
   text[sizeof(text) - 1] = 0;
   if (size > 0 && size <= sizeof(text) && strlen(text) + 1 != size) /* "NONE\0more": not "NONE" */
     snprintf(text, sizeof(text), "(a string of %zu bytes with a NUL byte inside)", size - 1);
-  snprintf(field, PAKV_FUSED_STRING_LEN, "%s", text); /* cut past 31 bytes: then it matches no allowed value */
+  size_t length = strlen(text); /* cut past 31 bytes: then it matches no allowed value */
+  if (length >= PAKV_FUSED_STRING_LEN) length = PAKV_FUSED_STRING_LEN - 1;
+  memcpy(field, text, length);
+  field[length] = 0;
   return NULL;
 }
 
