@@ -15,11 +15,14 @@ What is compared, and how closely:
 from __future__ import annotations
 
 import itertools
+import re
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 import torch
 from conftest import ORT_ERRORS
+from ort_attention_cases import ONNX_TYPES as ONNX_OF
 from ort_attention_cases import OUTPUT_NAMES, OrtCall, cache_values, model_for, random_ort_call, rounded
 from ort_attention_reference import reference
 
@@ -371,3 +374,107 @@ def test_registered_for_the_cpu_ep_only_so_orts_cuda_kernel_keeps_the_node(api_v
     assert pairs == {(t, c) for t in (1, 10, 16) for c in (t, 3, 17, 2)}  # T x {T, int8, float8e4m3fn, uint8}
     devices = [r for r in rows if r["ep"] != "CPUExecutionProvider"]
     assert devices and all(r["domain"] == "pakv" for r in devices)
+
+
+# ------------------------------------------------------------------------------------------------
+# Non-finite values, attributes at session creation, the alias route
+# ------------------------------------------------------------------------------------------------
+def test_masked_positions_are_never_read() -> None:
+    """NaN in every cache position no token sees (before a window, after a causal token's own
+    position in its block, in unused blocks) changes nothing; NaN in a visible key makes that row NaN."""
+    call = random_ort_call(60, dtype="float32", window=2, sequences=((6, 1), (0, 4)), num_blocks=8)
+    want = reference(call.numpy_call())
+    poisoned = call.clone()
+    table = poisoned.inputs["block_table"]
+    seen = {(int(table[0, p // 4]), p % 4) for p in (5, 6)} | {(int(table[1, p // 4]), p % 4) for p in range(4)}
+    for block in range(8):
+        for row in range(4):
+            if (block, row) not in seen:
+                poisoned.inputs["key_cache"][block, row] = float("nan")
+                poisoned.inputs["value_cache"][block, row] = float("nan")
+    got = run_plugin(poisoned)
+    expected = rounded(want.output, "float32")
+    assert np.all(np.abs(got["output"].numpy() - expected) <= 2e-5 + 2e-5 * np.abs(expected))
+    visible = call.clone()
+    visible.inputs["key_cache"][int(table[0, 1]), 1] = float("nan")  # position 5 of sequence 0, in its window
+    rows = run_plugin(visible)["output"].numpy()
+    assert np.isnan(rows[0]).all() and np.isfinite(rows[1:]).all()
+
+
+@pytest.mark.parametrize(
+    ("attributes", "message"),
+    [
+        ({"num_heads": 4.0}, "PagedAttention attribute num_heads must be an INT attribute, got attribute type FLOAT"),
+        (
+            {"k_quant_type": 1},
+            "PagedAttention attribute k_quant_type must be a STRING attribute, got attribute type INT",
+        ),
+        ({"scale": [1.0, 2.0]}, "PagedAttention attribute scale must be a FLOAT attribute, got attribute type FLOATS"),
+        ({"kv_cache_layout": "PACKED"}, "kv_cache_layout must be 'SEPARATE' or 'LATENT', got 'PACKED'"),
+        ({"kv_cache_layout": "LATENT" + "x" * 300}, "got '(a string of 306 bytes)'"),
+        (
+            {"k_cache_dtype": "int4"},
+            "k_cache_dtype 'int4' (two values packed per byte in a uint8 cache) is not implemented",
+        ),
+    ],
+)
+def test_attributes_are_checked_at_session_creation(attributes: dict, message: str) -> None:
+    call = random_ort_call(61, dtype="float32")
+    call.attributes.update(attributes)
+    with pytest.raises(ORT_ERRORS, match=re.escape(message)):
+        runtime_plugin.make_session(model_for(call))
+
+
+def test_a_missing_required_attribute_is_named() -> None:
+    call = random_ort_call(62, dtype="float32")
+    del call.attributes["kv_num_heads"]
+    with pytest.raises(ORT_ERRORS, match=re.escape("kv_num_heads must be given (an INT attribute >= 1)")):
+        runtime_plugin.make_session(model_for(call))
+
+
+def test_chained_steps_write_the_bound_pool_in_place() -> None:
+    """Two nodes, the second reading the first's cache outputs (not graph outputs): on ORT >= 1.18 the
+    alias map makes each cache output its input's buffer, so both steps' rows land in the pool the host
+    bound, and the second step reads the first's."""
+    import onnx
+
+    first = random_ort_call(63, dtype="float32", sequences=((2, 1), (5, 1)), num_blocks=6)
+    second = first.clone()
+    second.inputs["past_seqlens"] = first.inputs["past_seqlens"] + 1  # the next token of each sequence
+    second.inputs["query"] = torch.randn_like(first.inputs["query"])
+    second.inputs["key"], second.inputs["value"] = (
+        torch.randn_like(first.inputs["key"]),
+        torch.randn_like(first.inputs["value"]),
+    )
+    model = model_for(first)
+    graph = model.graph
+    node = graph.node[0]
+    node.output[:] = ["output_1", "key_cache_1", "value_cache_1"]
+    step = onnx.helper.make_node(
+        "PagedAttention", ["query_2", "key_2", "value_2", "key_cache_1", "value_cache_1", "cumulative_sequence_length",
+                           "past_seqlens_2", "block_table"], ["output", "key_cache_2", "value_cache_2"],
+        domain="com.microsoft", **first.attributes,
+    )  # fmt: skip
+    graph.node.append(step)
+    for name, like in (
+        ("query_2", "query"),
+        ("key_2", "key"),
+        ("value_2", "value"),
+        ("past_seqlens_2", "past_seqlens"),
+    ):
+        graph.input.append(onnx.helper.make_tensor_value_info(name, ONNX_OF[first.inputs[like].dtype], None))
+    del graph.output[:]
+    graph.output.append(onnx.helper.make_tensor_value_info("output", onnx.TensorProto.FLOAT, None))
+    session = runtime_plugin.make_session(model)
+    pool = first.clone()
+    feeds = {**pool.inputs, "query_2": second.inputs["query"], "key_2": second.inputs["key"],
+             "value_2": second.inputs["value"], "past_seqlens_2": second.inputs["past_seqlens"]}  # fmt: skip
+    got = runtime_plugin.run(session, {k: v for k, v in feeds.items() if v is not None})
+    after_first = reference(first.numpy_call())
+    second.inputs["key_cache"] = torch.from_numpy(after_first.key_cache.copy())
+    second.inputs["value_cache"] = torch.from_numpy(after_first.value_cache.copy())
+    want = reference(second.numpy_call())
+    expected = rounded(want.output, "float32")
+    assert np.all(np.abs(got["output"].numpy() - expected) <= 2e-5 + 2e-5 * np.abs(expected))
+    if tuple(int(x) for x in ort.__version__.split(".")[:2]) >= (1, 18):
+        np.testing.assert_array_equal(pool.inputs["key_cache"].numpy(), want.key_cache)  # both steps, in place
