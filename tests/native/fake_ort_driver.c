@@ -26,21 +26,27 @@ typedef struct { Value* in[5]; size_t nin; Value out[2]; int out_mem; long paral
 typedef struct { const char* mode; int64_t cumsum; } Info; /* cumsum < 0: absent */
 /* Room for every cache op (pairs x kinds x EPs), PagedAttention's entries and a few more. */
 #define DOMAIN_CAPACITY (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + PAKV_NUM_ATTENTION_DTYPES + 8)
-typedef struct { const PakvOrtCustomOp* ops[DOMAIN_CAPACITY]; int n; } Domain;
+typedef struct { const PakvOrtCustomOp* ops[DOMAIN_CAPACITY]; int n; char name[32]; } Domain;
 typedef struct { char key[64]; char value[64]; int set; } Options;
 
 static Status* CreateStatus(int code, const char* msg) {
   Status* s = calloc(1, sizeof(Status)); s->code = code; snprintf(s->msg, sizeof(s->msg), "%s", msg); return s;
 }
 static const char* GetErrorMessage(const Status* s) { return s->msg; }
-static Status* CreateCustomOpDomain(const char* d, Domain** out) { (void)d; *out = calloc(1, sizeof(Domain)); return NULL; }
-static Domain* g_domain;
+static Status* CreateCustomOpDomain(const char* d, Domain** out) {
+  *out = calloc(1, sizeof(Domain)); snprintf((*out)->name, sizeof((*out)->name), "%s", d); return NULL;
+}
+static Domain *g_domain, *g_ms_domain; /* the pakv domain; com.microsoft's (PagedAttention, CPU only) */
 static Status* CustomOpDomain_Add(Domain* d, const PakvOrtCustomOp* op) {
   if (d->n >= DOMAIN_CAPACITY) return CreateStatus(1, "fake ORT: domain full");
   d->ops[d->n++] = op;
   return NULL;
 }
-static Status* AddCustomOpDomain(void* o, Domain* d) { (void)o; g_domain = d; return NULL; }
+static Status* AddCustomOpDomain(void* o, Domain* d) {
+  (void)o;
+  if (strcmp(d->name, "pakv") == 0) g_domain = d; else g_ms_domain = d;
+  return NULL;
+}
 static Status* GetTensorMutableData(Value* v, void** out) { *out = v->data; return NULL; }
 static Status* GetTensorElementType(const Value* v, int* out) { *out = v->type; return NULL; }
 static Status* GetDimensionsCount(const Value* v, size_t* out) { *out = v->nd; return NULL; }
@@ -207,6 +213,13 @@ int main(int argc, char** argv) {
   if (reg(&options, &g_base) || !g_domain ||
       g_domain->n != npairs * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + PAKV_NUM_ATTENTION_DTYPES) {
     fprintf(stderr, "registration failed\n"); return 3; }
+  if (!g_ms_domain || strcmp(g_ms_domain->name, "com.microsoft") || g_ms_domain->n != 12) {
+    fprintf(stderr, "com.microsoft domain: %d ops\n", g_ms_domain ? g_ms_domain->n : -1); return 3; }
+  for (int i = 0; i < g_ms_domain->n; i++) {
+    const PakvOrtCustomOp* op = g_ms_domain->ops[i];
+    if (strcmp(op->GetName(op), "PagedAttention") || strcmp(op->GetExecutionProviderType(op), "CPUExecutionProvider")) {
+      fprintf(stderr, "com.microsoft entry %d: not PagedAttention on the CPU\n", i); return 3; }
+  }
   if (strcmp(g_domain->ops[0]->GetName(g_domain->ops[0]), "GatherPaKvCache") ||
       strcmp(g_domain->ops[npairs]->GetName(g_domain->ops[npairs]), "ScatterPaKvCache")) {
     fprintf(stderr, "ops not registered in order\n"); return 3; }
@@ -275,6 +288,7 @@ int main(int argc, char** argv) {
   }
   wrong += check_direct(lib);
   free(g_domain);
+  free(g_ms_domain);
   if (driver_count && (driver_count("wrong_stream") || driver_count("misuse"))) {
     fprintf(stderr, "driver calls off ORT's stream: %ld, refused by the driver: %ld\n", driver_count("wrong_stream"),
             driver_count("misuse"));
