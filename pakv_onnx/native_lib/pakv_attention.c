@@ -196,6 +196,21 @@ static int shape_of(const pakv_attention_plan* p, int64_t tile_tokens, part_shap
 #define PAKV_ATTN_CLONES
 #endif
 
+#define PAKV_INF __builtin_inff()
+
+/* A chunk's positions whose score is -inf are absent: weight exactly 0 and their value rows never read
+ * (0 x NaN would poison the row). Keeps the others' weights and rows, in order; returns how many. */
+static int64_t drop_absent(float* weights, const float* scores, const float* const* rows, const float** kept,
+                           int64_t count) {
+  int64_t n = 0;
+  for (int64_t r = 0; r < count; r++)
+    if (scores[r] != -PAKV_INF) {
+      weights[n] = weights[r];
+      kept[n++] = rows[r];
+    }
+  return n;
+}
+
 /* Returns 0, or 1 when a block id read here is outside [0, num_blocks) (the table changed). */
 PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part_shape* shape, float* scratch, int64_t b, int64_t kv_head,
                        int64_t j0, int64_t j1) {
@@ -214,6 +229,7 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
   float* vf = kf + PAKV_ATTN_CHUNK * d;
   const float* key_rows[PAKV_ATTN_CHUNK];
   const float* value_rows[PAKV_ATTN_CHUNK];
+  const float* live_rows[PAKV_ATTN_CHUNK];
 
   for (int64_t q = 0; q < queries; q++) {
     int64_t token = p->query_starts[b] + j0 + q / group, head = first_head + q % group;
@@ -262,18 +278,20 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
       if (limit <= c0 || run_sum[q] != run_sum[q]) continue; /* nothing visible here, or poisoned */
       const int64_t rows = (limit < c1 ? limit : c1) - c0;
       float* row_scores = scores + q * PAKV_ATTN_CHUNK;
-      float chunk_max = -3.0e38f;
-      int finite = 1;
+      float chunk_max = -PAKV_INF;
+      int poisoned = 0, absent = 0;
       for (int64_t r = 0; r < rows; r++) {
         float s = row_scores[r] * p->scale;
         row_scores[r] = s;
         chunk_max = s > chunk_max ? s : chunk_max;
-        finite &= s < 3.0e38f && s > -3.0e38f; /* false for inf and NaN */
+        poisoned |= !(s < PAKV_INF); /* NaN or +inf */
+        absent |= s == -PAKV_INF;
       }
-      if (!finite) { /* a non-finite score (inf or NaN in the query or keys): the row is NaN */
+      if (poisoned) { /* a NaN or +inf score: the row is NaN (the non-finite rules, docs/reliability.md) */
         run_sum[q] = bits_to_float(0x7FC00000u);
         continue;
       }
+      if (chunk_max == -PAKV_INF) continue; /* every visible score -inf: weight 0, nothing read */
       float* out = acc + q * dv;
       float top = run_sum[q] > 0.0f && run_max[q] > chunk_max ? run_max[q] : chunk_max;
       if (run_sum[q] > 0.0f && top > run_max[q]) { /* a new max: rescale what was summed so far */
@@ -285,9 +303,12 @@ PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part
       run_max[q] = top;
       for (int64_t r = rows; r < PAKV_ATTN_CHUNK && (r & 7); r++) row_scores[r] = top; /* exp_rows reads 8 at a time */
       exp_rows(weights, row_scores, top, rows);
+      const float* const* live = value_rows;
+      int64_t count = rows;
+      if (absent) count = drop_absent(weights, row_scores, value_rows, live_rows, rows), live = live_rows;
       float sum = 0.0f;
-      for (int64_t r = 0; r < rows; r++) sum += weights[r];
-      weighted_rows(out, weights, value_rows, rows, dv);
+      for (int64_t r = 0; r < count; r++) sum += weights[r];
+      weighted_rows(out, weights, live, count, dv);
       run_sum[q] += sum;
     }
   }
