@@ -88,7 +88,9 @@ def PagedAttention(  # noqa: N802 (the ONNX op name)
     # GQA: query [N, Hq, D] as [Hk, G, N, D] against keys [Hk, 1, D, rows]: each kv head read once.
     kv_heads = op.Shape(keys, start=1, end=2)
     group = op.Div(num_heads, kv_heads)
-    q = op.Transpose(op.Reshape(op.Cast(query, to=_F32), op.Concat(tokens, kv_heads, group, head_dim, axis=0)), perm=[1, 2, 0, 3])
+    # allowzero: a 0 in a shape (no token, head_dim 0) is that size, not "copy the input's".
+    q_shape = op.Concat(tokens, kv_heads, group, head_dim, axis=0)
+    q = op.Transpose(op.Reshape(op.Cast(query, to=_F32), q_shape, allowzero=1), perm=[1, 2, 0, 3])
     k = op.Unsqueeze(op.Transpose(op.Cast(keys, to=_F32), perm=[1, 2, 0]), one)
     v = op.Unsqueeze(op.Transpose(op.Cast(values, to=_F32), perm=[1, 0, 2]), one)  # [Hk, 1, rows, Dv]
     given = op.Constant(value_float=scale)
@@ -115,7 +117,9 @@ def PagedAttention(  # noqa: N802 (the ONNX op name)
     else:
         attended = op.MatMul(probs, v)  # [Hk, G, N, Dv]
     value_dim = op.Shape(values, start=2, end=3)
-    merged = op.Reshape(op.Transpose(attended, perm=[2, 0, 1, 3]), op.Concat(tokens, num_heads, value_dim, axis=0))
+    merged = op.Reshape(
+        op.Transpose(attended, perm=[2, 0, 1, 3]), op.Concat(tokens, num_heads, value_dim, axis=0), allowzero=1
+    )
     output = op.CastLike(merged, query)
     return output
 

@@ -59,6 +59,11 @@ int pakv_has_elements(const pakv_tensor* t) {
   return 1;
 }
 
+void* pakv_plan_address(const pakv_tensor* t) {
+  static max_align_t nothing;
+  return t->data || pakv_has_elements(t) ? (void*)t->data : (void*)&nothing;
+}
+
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end) {
   int64_t span = 0, term;

@@ -34,6 +34,10 @@ const char* pakv_format_list(const int64_t* values, int32_t n, char* buf, size_t
 int pakv_require_rank(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
 int pakv_record_ok(const pakv_tensor* t, const char* name, pakv_err* err); /* no negative rank, dim or stride */
 int pakv_has_elements(const pakv_tensor* t);
+/* The address a plan keeps for record t: its data, or, for a record with no elements and no address (torch's
+ * empty tensors), a static one that nothing reads or writes: plans never hold NULL for an empty tensor, so the
+ * cores' NULL checks (for non-empty ones) pass valid degenerate calls and no offset is added to NULL. */
+void* pakv_plan_address(const pakv_tensor* t);
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end);
 int pakv_element_size(int onnx_type);
