@@ -191,7 +191,8 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
     return pakv_fail_type(err, "%s must be int32 or int64, got %s", name, pakv_type_name(t->elem_type));
   if (pakv_require_rank(t, name, rank, form, err)) return -1;
   if (pakv_has_elements(t) && !t->host_data)
-    return pakv_fail(err, "%s: its data is not readable on the host (index tensors are read there)", name);
+    return pakv_fail(err, "%s: its data is not readable on the host (index tensors are read there; it is on %.24s)",
+                     name, t->device);
   return 0;
 }
 /* ------------------------------------------------------------------------------------------- */
