@@ -145,8 +145,8 @@ def make_case(name: str, seed: int = 0) -> dict[str, np.ndarray]:
 def attention_by_the_rules(a: dict, scale: float = 0.0) -> np.ndarray:
     """``[N, Hq, Dv]`` in fp64 by the rules, one query row and one position at a time, read through
     the block table. ``scale`` 0 means 1 / sqrt(D)."""
-    q, kc, vc, table = a["query"], a["key_cache"], a["value_cache"], a["block_table"]
-    cu, past = a["cumulative_sequence_lengths"], a["past_sequence_lengths"]
+    q, kc, vc = (np.asarray(a[n], np.float64) for n in ("query", "key_cache", "value_cache"))
+    table, cu, past = (np.asarray(a[n], np.int64) for n in ("block_table", "cumulative_sequence_lengths", "past_sequence_lengths"))
     hq, d, hk, bs, dv = q.shape[1], q.shape[2], kc.shape[2], kc.shape[1], vc.shape[3]
     scale = scale or (1 / math.sqrt(d) if d else 1.0)
     out = np.full((q.shape[0], hq, dv), np.nan)

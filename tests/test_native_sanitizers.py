@@ -5,7 +5,9 @@ core through ctypes (tests/native/sanitizer_session.py); in a process of its own
 CUDA and CANN entries through the fake ORT runtime and the fake device driver (host memcpy, so
 ASan checks every device copy's bounds); and, in another, PagedAttention inside ORT (random valid
 calls against a numpy reference, every rule broken once, int64-edge shapes, a writer racing the
-block table, outputs bound over inputs). Any invalid access or undefined behaviour aborts the run.
+block table, outputs bound over inputs); and, in a third, the write op's in-place routes and the
+attention's non-finite rules (tests/native/write_session.py). Any invalid access or undefined behaviour
+aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
 path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
 so both its loop on the calling thread and its parts on ORT's pool run."""
@@ -58,7 +60,10 @@ def sanitized_library(tmp_path_factory) -> Path:
     return out
 
 
-def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
+WRITE_SESSION = Path(__file__).parent / "native" / "write_session.py"
+
+
+def _sanitized_run(library: Path, *args: str, script: Path = SESSION) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
@@ -70,7 +75,7 @@ def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
         ORT_LOGGING_LEVEL="3",
     )
     result = subprocess.run(
-        [sys.executable, str(SESSION), str(library), str(SOURCES / "__init__.py"), *args],
+        [sys.executable, str(script), str(library), *(args if script != SESSION else (str(SOURCES / "__init__.py"), *args))],
         capture_output=True,
         text=True,
         timeout=300,
@@ -93,3 +98,10 @@ def test_device_entries_are_clean_under_asan_and_ubsan_through_the_fakes(sanitiz
 
 def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
     _sanitized_run(sanitized_library, "300", "--attention")
+
+
+def test_the_write_routes_and_attentions_non_finite_rules_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
+    """tests/native/write_session.py (issue 27): the write op's routes (copy, bound, fed, alias opt-in), a
+    second reader, two writes of one pool, initializer pools, read-only pools and outputs (refused by the
+    kernel's writability probe: no signal), degenerate writes, and the attention's non-finite rules."""
+    _sanitized_run(sanitized_library, str(Path(__file__).parent), script=WRITE_SESSION)

@@ -43,6 +43,9 @@ NUM_INPUTS = 6  # PAKV_NUM_INPUTS (the most inputs an op has: PagedAttention's)
 LAYOUT_NORM, LAYOUT_NZ = 0, 1  # PAKV_LAYOUT_*
 # Session config entry the library writes on the SessionOptions it is registered on (pakv_ort.c).
 CONFIG_KEY_BACKEND = "pakv_onnx.backend"
+# Session config entry opting a registration into the write op's alias route ("1"; the library writes "0" or
+# "1" when it registers: pakv_ort_register.c).
+CONFIG_KEY_ALIAS = "pakv_onnx.alias_caches"
 
 
 class LibraryNotBuiltError(FileNotFoundError):
@@ -288,12 +291,18 @@ _SIGNATURES = {
     "pakv_scatter_call_size": ([], ctypes.c_size_t),
     "pakv_plan_scatter": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_scatter": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_scatter_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_buffer_writable": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t],
+        ctypes.c_int,
+    ),
     "pakv_attention_plan_size": ([], ctypes.c_size_t),
     "pakv_attention_call_size": ([], ctypes.c_size_t),
     "pakv_plan_attention": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_attention_output": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
+    "pakv_bind_next_alias": ([ctypes.c_int], None),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
     "pakv_request_output": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p),
@@ -448,6 +457,24 @@ def run_scatter(plan_address: int) -> None:
     """Run the validated pakv_scatter_plan at ``plan_address`` (it writes its caches in place)."""
     hot, scratch = _fast or fast(), _scratch
     if hot.run(hot.scatter, plan_address, scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
+def check_scatter_writable(plan_address: int) -> None:
+    """``ValueError`` (nothing written) unless the caches of the validated pakv_scatter_plan at
+    ``plan_address`` can be written where it writes (asked of the kernel: a read-only pool is never a
+    signal); what a Python backend calls before it writes host caches (the C scatter asks itself)."""
+    hot, scratch = _fast or fast(), _scratch
+    if hot.run(ctypes.cast(_function("pakv_scatter_writable"), ctypes.c_void_p).value, plan_address,
+               scratch.error_address, ERROR_LEN) != 0:  # fmt: skip
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
+def check_buffer_writable(address: int, size: int, name: str) -> None:
+    """``ValueError`` naming ``name`` unless the ``size`` bytes at ``address`` can be written (their first
+    and last byte, asked of the kernel)."""
+    scratch = _scratch
+    if _function("pakv_buffer_writable")(address, size, name.encode(), scratch.error_address, ERROR_LEN) != 0:
         raise ValueError(scratch.error.value.decode(errors="replace"))
 
 

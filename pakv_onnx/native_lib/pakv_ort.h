@@ -18,6 +18,7 @@ typedef struct {
   int backend;          /* bridge slot; PAKV_NATIVE_BACKEND = the C kernel */
   int ep;               /* PAKV_EP_*: the execution provider of this entry */
   int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
+  int alias;            /* the write op declares its caches aliased to its outputs (opted in: pakv_ort_register.c) */
 } pakv_op;
 
 /* Inputs and outputs of each op kind (PAKV_OP_GATHER, PAKV_OP_SCATTER, PAKV_OP_ATTENTION). */
