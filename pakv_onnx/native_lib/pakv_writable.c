@@ -6,9 +6,10 @@
  * so no other writer's byte is ever put back. No ORT, no Python.
  *
  * Cost (2-core development machine, a VM): about 0.5 us for one byte, 0.9 us for the four a scatter probes,
- * then about 0.15 us a byte (a page pin each), so a scatter probes four bytes whatever its size: the lowest and
- * the highest byte it writes in each cache. A cache whose protection changes between those two (an mprotect of
- * part of a pool) is not seen; a whole read-only or unmapped pool always is. */
+ * then about 0.15 us a byte (a page pin each), so a scatter probes at most four bytes whatever its size: the
+ * lowest and the highest byte it writes in each cache (one, when both are in one page). A cache whose protection
+ * changes between those two (an mprotect of part of a pool) is not seen; a whole read-only or unmapped pool
+ * always is. */
 #define _GNU_SOURCE
 #include "pakv_core.h"
 
@@ -90,16 +91,23 @@ static int written_bytes(const pakv_scatter_plan* p, const char* cache, int64_t 
   return any;
 }
 
+/* Two bytes in one 4 KiB page (the smallest page there is) share its protection: one probe serves both. */
+static int same_page(const char* a, const char* b) { return ((uintptr_t)a >> 12) == ((uintptr_t)b >> 12); }
+
 int pakv_check_scatter_writable(const pakv_scatter_plan* p, const char* key_name, const char* value_name,
                                 pakv_err* err) {
   void* probes[4];
   const char* names[4];
   int64_t n = 0;
   char *lo = NULL, *hi = NULL;
-  if (written_bytes(p, (const char*)p->key_cache, p->key_block_stride, p->key_row_bytes, &lo, &hi))
-    probes[n] = lo, names[n++] = key_name, probes[n] = hi, names[n++] = key_name;
-  if (written_bytes(p, (const char*)p->value_cache, p->value_block_stride, p->value_row_bytes, &lo, &hi))
-    probes[n] = lo, names[n++] = value_name, probes[n] = hi, names[n++] = value_name;
+  if (written_bytes(p, (const char*)p->key_cache, p->key_block_stride, p->key_row_bytes, &lo, &hi)) {
+    probes[n] = lo, names[n++] = key_name;
+    if (!same_page(lo, hi)) probes[n] = hi, names[n++] = key_name;
+  }
+  if (written_bytes(p, (const char*)p->value_cache, p->value_block_stride, p->value_row_bytes, &lo, &hi)) {
+    probes[n] = lo, names[n++] = value_name;
+    if (!same_page(lo, hi)) probes[n] = hi, names[n++] = value_name;
+  }
   int64_t first = pakv_first_unwritable(probes, n);
   if (first < 0 || first >= n) return 0; /* writable, or the kernel would not say (the write goes ahead) */
   return pakv_fail(err,
