@@ -307,3 +307,55 @@ def test_outputs_bound_to_read_only_memory_are_refused(bound: str, tmp_path) -> 
     with pytest.raises(ORT_ERRORS, match=rf"ValueError: {name}: the (rows this write goes to are|buffer is) not writable"):
         runtime_plugin.run(session, feeds, out=dict(zip(SCATTER.output_names, outs)))
     assert all(bitwise_equal(m, torch.from_numpy(p)) for m, p in zip(maps, (kc, vc)))
+
+
+# --------------------------------------------------------------------------- #
+# The probe where a seccomp policy refuses process_vm_writev: the pipe fallback
+# --------------------------------------------------------------------------- #
+NO_VM_WRITEV = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
+/* What a seccomp policy that refuses the call looks like to the library (said once on stderr). */
+ssize_t process_vm_writev(pid_t pid, const struct iovec* l, unsigned long nl, const struct iovec* r, unsigned long nr,
+                          unsigned long flags) {
+  static int said;
+  (void)pid; (void)l; (void)nl; (void)r; (void)nr; (void)flags;
+  if (!said++) write(2, "process_vm_writev refused\n", 26);
+  errno = EPERM;
+  return -1;
+}
+"""
+
+PIPE_PROBE = """
+import sys, numpy as np, torch, warnings
+warnings.simplefilter("ignore")
+import pakv_onnx
+kc = np.zeros((4, 4, 2, 8), np.float32)
+kc.tofile(sys.argv[1])
+read_only = torch.from_numpy(np.memmap(sys.argv[1], dtype=np.float32, mode="r", shape=kc.shape))
+key = torch.ones(2, 2, 8)
+try:
+    pakv_onnx.scatter_pa_kv_cache(key, key, read_only, torch.zeros(4, 4, 2, 8), torch.tensor([1, 14]))
+    print("WROTE")
+except ValueError as exc:
+    print("REFUSED", exc)
+pool = torch.zeros(4, 4, 2, 8)
+pakv_onnx.scatter_pa_kv_cache(key, key, pool, torch.zeros(4, 4, 2, 8), torch.tensor([1, 14]))
+assert float(pool.sum()) == 32.0 and np.array_equal(np.asarray(read_only), kc)
+print("OK")
+"""
+
+
+def test_the_probe_falls_back_to_a_pipe_where_process_vm_writev_is_refused(tmp_path) -> None:
+    shim = tmp_path / "no_vm_writev.so"
+    source = tmp_path / "no_vm_writev.c"
+    source.write_text(NO_VM_WRITEV)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
+    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
+                            timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "process_vm_writev refused" in result.stderr  # the library asked it, then took the pipe
+    assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
