@@ -155,7 +155,8 @@ def readers_and_initializers():
     s.run(None, {"key": new, "value": new, "slot_mapping": np.array([3]), **index})
     (got,) = s.run(None, {"key": new * 2, "value": new, "slot_mapping": np.array([9]), **index})
     assert np.array_equal(got, reference(new * 2, kc, [9], False).reshape(16, 2, 8))
-    expect_error(lambda: session(proto, alias="1"), "ScatterPaKvCache node 'write': key_cache 'key_cache' is an initializer")
+    if int(ort.__version__.split(".")[1]) >= 18:  # older runtimes read no alias map: nothing to refuse
+        expect_error(lambda: session(proto, alias="1"), "ScatterPaKvCache node 'write': key_cache 'key_cache' is an initializer")
 
 
 def read_only(array, name):
