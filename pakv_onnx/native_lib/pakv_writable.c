@@ -5,8 +5,8 @@
  * read(2) is EFAULT there). The byte keeps its value; only bytes the caller writes itself next are probed,
  * so no other writer's byte is ever put back. No ORT, no Python.
  *
- * Cost (2-core development machine, a VM): about 0.5 us for one byte, 0.9 us for the four a scatter probes,
- * then about 0.15 us a byte (a page pin each), so a scatter probes at most four bytes whatever its size: the
+ * Cost (2-core development machine, a VM): one call, about 0.5 us for one byte and 0.15 us for each more (a
+ * page pin each; 1.4-2 us per write call inside ORT under load), so a scatter probes at most four bytes: the
  * lowest and the highest byte it writes in each cache (one, when both are in one page). A cache whose protection
  * changes between those two (an mprotect of part of a pool) is not seen; a whole read-only or unmapped pool
  * always is. */
