@@ -129,7 +129,7 @@ def attend_visible(scores: torch.Tensor, visible: torch.Tensor, values: torch.Te
         return torch.einsum("hnl,lhd->nhd", probs, values)
     out = torch.einsum("hnl,lhd->nhd", probs, values.where(finite, 0.0))
     present = (masked > float("-inf")).float()  # NaN scores are not present: their row is NaN already
-    hits = [torch.einsum("hnl,lhd->nhd", present, flag.float()) > 0 for flag in (values.isnan(), values == float("inf"), values == float("-inf"))]
-    nan, plus, minus = hits
+    kinds = (values.isnan(), values == float("inf"), values == float("-inf"))
+    nan, plus, minus = (torch.einsum("hnl,lhd->nhd", present, kind.float()) > 0 for kind in kinds)
     out = out.masked_fill(minus, float("-inf")).masked_fill(plus, float("inf"))
     return out.masked_fill(nan | (plus & minus) | probs.isnan().any(-1).transpose(0, 1)[..., None], float("nan"))

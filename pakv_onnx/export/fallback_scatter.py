@@ -95,7 +95,9 @@ def ScatterPaKvCache(key, value, key_cache, value_cache, slot_mapping, cache_mod
     picked = op.Reshape(op.NonZero(written), minus_one)  # the written tokens, in order
     # Shapes spelled out (no -1: it cannot be inferred beside a 0, e.g. T = 0 or an empty pool) and
     # allowzero (a 0 in a shape is that size, not "copy the input's").
-    key_rows = op.Gather(op.Reshape(key, op.Concat(tokens, op.Mul(key_heads, key_dim), axis=0), allowzero=1), picked, axis=0)
+    key_rows = op.Gather(
+        op.Reshape(key, op.Concat(tokens, op.Mul(key_heads, key_dim), axis=0), allowzero=1), picked, axis=0
+    )
     value_rows = op.Gather(
         op.Reshape(value, op.Concat(value_tokens, op.Mul(value_heads, value_dim), axis=0), allowzero=1), picked, axis=0
     )
