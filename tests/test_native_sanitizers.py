@@ -8,7 +8,9 @@ calls against a numpy reference, every rule broken once, int64-edge shapes, a wr
 block table, outputs bound over inputs); and, in another, the attention core on plans built directly
 (every type, quantization and feature of the plan, on the calling thread and the library's threads,
 against tests/attention_reference.py, and malformed plans); and, in another, com.microsoft::PagedAttention
-inside ORT (tests/native/ort_attention_session.py). Any invalid access or undefined behaviour aborts the run.
+inside ORT (tests/native/ort_attention_session.py); and, in another, the write op's in-place routes and
+the attention's non-finite rules (tests/native/write_session.py). Any invalid access or undefined behaviour
+aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
 path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
 so both its loop on the calling thread and its parts on ORT's pool run."""
@@ -63,6 +65,9 @@ def sanitized_library(tmp_path_factory) -> Path:
     return out
 
 
+WRITE_SESSION = Path(__file__).parent / "native" / "write_session.py"
+
+
 def _sanitized_run(library: Path, *args: str, session: Path = SESSION) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
@@ -109,3 +114,10 @@ def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_
     outputs close to the reference), broken calls refused with nothing written, a writer racing the
     block table, cache outputs bound over the other cache (tests/native/ort_attention_session.py)."""
     _sanitized_run(sanitized_library, "150", session=ORT_ATTENTION_SESSION)
+
+
+def test_the_write_routes_and_attentions_non_finite_rules_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
+    """tests/native/write_session.py (issue 27): the write op's routes (copy, bound, fed, alias opt-in), a
+    second reader, two writes of one pool, initializer pools, read-only pools and outputs (refused by the
+    kernel's writability probe: no signal), degenerate writes, and the attention's non-finite rules."""
+    _sanitized_run(sanitized_library, str(Path(__file__).parent), session=WRITE_SESSION)
