@@ -176,27 +176,30 @@ HOT void add_values(float* acc, int64_t rows, int64_t dv, const float* w, const 
 /* One row's scores of columns [c0, c1) (its visible ones) into its state: softcap, -inf outside
  * the range, the non-finite rules, a new max rescaling what was summed, then the weights e^(s - max)
  * in place of the scores (exactly 0 for -inf). Returns 0 when nothing is to be added (the row NaN
- * or every score -inf), 1 with weights, 2 with weights some of which are 0 (a -inf score). */
+ * or every score -inf), 1 with weights, 2 with weights some of which are 0 (a -inf score). Vectors
+ * wholly inside the range skip the masks. */
 HOT int fold_row(const pakv_attention_plan* p, float* max, float* sum, float* acc, int64_t dv, float* row, int64_t c0,
                  int64_t c1) {
   if (*sum != *sum) return 0; /* already NaN */
   const vf minus_inf = vsplat(-INF), cap = vsplat(p->softcap), inverse_cap = vsplat(1.0f / p->softcap);
   const int64_t first = c0 / PAKV_W * PAKV_W, last = (c1 + PAKV_W - 1) / PAKV_W * PAKV_W;
-  vi lane, bad = (vi){0};
+  vi lane, finite = ~(vi){0};
   for (int i = 0; i < PAKV_W; i++) lane[i] = i;
   vf top = minus_inf;
   for (int64_t c = first; c < last; c += PAKV_W) {
     vf x = vload(row + c);
     if (p->softcap > 0.0f) x = vtanh(x * inverse_cap) * cap;
-    const vi at = lane + (int32_t)c, visible = (at >= (int32_t)c0) & (at < (int32_t)c1);
-    x = vselect(visible, x, minus_inf);
-    bad |= ~(x < vsplat(INF)); /* NaN or +inf */
-    top = vselect(x > top, x, top);
-    vstore(row + c, x);
+    if (c < c0 || c + PAKV_W > c1) { /* a vector at the range's edge */
+      const vi at = lane + (int32_t)c;
+      x = vselect((at >= (int32_t)c0) & (at < (int32_t)c1), x, minus_inf);
+      vstore(row + c, x);
+    } else if (p->softcap > 0.0f) {
+      vstore(row + c, x);
+    }
+    finite &= x < vsplat(INF); /* false for NaN and +inf */
+    top = vmax2(top, x);
   }
-  int any_bad = 0, any_hole = 0;
-  for (int i = 0; i < PAKV_W; i++) any_bad |= bad[i] != 0;
-  if (any_bad) {
+  if (vany(~finite)) {
     *sum = __builtin_nanf("");
     return 0;
   }
@@ -210,18 +213,22 @@ HOT int fold_row(const pakv_attention_plan* p, float* max, float* sum, float* ac
   if (*sum == 0.0f || chunk_max > *max) *max = chunk_max;
   const vf shift = vsplat(*max);
   vf total = vsplat(0.0f);
-  vi masked_holes = (vi){0};
+  vi holes = (vi){0};
   for (int64_t c = first; c < last; c += PAKV_W) {
     const vf x = vload(row + c);
-    const vi none = x == minus_inf, at = lane + (int32_t)c;
-    masked_holes |= none & (at >= (int32_t)c0) & (at < (int32_t)c1);
+    const vi none = x == minus_inf;
+    if (c < c0 || c + PAKV_W > c1) {
+      const vi at = lane + (int32_t)c;
+      holes |= none & (at >= (int32_t)c0) & (at < (int32_t)c1);
+    } else {
+      holes |= none;
+    }
     const vf e = vselect(none, vsplat(0.0f), vexp_nonpositive(x - shift));
     total += e;
     vstore(row + c, e);
   }
-  for (int i = 0; i < PAKV_W; i++) any_hole |= masked_holes[i] != 0;
   *sum += vsum_all(total);
-  return any_hole ? 2 : 1;
+  return vany(holes) ? 2 : 1;
 }
 
 /* One row's weighted values when some visible weights are 0: only the rows with weight (0 x a NaN

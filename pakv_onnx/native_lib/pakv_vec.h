@@ -33,16 +33,48 @@ PAKV_VINLINE vf vsplat(float x) { return x - (vf){0}; }
 
 PAKV_VINLINE vf vselect(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
 
+/* The high half of a vector onto its low half, op'd: log2(PAKV_W) steps to one lane. */
+#if PAKV_W == 16
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));      \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));      \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));      \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));      \
+  } while (0)
+#elif PAKV_W == 8
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));                                      \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));                                      \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));                                      \
+  } while (0)
+#else
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));                                                  \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));                                                  \
+  } while (0)
+#endif
+
+PAKV_VINLINE vf vmax2(vf a, vf b) { return vselect(b > a, b, a); }
+PAKV_VINLINE vf vadd2(vf a, vf b) { return a + b; }
+PAKV_VINLINE vi vor2(vi a, vi b) { return a | b; }
+
+/* The largest lane (NaN lanes lose), the sum of the lanes, whether any lane is nonzero. */
 PAKV_VINLINE float vmax_all(vf v) {
-  float m = v[0];
-  for (int i = 1; i < PAKV_W; i++) m = v[i] > m ? v[i] : m;
-  return m;
+  PAKV_FOLD(v, vmax2);
+  return v[0];
 }
 
 PAKV_VINLINE float vsum_all(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < PAKV_W; i++) s += v[i];
-  return s;
+  PAKV_FOLD(v, vadd2);
+  return v[0];
+}
+
+PAKV_VINLINE int vany(vi v) {
+  PAKV_FOLD(v, vor2);
+  return v[0] != 0;
 }
 
 /* e^x for x <= 0 (a score minus a running max), relative error ~2e-7: x = k ln2 + r with |r| <=
