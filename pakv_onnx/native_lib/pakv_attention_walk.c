@@ -10,6 +10,5 @@
 #define PAKV_W 8
 #define PAKV_WALK pakv_attention_walk8
 #define PAKV_QK_ROWS 4
-#define PAKV_QK_VECS 2
 #define PAKV_PV_VECS 2
 #include "pakv_attention_walk.h"

@@ -1,6 +1,6 @@
 /* The attention core's hot loop, written once for any vector width: a unit defines PAKV_W (floats
- * per vector), PAKV_WALK (its entry's name) and PAKV_WALK_ATTRIBUTES (its target), PAKV_QK_ROWS / PAKV_QK_VECS (the score tile: query rows
- * x column vectors kept in registers) and PAKV_PV_ROWS / PAKV_PV_VECS (the output tile: rows x value
+ * per vector), PAKV_WALK (its entry's name) and PAKV_WALK_ATTRIBUTES (its target), PAKV_QK_ROWS (the
+ * score tile's query rows: 8 or 4; the tile keeps 16 or 8 accumulators) and PAKV_PV_ROWS / PAKV_PV_VECS (the output tile: rows x value
  * vectors), then includes this file. See pakv_attention_core.h for the state it advances.
  *
  * Per chunk of PAKV_ATTN_CHUNK positions and kv head: the chunk's K rows (read in place when fp32,
@@ -18,10 +18,19 @@
 #define INF __builtin_inff()
 #define HOT static inline __attribute__((always_inline))
 
-/* A row of `dim` elements at `at` as fp32, `into` (its stride padded with zeros to dp) unless it is
- * an aligned fp32 row whose vectors end inside it (dim a multiple of PAKV_W). */
-HOT const float* row_floats(const char* at, int64_t dim, int64_t padded, int32_t type, float* into, int in_place) {
-  if (in_place && type == ONNX_FLOAT && ((uintptr_t)at & (sizeof(float) - 1)) == 0) return (const float*)at;
+/* How a chunk's rows are read: fp32 rows in place (aligned, whole vectors: dim a multiple of
+ * PAKV_W), bfloat16 rows in place (whole vectors, widened in registers), or any other row widened
+ * into scratch (with zero padding to a multiple of PAKV_W). */
+enum { ROWS_F32 = 0, ROWS_BF16 = 1, ROWS_STAGED = 2 };
+
+HOT int row_kind(int32_t type, int64_t dim) {
+  if (dim % PAKV_W) return ROWS_STAGED;
+  return type == ONNX_FLOAT ? ROWS_F32 : type == ONNX_BFLOAT16 ? ROWS_BF16 : ROWS_STAGED;
+}
+
+/* A row at `at` read the way `kind` says: itself, or its widened copy in `into` (stride padded). */
+HOT const float* row_at(const char* at, int64_t dim, int64_t padded, int32_t type, int kind, float* into) {
+  if (kind == ROWS_BF16 || (kind == ROWS_F32 && ((uintptr_t)at & (sizeof(float) - 1)) == 0)) return (const float*)at;
   widen(into, at, dim, type);
   for (int64_t e = dim; e < padded; e++) into[e] = 0.0f;
   return into;
@@ -33,12 +42,22 @@ HOT int values_are_keys(const pakv_attention_plan* p) {
          p->value_head_stride == p->key_head_stride;
 }
 
+/* The kinds of a plan's K and V rows (V as K's when LATENT shares the rows). */
+HOT int key_kind(const pakv_attention_plan* p) { return row_kind(p->key_type, p->head_dim); }
+HOT int value_kind(const pakv_attention_plan* p) {
+  if (!values_are_keys(p)) return row_kind(p->value_type, p->value_head_dim);
+  const int kind = key_kind(p); /* a staged K row is fp32 in scratch */
+  return kind == ROWS_STAGED ? ROWS_F32 : p->value_head_dim % PAKV_W ? (kind == ROWS_F32 ? ROWS_F32 : ROWS_STAGED) : kind;
+}
+
 /* kv head g's rows of positions [c0, c0 + n): K transposed into keys_t (columns n .. the next
- * multiple of PAKV_W zero), V rows into value_rows. Returns 1 on a block id outside the pool. */
-HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, int64_t g, int64_t c0, int64_t n) {
+ * multiple of PAKV_W zero), V rows into value_rows (bfloat16 ones in place, as value_kind says).
+ * Returns 1 on a block id outside the pool. */
+HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, int64_t g, int64_t c0, int64_t n,
+                   int kkind, int vkind) {
   const float* key_rows[C + PAKV_W];
   const int64_t bs = p->block_size, d = s->d, dp = s->dp, ncp = (n + PAKV_W - 1) / PAKV_W * PAKV_W;
-  const int shared = values_are_keys(p), in_place = d % PAKV_W == 0;
+  const int shared = values_are_keys(p) && vkind != ROWS_STAGED;
   for (int64_t pos = c0, end = c0 + n; pos < end;) {
     const int64_t slot = pos % bs, run = bs - slot < end - pos ? bs - slot : end - pos;
     const int64_t block = pakv_table_entry(p, b, pos / bs);
@@ -49,48 +68,52 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
                     g * p->value_head_stride;
     for (int64_t r = 0; r < run; r++, pos++, k += p->key_row_stride, v += p->value_row_stride) {
       const int64_t i = pos - c0;
-      key_rows[i] = row_floats(k, d, dp, p->key_type, s->key_rows + i * dp, in_place);
-      s->value_rows[i] = shared ? key_rows[i] : row_floats(v, s->dv, s->dv, p->value_type, s->values + i * s->dv, 1);
+      key_rows[i] = row_at(k, d, dp, p->key_type, kkind, s->key_rows + i * dp);
+      s->value_rows[i] = shared ? key_rows[i] : row_at(v, s->dv, s->dv, p->value_type, vkind, s->values + i * s->dv);
     }
   }
-  for (int64_t i = n; i < ncp; i++) key_rows[i] = s->key_rows + C * dp; /* the zero row */
+  for (int64_t i = n; i < ncp; i++) key_rows[i] = s->key_rows + C * dp; /* the zero row (zero in bf16 too) */
   for (int64_t c = 0; c < ncp; c += PAKV_W)
-    for (int64_t e = 0; e < dp && e < d + PAKV_W - 1; e += PAKV_W) {
+    for (int64_t e = 0; e < d; e += PAKV_W) {
       vf block[PAKV_W];
-      for (int i = 0; i < PAKV_W; i++) block[i] = vload(key_rows[c + i] + e);
+      if (kkind == ROWS_BF16)
+        for (int i = 0; i < PAKV_W; i++) block[i] = vload_bf16((const uint16_t*)key_rows[c + i] + e);
+      else
+        for (int i = 0; i < PAKV_W; i++) block[i] = vload(key_rows[c + i] + e);
       vtranspose(block);
       for (int i = 0; i < PAKV_W && e + i < d; i++) vstore(s->keys_t + (e + i) * C + c, block[i]);
     }
   return 0;
 }
 
-/* scores[i][0 .. vecs x PAKV_W) = q_i . keys_t columns, for R rows of q (stride d): R x PAKV_QK_VECS
- * accumulators in registers, one query element broadcast per key vector. */
-#define PAKV_QK_TILE(R)                                                                                    \
+/* scores[i][0 .. vecs x PAKV_W) = q_i . keys_t columns, for R rows of q (stride d): R x V
+ * accumulators in registers (V key vectors per step), one query element broadcast per key vector. */
+#define PAKV_QK_TILE(R, V)                                                                                 \
   HOT void qk_tile_##R(const float* q, int64_t d, const float* kt, int64_t vecs, float* scores) {          \
-    for (int64_t v0 = 0; v0 < vecs; v0 += PAKV_QK_VECS) {                                                  \
-      vf acc[R][PAKV_QK_VECS];                                                                             \
+    for (int64_t v0 = 0; v0 < vecs; v0 += V) {                                                             \
+      vf acc[R][V];                                                                                        \
       for (int i = 0; i < R; i++)                                                                          \
-        for (int j = 0; j < PAKV_QK_VECS; j++) acc[i][j] = vsplat(0.0f);                                   \
+        for (int j = 0; j < V; j++) acc[i][j] = vsplat(0.0f);                                              \
       const float* k = kt + v0 * PAKV_W;                                                                   \
       for (int64_t e = 0; e < d; e++, k += C) {                                                            \
-        vf keys[PAKV_QK_VECS];                                                                             \
-        for (int j = 0; j < PAKV_QK_VECS; j++) keys[j] = vload(k + j * PAKV_W);                            \
+        vf keys[V];                                                                                        \
+        for (int j = 0; j < V; j++) keys[j] = vload(k + j * PAKV_W);                                       \
         for (int i = 0; i < R; i++) {                                                                      \
           const vf x = vsplat(q[i * d + e]);                                                               \
-          for (int j = 0; j < PAKV_QK_VECS; j++) acc[i][j] += x * keys[j];                                 \
+          for (int j = 0; j < V; j++) acc[i][j] += x * keys[j];                                            \
         }                                                                                                  \
       }                                                                                                    \
       for (int i = 0; i < R; i++)                                                                          \
-        for (int j = 0; j < PAKV_QK_VECS; j++) vstore(scores + i * C + (v0 + j) * PAKV_W, acc[i][j]);      \
+        for (int j = 0; j < V; j++) vstore(scores + i * C + (v0 + j) * PAKV_W, acc[i][j]);                 \
     }                                                                                                      \
   }
 
 /* acc[i][0 .. dv) += sum over columns c in [c0, c1) of w[i][c] x value_rows[c], for R rows that all
- * see exactly those columns (and weigh none of them 0): R x PAKV_PV_VECS accumulators in registers. */
-#define PAKV_PV_TILE(R)                                                                                    \
-  HOT void pv_tile_##R(float* acc, int64_t dv, const float* w, const float* const* rows, int64_t c0,      \
-                       int64_t c1) {                                                                       \
+ * see exactly those columns (and weigh none of them 0): R x PAKV_PV_VECS accumulators in registers.
+ * NAME f32 reads fp32 rows, bf16 bfloat16 rows (dv a multiple of PAKV_W: no tails). */
+#define PAKV_PV_TILE(NAME, R, LOAD, ELEMENT)                                                               \
+  HOT void pv_##NAME##_##R(float* acc, int64_t dv, const float* w, const float* const* rows, int64_t c0,  \
+                           int64_t c1) {                                                                   \
     int64_t x = 0;                                                                                         \
     for (; x + PAKV_PV_VECS * PAKV_W <= dv; x += PAKV_PV_VECS * PAKV_W) {                                  \
       vf a[R][PAKV_PV_VECS];                                                                               \
@@ -98,7 +121,7 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
         for (int j = 0; j < PAKV_PV_VECS; j++) a[i][j] = vload(acc + i * dv + x + j * PAKV_W);             \
       for (int64_t c = c0; c < c1; c++) {                                                                  \
         vf v[PAKV_PV_VECS];                                                                                \
-        for (int j = 0; j < PAKV_PV_VECS; j++) v[j] = vload(rows[c] + x + j * PAKV_W);                     \
+        for (int j = 0; j < PAKV_PV_VECS; j++) v[j] = LOAD((const ELEMENT*)rows[c] + x + j * PAKV_W);      \
         for (int i = 0; i < R; i++) {                                                                      \
           const vf weight = vsplat(w[i * C + c]);                                                          \
           for (int j = 0; j < PAKV_PV_VECS; j++) a[i][j] += weight * v[j];                                 \
@@ -110,10 +133,10 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
     for (; x + PAKV_W <= dv; x += PAKV_W)                                                                  \
       for (int i = 0; i < R; i++) {                                                                        \
         vf a = vload(acc + i * dv + x);                                                                    \
-        for (int64_t c = c0; c < c1; c++) a += vsplat(w[i * C + c]) * vload(rows[c] + x);                  \
+        for (int64_t c = c0; c < c1; c++) a += vsplat(w[i * C + c]) * LOAD((const ELEMENT*)rows[c] + x);   \
         vstore(acc + i * dv + x, a);                                                                       \
       }                                                                                                    \
-    for (; x < dv; x++)                                                                                    \
+    for (; x < dv; x++) /* fp32 rows only: bf16 rows come in whole vectors */                              \
       for (int i = 0; i < R; i++) {                                                                        \
         float a = acc[i * dv + x];                                                                         \
         for (int64_t c = c0; c < c1; c++) a += w[i * C + c] * rows[c][x];                                  \
@@ -121,20 +144,30 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
       }                                                                                                    \
   }
 
-PAKV_QK_TILE(1)
-PAKV_QK_TILE(2)
-PAKV_QK_TILE(3)
-PAKV_QK_TILE(4)
+/* Few rows (decode) take more key vectors per step: the same accumulator budget, fewer broadcasts. */
 #if PAKV_QK_ROWS > 4
-PAKV_QK_TILE(5)
-PAKV_QK_TILE(6)
-PAKV_QK_TILE(7)
-PAKV_QK_TILE(8)
+PAKV_QK_TILE(1, 4)
+PAKV_QK_TILE(2, 4)
+PAKV_QK_TILE(3, 4)
+PAKV_QK_TILE(4, 4)
+PAKV_QK_TILE(5, 2)
+PAKV_QK_TILE(6, 2)
+PAKV_QK_TILE(7, 2)
+PAKV_QK_TILE(8, 2)
+#else
+PAKV_QK_TILE(1, 4)
+PAKV_QK_TILE(2, 4)
+PAKV_QK_TILE(3, 2)
+PAKV_QK_TILE(4, 2)
 #endif
-PAKV_PV_TILE(1)
-PAKV_PV_TILE(2)
-PAKV_PV_TILE(3)
-PAKV_PV_TILE(4)
+PAKV_PV_TILE(f32, 1, vload, float)
+PAKV_PV_TILE(f32, 2, vload, float)
+PAKV_PV_TILE(f32, 3, vload, float)
+PAKV_PV_TILE(f32, 4, vload, float)
+PAKV_PV_TILE(bf16, 1, vload_bf16, uint16_t)
+PAKV_PV_TILE(bf16, 2, vload_bf16, uint16_t)
+PAKV_PV_TILE(bf16, 3, vload_bf16, uint16_t)
+PAKV_PV_TILE(bf16, 4, vload_bf16, uint16_t)
 
 /* Scores of `rows` query rows (stride d) over the chunk's first `vecs` key vectors. */
 HOT void chunk_scores(const float* q, int64_t rows, int64_t d, const float* kt, int64_t vecs, float* scores) {
@@ -160,15 +193,26 @@ HOT void chunk_scores(const float* q, int64_t rows, int64_t d, const float* kt, 
   }
 }
 
-/* Weighted values of `rows` rows that see columns [c0, c1) alike (no zero weight among them). */
+/* Weighted values of `rows` rows that see columns [c0, c1) alike (no zero weight among them), V
+ * rows read as `vkind` says (bf16 in place, else fp32). */
 HOT void add_values(float* acc, int64_t rows, int64_t dv, const float* w, const float* const* vrows, int64_t c0,
-                    int64_t c1) {
+                    int64_t c1, int vkind) {
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) pv_tile_4(acc + i * dv, dv, w + i * C, vrows, c0, c1);
+  if (vkind == ROWS_BF16) {
+    for (; i + 4 <= rows; i += 4) pv_bf16_4(acc + i * dv, dv, w + i * C, vrows, c0, c1);
+    switch (rows - i) {
+      case 3: pv_bf16_3(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+      case 2: pv_bf16_2(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+      case 1: pv_bf16_1(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+      default: break;
+    }
+    return;
+  }
+  for (; i + 4 <= rows; i += 4) pv_f32_4(acc + i * dv, dv, w + i * C, vrows, c0, c1);
   switch (rows - i) {
-    case 3: pv_tile_3(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
-    case 2: pv_tile_2(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
-    case 1: pv_tile_1(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+    case 3: pv_f32_3(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+    case 2: pv_f32_2(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
+    case 1: pv_f32_1(acc + i * dv, dv, w + i * C, vrows, c0, c1); break;
     default: break;
   }
 }
@@ -233,9 +277,10 @@ HOT int fold_row(const pakv_attention_plan* p, float* max, float* sum, float* ac
 
 /* One row's weighted values when some visible weights are 0: only the rows with weight (0 x a NaN
  * or inf value must not poison the row). */
-HOT void add_values_sparse(float* acc, int64_t dv, const float* w, const float* const* vrows, int64_t c0, int64_t c1) {
+HOT void add_values_sparse(float* acc, int64_t dv, const float* w, const float* const* vrows, int64_t c0, int64_t c1,
+                           int vkind) {
   for (int64_t c = c0; c < c1; c++)
-    if (w[c] != 0.0f) pv_tile_1(acc, dv, w, vrows, c, c + 1);
+    if (w[c] != 0.0f) add_values(acc, 1, dv, w, vrows, c, c + 1, vkind);
 }
 
 /* Hint the next chunk's K and V rows of kv heads [g0, g1) into L2 (decode: memory-bound). */
@@ -271,7 +316,10 @@ HOT int walk_head(const pakv_attention_plan* p, const pakv_attention_part* part,
     }
   }
   if (first < 0) return 0;
-  if (load_chunk(p, s, b, g, c0, n)) return 1;
+  /* bf16 V rows are widened in registers when each is used by few rows (decode), once into scratch
+   * when a chunk serves many (prefill). */
+  const int kkind = key_kind(p), vkind = value_kind(p) == ROWS_BF16 && s->tokens * group > 8 ? ROWS_STAGED : value_kind(p);
+  if (load_chunk(p, s, b, g, c0, n, kkind, vkind)) return 1;
   const int64_t row0 = first * group; /* scores row 0 is this kv head's row row0 */
   float* const acc = s->acc + base * dv;
   chunk_scores(s->queries + (base + row0) * s->d, (last + 1 - first) * group, s->d, s->keys_t, (n + PAKV_W - 1) / PAKV_W,
@@ -287,12 +335,12 @@ HOT int walk_head(const pakv_attention_plan* p, const pakv_attention_part* part,
       for (int64_t r = row; r < row + i1 - i0; r++) {
         float* w = s->scores + (r - row0) * C;
         status[r - row] = (signed char)fold_row(p, &s->max[base + r], &s->sum[base + r], acc + r * dv, dv, w, c_lo, c_hi);
-        if (status[r - row] == 2) add_values_sparse(acc + r * dv, dv, w, s->value_rows, c_lo, c_hi);
+        if (status[r - row] == 2) add_values_sparse(acc + r * dv, dv, w, s->value_rows, c_lo, c_hi, vkind);
         plain &= status[r - row] == 1;
       }
       const int joins = run_rows && run_first + run_rows == row && run_lo == c_lo && run_hi == c_hi;
       if (run_rows && !(plain && joins)) {
-        add_values(acc + run_first * dv, run_rows, dv, s->scores + (run_first - row0) * C, s->value_rows, run_lo, run_hi);
+        add_values(acc + run_first * dv, run_rows, dv, s->scores + (run_first - row0) * C, s->value_rows, run_lo, run_hi, vkind);
         run_rows = 0;
       }
       if (plain) {
@@ -300,12 +348,12 @@ HOT int walk_head(const pakv_attention_plan* p, const pakv_attention_part* part,
         run_rows += i1 - i0;
       } else {
         for (int64_t r = row; r < row + i1 - i0; r++)
-          if (status[r - row] == 1) add_values(acc + r * dv, 1, dv, s->scores + (r - row0) * C, s->value_rows, c_lo, c_hi);
+          if (status[r - row] == 1) add_values(acc + r * dv, 1, dv, s->scores + (r - row0) * C, s->value_rows, c_lo, c_hi, vkind);
       }
     }
   }
   if (run_rows)
-    add_values(acc + run_first * dv, run_rows, dv, s->scores + (run_first - row0) * C, s->value_rows, run_lo, run_hi);
+    add_values(acc + run_first * dv, run_rows, dv, s->scores + (run_first - row0) * C, s->value_rows, run_lo, run_hi, vkind);
   return 0;
 }
 

@@ -23,7 +23,6 @@ int pakv_attention_walk16_usable(void) {
 #define PAKV_W 16
 #define PAKV_WALK pakv_attention_walk16
 #define PAKV_QK_ROWS 8
-#define PAKV_QK_VECS 2
 #define PAKV_PV_VECS 4
 #include "pakv_attention_walk.h"
 #if defined(__clang__)

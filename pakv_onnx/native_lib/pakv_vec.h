@@ -29,6 +29,14 @@ PAKV_VINLINE vf vload(const float* p) {
 
 PAKV_VINLINE void vstore(float* p, vf v) { memcpy(p, &v, sizeof(v)); }
 
+/* PAKV_W bfloat16 at p, widened exactly (the upper half of each fp32). */
+typedef uint16_t vh __attribute__((vector_size(PAKV_W * 2)));
+PAKV_VINLINE vf vload_bf16(const void* p) {
+  vh h;
+  memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+}
+
 PAKV_VINLINE vf vsplat(float x) { return x - (vf){0}; }
 
 PAKV_VINLINE vf vselect(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
