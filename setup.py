@@ -49,6 +49,7 @@ HEADERS = [
     "pakv_vec.h",
     "pakv_attention_core.h",
     "pakv_attention_walk.h",
+    "pakv_attention_decode.h",
     "pakv_bridge.h",
     "pakv_dtypes.h",
     "device_abi.h",

@@ -15,8 +15,9 @@ Columns:
 - ``floor``: decode: the K/V bytes the step reads over this machine's single-thread copy bandwidth,
   measured in the same run on a buffer of those bytes (torch ``copy_``, 1 thread: bytes copied per
   second); prefill: the causal FLOPs (2 x QK^T + 2 x PV multiply-adds over the visible half) over the
-  fp32 GEMM rate torch.matmul reaches on 1 thread for the same products done dense (one head's
-  [S, D] x [D, S] and [S, S] x [S, D], as a GEMM-based attention runs them).
+  fp32 GEMM rate torch.matmul reaches on 1 thread on one head's dense products of a 512-token tile
+  ([512, D] x [D, 512] and [512, 512] x [512, D]: cache-resident, so the core's compute rate, not the
+  memory's; a bigger dense S x S would be memory-bound and flatter the kernel).
 - ``GQA``: com.microsoft.GroupQueryAttention in a one-node ORT session on the same shapes with a dense
   cache [B, kvH, ctx, D] shared between past and present (no copy of the past: its in-place path),
   which also writes the new tokens' K/V (rotary off). ORT's CPU GQA has no bfloat16 kernel: the bf16
@@ -47,6 +48,7 @@ from pakv_onnx.export import make_attention_model_for
 
 HEADS, KV_HEADS, DIM = 16, 4, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+GEMM_TOKENS = 512  # the prefill floor's GEMM tile (tokens)
 GQA_TYPE = {torch.float32: (TensorProto.FLOAT, torch.float32), torch.bfloat16: (TensorProto.FLOAT16, torch.float16)}
 
 
@@ -174,8 +176,8 @@ def decode_row(batch, context, dtype, block_size, calls):
 def prefill_row(tokens, dtype, block_size, calls):
     feeds = paged_inputs(1, 0, tokens, dtype, block_size)
     flops = 2 * HEADS * DIM * tokens * (tokens + 1)  # QK^T and PV, each 2 x D per visible (query, key) pair
-    dense_flops = 2 * 2 * tokens * tokens * DIM  # one head's two dense GEMMs
-    fns = {"gemm": gemm_runner(tokens)}
+    dense_flops = 2 * 2 * GEMM_TOKENS * GEMM_TOKENS * DIM  # one head's two dense GEMMs of a tile
+    fns = {"gemm": gemm_runner(GEMM_TOKENS)}
     for threads in (1, 2):
         fns[f"paged{threads}"] = paged_runner(feeds, threads)
         fns[f"gqa{threads}"] = gqa_runner(1, 0, tokens, dtype, threads)

@@ -42,20 +42,19 @@ HOT int values_are_keys(const pakv_attention_plan* p) {
          p->value_head_stride == p->key_head_stride;
 }
 
-/* The kinds of a plan's K and V rows (V as K's when LATENT shares the rows). */
+/* The kinds of a plan's K rows, and of its V rows when K rows are read as `kread` (LATENT shares the
+ * rows: a widened K row is an fp32 row; a bf16 one is V's only in whole vectors). */
 HOT int key_kind(const pakv_attention_plan* p) { return row_kind(p->key_type, p->head_dim); }
-HOT int value_kind(const pakv_attention_plan* p) {
+HOT int value_kind(const pakv_attention_plan* p, int kread) {
   if (!values_are_keys(p)) return row_kind(p->value_type, p->value_head_dim);
-  const int kind = key_kind(p); /* a staged K row is fp32 in scratch */
-  return kind == ROWS_STAGED ? ROWS_F32 : p->value_head_dim % PAKV_W ? (kind == ROWS_F32 ? ROWS_F32 : ROWS_STAGED) : kind;
+  return kread != ROWS_BF16 ? ROWS_F32 : p->value_head_dim % PAKV_W ? ROWS_STAGED : ROWS_BF16;
 }
 
-/* kv head g's rows of positions [c0, c0 + n): K transposed into keys_t (columns n .. the next
- * multiple of PAKV_W zero), V rows into value_rows (bfloat16 ones in place, as value_kind says).
- * Returns 1 on a block id outside the pool. */
+/* kv head g's rows of positions [c0, c0 + n): K rows into key_rows [C + PAKV_W] (rows n .. the next
+ * multiple of PAKV_W point at zeros) and, with `transpose`, transposed into keys_t; V rows into
+ * value_rows (bfloat16 ones in place, as value_kind says). Returns 1 on a block id outside the pool. */
 HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, int64_t g, int64_t c0, int64_t n,
-                   int kkind, int vkind) {
-  const float* key_rows[C + PAKV_W];
+                   int kkind, int vkind, int transpose, const float** key_rows) {
   const int64_t bs = p->block_size, d = s->d, dp = s->dp, ncp = (n + PAKV_W - 1) / PAKV_W * PAKV_W;
   const int shared = values_are_keys(p) && vkind != ROWS_STAGED;
   for (int64_t pos = c0, end = c0 + n; pos < end;) {
@@ -73,7 +72,7 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
     }
   }
   for (int64_t i = n; i < ncp; i++) key_rows[i] = s->key_rows + C * dp; /* the zero row (zero in bf16 too) */
-  for (int64_t c = 0; c < ncp; c += PAKV_W)
+  for (int64_t c = 0; c < ncp && transpose; c += PAKV_W)
     for (int64_t e = 0; e < d; e += PAKV_W) {
       vf block[PAKV_W];
       if (kkind == ROWS_BF16)
@@ -160,6 +159,8 @@ PAKV_QK_TILE(2, 4)
 PAKV_QK_TILE(3, 2)
 PAKV_QK_TILE(4, 2)
 #endif
+#include "pakv_attention_decode.h"
+
 PAKV_PV_TILE(f32, 1, vload, float)
 PAKV_PV_TILE(f32, 2, vload, float)
 PAKV_PV_TILE(f32, 3, vload, float)
@@ -316,14 +317,23 @@ HOT int walk_head(const pakv_attention_plan* p, const pakv_attention_part* part,
     }
   }
   if (first < 0) return 0;
+  const int kkind = key_kind(p);
+  const int64_t row0 = first * group, rows = (last + 1 - first) * group; /* scores row 0 is row row0 */
+  /* Few rows (decode) score the key rows themselves (fp32 in place, else widened); more score a
+   * transposed copy (a GEMM tile). */
+  const int direct = rows <= PAKV_ROWS_SCORES_MAX, kread = direct && kkind == ROWS_BF16 ? ROWS_STAGED : kkind;
   /* bf16 V rows are widened in registers when each is used by few rows (decode), once into scratch
    * when a chunk serves many (prefill). */
-  const int kkind = key_kind(p), vkind = value_kind(p) == ROWS_BF16 && s->tokens * group > 8 ? ROWS_STAGED : value_kind(p);
-  if (load_chunk(p, s, b, g, c0, n, kkind, vkind)) return 1;
-  const int64_t row0 = first * group; /* scores row 0 is this kv head's row row0 */
+  const int vkind = value_kind(p, kread) == ROWS_BF16 && s->tokens * group > 8 ? ROWS_STAGED : value_kind(p, kread);
+  const float* key_rows[C + PAKV_W];
+  if (load_chunk(p, s, b, g, c0, n, kread, vkind, !direct, key_rows)) return 1;
   float* const acc = s->acc + base * dv;
-  chunk_scores(s->queries + (base + row0) * s->d, (last + 1 - first) * group, s->d, s->keys_t, (n + PAKV_W - 1) / PAKV_W,
-               s->scores);
+  const int64_t vecs = (n + PAKV_W - 1) / PAKV_W;
+  if (direct)
+    rows_scores(s->queries + (base + row0) * s->d, rows, s->d, kread == ROWS_F32 ? s->d : s->dp, key_rows,
+                vecs * PAKV_W, s->keys_t, s->scores);
+  else
+    chunk_scores(s->queries + (base + row0) * s->d, rows, s->d, s->keys_t, vecs, s->scores);
   int64_t run_first = 0, run_rows = 0, run_lo = 0, run_hi = 0; /* plain rows [run_first, + run_rows) */
   signed char status[64];
   for (int64_t t = first; t <= last; t++) {
