@@ -73,8 +73,10 @@ HOT vf broadcast_2(const float* p) {
     memset(panel, 0, sizeof(float) * (size_t)(dq * RP));                                                   \
     for (int64_t k = 0; k < d / L + (d % L != 0); k++)                                                     \
       for (int64_t r = 0; r < rows; r++) {                                                                 \
-        const int64_t count = d - k * L < L ? d - k * L : L;                                               \
-        memcpy(panel + k * PAKV_W + r * L, q + r * d + k * L, sizeof(float) * (size_t)count);              \
+        float* to = panel + k * PAKV_W + r * L;                                                            \
+        const float* from = q + r * d + k * L;                                                             \
+        if (k * L + L <= d) memcpy(to, from, L * sizeof(float));                                           \
+        else for (int64_t e = 0; e < d - k * L; e++) to[e] = from[e];                                      \
       }                                                                                                    \
     for (int64_t c = 0; c < ncp; c += L) {                                                                 \
       vf acc[L];                                                                                           \

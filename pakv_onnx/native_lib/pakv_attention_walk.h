@@ -284,20 +284,30 @@ HOT void add_values_sparse(float* acc, int64_t dv, const float* w, const float* 
     if (w[c] != 0.0f) add_values(acc, 1, dv, w, vrows, c, c + 1, vkind);
 }
 
-/* Hint the next chunk's K and V rows of kv heads [g0, g1) into L2 (decode: memory-bound). */
+/* Hint bytes [at, at + bytes) into L2, one line at a time. */
+HOT void prefetch_range(const char* at, int64_t bytes) {
+  for (int64_t x = 0; x < bytes; x += 64) __builtin_prefetch(at + x, 0, 2);
+}
+
+/* Hint the next chunk's K and V rows of kv heads [g0, g1) into L2 (decode: memory-bound): a block's
+ * run of positions at once when its rows are dense (the part's heads fill each row). */
 HOT void prefetch_chunk(const pakv_attention_plan* p, int64_t b, int64_t c0, int64_t c1, int64_t g0, int64_t g1) {
   const int64_t bs = p->block_size;
   const int64_t key_span = (g1 - g0 - 1) * p->key_head_stride + p->head_dim * item_size(p->key_type);
   const int64_t value_span = (g1 - g0 - 1) * p->value_head_stride + p->value_head_dim * item_size(p->value_type);
-  for (int64_t pos = c0; pos < c1; pos++) {
+  for (int64_t pos = c0; pos < c1;) {
+    const int64_t slot = pos % bs, run = bs - slot < c1 - pos ? bs - slot : c1 - pos;
     const int64_t block = pakv_table_entry(p, b, pos / bs);
     if (block < 0 || block >= p->num_blocks) return; /* load_chunk reports it */
-    const char* k = (const char*)p->key_cache + block * p->key_block_stride + (pos % bs) * p->key_row_stride +
+    const char* k = (const char*)p->key_cache + block * p->key_block_stride + slot * p->key_row_stride +
                     g0 * p->key_head_stride;
-    const char* v = (const char*)p->value_cache + block * p->value_block_stride +
-                    (pos % bs) * p->value_row_stride + g0 * p->value_head_stride;
-    for (int64_t x = 0; x < key_span; x += 64) __builtin_prefetch(k + x, 0, 2);
-    for (int64_t x = 0; x < value_span; x += 64) __builtin_prefetch(v + x, 0, 2);
+    const char* v = (const char*)p->value_cache + block * p->value_block_stride + slot * p->value_row_stride +
+                    g0 * p->value_head_stride;
+    if (p->key_row_stride == key_span) prefetch_range(k, run * key_span);
+    else for (int64_t r = 0; r < run; r++) prefetch_range(k + r * p->key_row_stride, key_span);
+    if (p->value_row_stride == value_span) prefetch_range(v, run * value_span);
+    else for (int64_t r = 0; r < run; r++) prefetch_range(v + r * p->value_row_stride, value_span);
+    pos += run;
   }
 }
 
