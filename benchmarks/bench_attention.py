@@ -27,8 +27,12 @@ Columns:
 
 Every variant of a row is timed in alternating blocks of consecutive calls (benchmarks/_timing.py);
 the figures are per-call medians. Other processes on the machine slow everything alike: read ratios.
+``--clock thread`` times the calling thread's CPU time instead of wall time, for the 1-thread rows
+only (every 1-thread variant runs on the calling thread): on a machine other processes load, the
+ratios of time actually spent computing (a loaded machine's wall time is mostly waiting for a core).
 
     python benchmarks/bench_attention.py [--calls 40] [--only decode|prefill] [--dtypes fp32,bf16]
+                                         [--clock wall|thread]
 """
 
 from __future__ import annotations
@@ -130,31 +134,22 @@ def gqa_runner(batch: int, past: int, new: int, dtype: torch.dtype, threads: int
 # Floors
 # --------------------------------------------------------------------------- #
 def copy_runner(nbytes: int):
-    """A single-thread copy of `nbytes` (the decode floor's measure of bandwidth)."""
+    """A copy of `nbytes` (the decode floor's measure of bandwidth; torch runs on 1 thread here)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
 
-    def copy():
-        with_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        dst.copy_(src)
-        torch.set_num_threads(with_threads)
-
-    return copy
+    return lambda: dst.copy_(src)
 
 
 def gemm_runner(tokens: int):
-    """One head's dense QK^T and PV products with torch.matmul on 1 thread (the prefill floor's rate)."""
+    """One head's dense QK^T and PV products with torch.matmul, 1 thread (the prefill floor's rate)."""
     q, k, v = torch.randn(tokens, DIM), torch.randn(tokens, DIM), torch.randn(tokens, DIM)
     scores = torch.empty(tokens, tokens)
     out = torch.empty(tokens, DIM)
 
     def gemm():
-        with_threads = torch.get_num_threads()
-        torch.set_num_threads(1)
         torch.matmul(q, k.T, out=scores)
         torch.matmul(scores, v, out=out)
-        torch.set_num_threads(with_threads)
 
     return gemm
 
@@ -162,33 +157,34 @@ def gemm_runner(tokens: int):
 # --------------------------------------------------------------------------- #
 # Rows
 # --------------------------------------------------------------------------- #
-def decode_row(batch, context, dtype, block_size, calls):
+def decode_row(batch, context, dtype, block_size, calls, threads_list, clock):
     feeds = paged_inputs(batch, context - 1, 1, dtype, block_size)
     kv_bytes = 2 * batch * context * KV_HEADS * DIM * feeds["key_cache"].element_size()
     fns = {"floor": copy_runner(kv_bytes)}
-    for threads in (1, 2):
+    for threads in threads_list:
         fns[f"paged{threads}"] = paged_runner(feeds, threads)
         fns[f"gqa{threads}"] = gqa_runner(batch, context - 1, 1, dtype, threads)
-    times = blocked_medians_us(fns, calls, block=max(3, min(30, int(2e5 / max(1, kv_bytes // 1000)))))
+    block = max(3, min(30, int(2e5 / max(1, kv_bytes // 1000))))
+    times = blocked_medians_us(fns, calls, block=block, clock=clock)
     return times, times["floor"], f"{kv_bytes / 2**20:.1f} MiB"
 
 
-def prefill_row(tokens, dtype, block_size, calls):
+def prefill_row(tokens, dtype, block_size, calls, threads_list, clock):
     feeds = paged_inputs(1, 0, tokens, dtype, block_size)
     flops = 2 * HEADS * DIM * tokens * (tokens + 1)  # QK^T and PV, each 2 x D per visible (query, key) pair
     dense_flops = 2 * 2 * GEMM_TOKENS * GEMM_TOKENS * DIM  # one head's two dense GEMMs of a tile
     fns = {"gemm": gemm_runner(GEMM_TOKENS)}
-    for threads in (1, 2):
+    for threads in threads_list:
         fns[f"paged{threads}"] = paged_runner(feeds, threads)
         fns[f"gqa{threads}"] = gqa_runner(1, 0, tokens, dtype, threads)
-    times = blocked_medians_us(fns, calls, warmup=1, block=3)
+    times = blocked_medians_us(fns, calls, warmup=1, block=3, clock=clock)
     rate = dense_flops / times["gemm"]  # flops per us
     return times, flops / rate, f"{rate / 1e3:.0f} GFLOP/s GEMM"
 
 
-def format_rows(label, dtype_name, times, floor_us, note, decode: bool):
+def format_rows(label, dtype_name, times, floor_us, note, decode: bool, threads_list):
     rows = []
-    for threads in (1, 2):
+    for threads in threads_list:
         paged, gqa = times[f"paged{threads}"], times[f"gqa{threads}"]
         # decode: time over floor (goal <= 1.3); prefill: floor over time = share of the GEMM rate (goal >= 0.5).
         versus_floor = paged / floor_us if decode else floor_us / paged
@@ -208,11 +204,15 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--decode", default="1x512,1x2048,1x8192,8x512,8x2048,8x8192", help="BxCONTEXT,...")
     parser.add_argument("--prefill", default="512,2048,4096", help="TOKENS,...")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall")
     args = parser.parse_args()
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
+    threads_list = (1,) if args.clock == "thread" else (1, 2)
     torch.manual_seed(0)
+    torch.set_num_threads(1)  # the floors are single-thread measures
     load = os.getloadavg()
-    print(f"# attention core: 16/4 heads x 64, block size {args.block_size}; load average {load[0]:.2f} "
-          f"({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d %H:%M')}\n")  # fmt: skip
+    print(f"# attention core: 16/4 heads x 64, block size {args.block_size}; {args.clock} clock; load average "
+          f"{load[0]:.2f} ({os.cpu_count()} CPUs), {time.strftime('%Y-%m-%d %H:%M')}\n")  # fmt: skip
     print("| case | cache | threads | paged ms | floor ms | paged vs floor | GQA ms | paged / GQA |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.dtypes.split(","):
@@ -220,13 +220,14 @@ def main() -> None:
         if args.only != "prefill":
             for spec in args.decode.split(","):
                 batch, context = (int(x) for x in spec.split("x"))
-                times, floor, note = decode_row(batch, context, dtype, args.block_size, args.calls)
-                for line in format_rows(f"decode B{batch} ctx {context}", name, times, floor, note, True):
+                times, floor, note = decode_row(batch, context, dtype, args.block_size, args.calls, threads_list, clock)
+                label = f"decode B{batch} ctx {context}"
+                for line in format_rows(label, name, times, floor, note, True, threads_list):
                     print(line, flush=True)
         if args.only != "decode":
             for tokens in (int(x) for x in args.prefill.split(",")):
-                times, floor, note = prefill_row(tokens, dtype, args.block_size, args.prefill_calls)
-                for line in format_rows(f"prefill {tokens}", name, times, floor, note, False):
+                times, floor, note = prefill_row(tokens, dtype, args.block_size, args.prefill_calls, threads_list, clock)
+                for line in format_rows(f"prefill {tokens}", name, times, floor, note, False, threads_list):
                     print(line, flush=True)
     load = os.getloadavg()
     print(f"\nload average at the end {load[0]:.2f}; decode: paged / floor (goal <= 1.3); prefill: floor / paged = "

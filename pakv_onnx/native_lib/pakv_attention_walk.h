@@ -31,7 +31,11 @@ HOT int row_kind(int32_t type, int64_t dim) {
 /* A row at `at` read the way `kind` says: itself, or its widened copy in `into` (stride padded). */
 HOT const float* row_at(const char* at, int64_t dim, int64_t padded, int32_t type, int kind, float* into) {
   if (kind == ROWS_BF16 || (kind == ROWS_F32 && ((uintptr_t)at & (sizeof(float) - 1)) == 0)) return (const float*)at;
-  widen(into, at, dim, type);
+  if (type == ONNX_BFLOAT16 && dim % PAKV_W == 0) { /* whole vectors: widened in registers */
+    for (int64_t e = 0; e < dim; e += PAKV_W) vstore(into + e, vload_bf16((const uint16_t*)at + e));
+  } else {
+    widen(into, at, dim, type);
+  }
   for (int64_t e = dim; e < padded; e++) into[e] = 0.0f;
   return into;
 }

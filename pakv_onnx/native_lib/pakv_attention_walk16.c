@@ -6,6 +6,8 @@
 #include "pakv_float.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(PAKV_NO_AVX512)
+#include <immintrin.h> /* a few broadcasts the vector extensions do not express in one instruction */
+
 int pakv_attention_walk16_usable(void) {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
