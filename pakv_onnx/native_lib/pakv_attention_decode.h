@@ -83,13 +83,25 @@ HOT vf broadcast_2(const float* p) {
         if (k * L + L <= d) memcpy(to, from, L * sizeof(float));                                           \
         else for (int64_t e = 0; e < d - k * L; e++) to[e] = from[e];                                      \
       }                                                                                                    \
+    enum { SETS = L >= 8 ? 1 : 8 / L }; /* independent sums: 8 or more chains hide the FMA latency */      \
+    const int64_t groups = dq / L;                                                                         \
     for (int64_t c = 0; c < ncp; c += L) {                                                                 \
-      vf acc[L];                                                                                           \
+      vf acc[L], more[SETS][L];                                                                            \
       for (int p = 0; p < L; p++) acc[p] = vsplat(0.0f);                                                   \
-      for (int64_t k = 0; k < dq / L; k++) {                                                               \
+      for (int t = 0; t < SETS; t++)                                                                       \
+        for (int p = 0; p < L; p++) more[t][p] = vsplat(0.0f);                                             \
+      int64_t k = 0;                                                                                       \
+      for (; k + SETS <= groups; k += SETS)                                                                \
+        for (int t = 0; t < SETS; t++) {                                                                   \
+          const vf x = vload(panel + (k + t) * PAKV_W);                                                    \
+          for (int p = 0; p < L; p++) more[t][p] += x * broadcast_##L(keys[c + p] + (k + t) * L);          \
+        }                                                                                                  \
+      for (; k < groups; k++) {                                                                            \
         const vf x = vload(panel + k * PAKV_W);                                                            \
         for (int p = 0; p < L; p++) acc[p] += x * broadcast_##L(keys[c + p] + k * L);                      \
       }                                                                                                    \
+      for (int t = 0; t < SETS; t++)                                                                       \
+        for (int p = 0; p < L; p++) acc[p] += more[t][p];                                                  \
       for (int width = L; width > 1; width /= 2)                                                           \
         for (int i = 0; i < width / 2; i++)                                                                \
           acc[i] = __builtin_shufflevector(acc[2 * i], acc[2 * i + 1], PAKV_EVEN_##L) +                    \
