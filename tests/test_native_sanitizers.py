@@ -68,7 +68,7 @@ def sanitized_library(tmp_path_factory) -> Path:
 WRITE_SESSION = Path(__file__).parent / "native" / "write_session.py"
 
 
-def _sanitized_run(library: Path, *args: str, session: Path = SESSION) -> subprocess.CompletedProcess:
+def _sanitized_run(library: Path, *args: str, session: Path = SESSION, **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
@@ -78,6 +78,7 @@ def _sanitized_run(library: Path, *args: str, session: Path = SESSION) -> subpro
         PAKV_ONNX_PARALLEL_MIN_BYTES="0",
         PAKV_ONNX_ATTENTION_PARALLEL_MIN="16384",  # multiply-adds: about half the random calls split
         ORT_LOGGING_LEVEL="3",
+        **env_extra,
     )
     result = subprocess.run(
         [sys.executable, str(session), str(library), str(SOURCES / "__init__.py"), *args],
@@ -105,8 +106,10 @@ def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_libr
     _sanitized_run(sanitized_library, "300", "--attention")
 
 
-def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
-    _sanitized_run(sanitized_library, "300", session=CORE_SESSION)
+@pytest.mark.parametrize("width", ["16", "8"])
+def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path, width: str) -> None:
+    # Both walks: the widest the CPU runs, and the 8-float one (PAKV_ONNX_ATTENTION_WIDTH=8).
+    _sanitized_run(sanitized_library, "300", session=CORE_SESSION, PAKV_ONNX_ATTENTION_WIDTH=width)
 
 
 def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
