@@ -1,5 +1,5 @@
 """pakv-onnx: the paged-KV-cache ops GatherPaKvCache, ScatterPaKvCache and PagedAttention through the whole
-ONNX life cycle.
+ONNX life cycle, and a CPU kernel of ONNX Runtime's own com.microsoft::PagedAttention (``ort_paged_attention``).
 
 - :mod:`pakv_onnx.spec`      the contract, declared (names, tables, shapes)
 - :mod:`pakv_onnx.plans`     what the validator returns (one plan per op) and the tensors a kernel takes
@@ -25,6 +25,7 @@ _EXPORTS = {
     "BackendUnavailableError": "pakv_onnx.kernels",
     "backend_names": "pakv_onnx.kernels",
     "gather_pa_kv_cache": "pakv_onnx.ops",
+    "ort_paged_attention": "pakv_onnx.ops",
     "paged_attention": "pakv_onnx.ops",
     "scatter_pa_kv_cache": "pakv_onnx.ops",
     "AttentionPlan": "pakv_onnx.plans",
@@ -32,10 +33,13 @@ _EXPORTS = {
     "CacheMode": "pakv_onnx.spec",
     "GatherPlan": "pakv_onnx.plans",
     "GatherTensors": "pakv_onnx.plans",
+    "OrtAttentionPlan": "pakv_onnx.plans",
+    "OrtAttentionTensors": "pakv_onnx.plans",
     "ScatterPlan": "pakv_onnx.plans",
     "ScatterTensors": "pakv_onnx.plans",
     "plan_attention": "pakv_onnx.validator",
     "plan_gather": "pakv_onnx.validator",
+    "plan_ort_attention": "pakv_onnx.validator",
     "plan_scatter": "pakv_onnx.validator",
 }
 
@@ -43,10 +47,19 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from pakv_onnx.kernels import BackendUnavailableError, backend_names
-    from pakv_onnx.ops import gather_pa_kv_cache, paged_attention, scatter_pa_kv_cache
-    from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+    from pakv_onnx.ops import gather_pa_kv_cache, ort_paged_attention, paged_attention, scatter_pa_kv_cache
+    from pakv_onnx.plans import (
+        AttentionPlan,
+        AttentionTensors,
+        GatherPlan,
+        GatherTensors,
+        OrtAttentionPlan,
+        OrtAttentionTensors,
+        ScatterPlan,
+        ScatterTensors,
+    )
     from pakv_onnx.spec import CacheMode
-    from pakv_onnx.validator import plan_attention, plan_gather, plan_scatter
+    from pakv_onnx.validator import plan_attention, plan_gather, plan_ort_attention, plan_scatter
 
 
 def __getattr__(name: str) -> Any:

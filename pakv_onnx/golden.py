@@ -1,5 +1,5 @@
-"""The torch reference for GatherPaKvCache (and ScatterPaKvCache, PagedAttention): the ground truth
-every backend is tested against.
+"""The torch reference for GatherPaKvCache (and ScatterPaKvCache, PagedAttention, and
+com.microsoft::PagedAttention, ORT's fused op): the ground truth every backend is tested against.
 
 Written to be read, not to be fast: one slice copy per (sequence, used block), straight
 from the contract in :mod:`pakv_onnx.spec` (its FLOOR RULE: sequence q starts at slot 0 of
@@ -13,8 +13,17 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
-from pakv_onnx.spec import CacheMode
+from pakv_onnx.plans import (
+    AttentionPlan,
+    AttentionTensors,
+    GatherPlan,
+    GatherTensors,
+    OrtAttentionPlan,
+    OrtAttentionTensors,
+    ScatterPlan,
+    ScatterTensors,
+)
+from pakv_onnx.spec import ORT_ATTENTION, CacheMode
 
 
 def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> torch.Tensor:
@@ -105,5 +114,146 @@ def attention_golden(plan: AttentionPlan, tensors: AttentionTensors) -> None:
         q = query.narrow(0, start, n).float()  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", q, keys) * plan.scale
         visible = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]  # [n, L]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out.narrow(0, start, n).copy_(torch.einsum("hnl,lhd->nhd", probs, values))
+        out.narrow(0, start, n).copy_(attend_visible(scores, visible, values))
+
+
+def attend_visible(scores: torch.Tensor, visible: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax over the visible positions, times the values, under the non-finite rules
+    (docs/reliability.md, "Non-finite values in attention"): ``[n, H, Dv]`` fp32.
+
+    A position that is not visible, or whose score is -inf, is absent: weight 0 and its value row never
+    read (0 x NaN would poison the row). A NaN or +inf score, or no position left, makes the row NaN
+    (softmax's own NaN). Every present position counts as weight > 0: a NaN in its value gives NaN in that
+    channel, +inf / -inf give +inf / -inf (whatever its fp32 weight rounds to), both NaN.
+
+    Args:
+        scores: fp32 ``[H, n, L]`` (already scaled).
+        visible: bool ``[n, L]`` (or ``[H, n, L]``): which positions each query sees.
+        values: fp32 ``[L, H, Dv]``.
+    """
+    masked = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    finite = values.isfinite()
+    if bool(finite.all()):
+        return torch.einsum("hnl,lhd->nhd", probs, values)
+    out = torch.einsum("hnl,lhd->nhd", probs, values.where(finite, 0.0))
+    present = (masked > float("-inf")).float()  # NaN scores are not present: their row is NaN already
+    kinds = (values.isnan(), values == float("inf"), values == float("-inf"))
+    nan, plus, minus = (torch.einsum("hnl,lhd->nhd", present, kind.float()) > 0 for kind in kinds)
+    out = out.masked_fill(minus, float("-inf")).masked_fill(plus, float("inf"))
+    return out.masked_fill(nan | (plus & minus) | probs.isnan().any(-1).transpose(0, 1)[..., None], float("nan"))
+
+
+# --------------------------------------------------------------------------------------------- #
+# com.microsoft::PagedAttention (ORT's fused op)
+# --------------------------------------------------------------------------------------------- #
+def _prepare_heads(
+    plan: OrtAttentionPlan, x: torch.Tensor, weight: torch.Tensor | None, rotary: tuple[torch.Tensor | None, ...]
+) -> torch.Tensor:
+    """Heads ``[N, H, D]`` of T through RMSNorm (with ``weight``) and rotary (``rotary``: cos_cache,
+    sin_cache) at each token's position, in float64, rounded to float32 and then to T after each step
+    (where ORT's kernel rounds)."""
+    dtype, d = plan.dtype, plan.head_dim
+    if weight is not None:
+        total = torch.zeros(x.shape[:2], dtype=torch.float64)
+        for c in range(d):  # channel by channel: the contract's summation order
+            total += x[..., c].double() * x[..., c].double()
+        inverse = 1.0 / torch.sqrt(total / d + float(plan.epsilon))
+        x = ((x.double() * inverse[..., None]) * weight.double()).float().to(dtype)
+    if plan.rotary_dim == 0:
+        return x
+    half, offset = plan.rotary_dim // 2, plan.rotary_offset
+    cos, sin = (table.double()[plan.positions][:, None, :] for table in rotary)  # [N, 1, half]
+    out = x.clone()
+    for r in range(plan.rotary_dim):
+        if plan.rotary_interleaved:  # pairs (2i, 2i + 1)
+            i, partner, sign = r // 2, r + 1 - 2 * (r % 2), -1.0 if r % 2 == 0 else 1.0
+        else:  # halves (i, i + half)
+            i, partner, sign = r % half, (r + half) % plan.rotary_dim, -1.0 if r < half else 1.0
+        a, b = x[..., offset + r].double(), x[..., offset + partner].double()
+        out[..., offset + r] = (a * cos[..., i] + sign * (b * sin[..., i])).float().to(dtype)
+    return out
+
+
+def _quantized(row: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """T values as the cache's elements: int8 round-half-even(x / scale) clamped (NaN 0), float8e4m3fn
+    x / scale clamped to +-448 (NaN 448), both with fp32 ``x * (1 / scale)`` (a zero scale stores 0)."""
+    if cache_dtype not in (torch.int8, torch.float8_e4m3fn):
+        return row.to(cache_dtype)
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / torch.where(scale == 0, 1.0, scale))
+    v = row.float() * inverse
+    if cache_dtype == torch.int8:
+        return torch.nan_to_num(v, nan=0.0).clamp(-128, 127).round().to(torch.int8)
+    return torch.nan_to_num(v, nan=448.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def _scales(scale: torch.Tensor | None, heads: int, dim: int) -> torch.Tensor | None:
+    """A plan's scale as float32 ``[Hk, D]`` (PER_TENSOR: its one value everywhere), or None (no quantization)."""
+    if scale is None:
+        return None
+    return scale.expand(heads * dim).reshape(heads, dim) if scale.numel() == 1 else scale.reshape(heads, dim)
+
+
+def ort_attention_golden(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -> None:
+    """com.microsoft::PagedAttention: every new token's key (and value) written into its slot, then
+    attention of every new token over its sequence's context read back from the caches.
+
+    Per token t of sequence b (position p = past + j): its q and k heads normalized and rotated
+    (:func:`_prepare_heads`), its k / v rows stored at ``plan.slots[t]`` (quantized for int8 / float8
+    caches); then per query head h (kv head h // (Hq / Hk)) the scores ``scale x q . k`` (softcap
+    ``c tanh(s / c)``) over positions ``max(0, p - window) ..`` p (or the whole context when not
+    causal), softmax in float64 with the sink logit in the denominator, the weighted values (LATENT:
+    the keys' leading Dv channels) rounded once to T.
+
+    Args:
+        plan: a validated plan for these tensors.
+        tensors: the inputs, the caches written and read (in place), the output ``[N, Hq * Dv]``.
+    """
+    inputs = dict(zip(ORT_ATTENTION.input_names, tensors.inputs))
+    n, hq, hk, d, dv = plan.num_tokens, plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.value_head_dim
+    query = inputs["query"]
+    q_rows = query[:, : hq * d].reshape(n, hq, d)
+    k_rows = (query[:, hq * d : (hq + hk) * d] if plan.packed else inputs["key"]).reshape(n, hk, d)
+    v_rows = None if plan.latent else (query[:, (hq + hk) * d :] if plan.packed else inputs["value"]).reshape(n, hk, d)
+    rotary = (inputs["cos_cache"], inputs["sin_cache"])
+    queries = _prepare_heads(plan, q_rows, inputs["q_norm_weight"] if plan.normalize else None, rotary)
+    keys = _prepare_heads(plan, k_rows, inputs["k_norm_weight"] if plan.normalize else None, rotary)
+    caches = [(tensors.key_cache, keys, _scales(plan.key_scale, hk, d))]
+    if not plan.latent:
+        caches.append((tensors.value_cache, v_rows, _scales(plan.value_scale, hk, d)))
+    for t, slot in enumerate(plan.slots.tolist()):
+        if slot < 0:
+            continue
+        block, row = divmod(slot, plan.block_size)
+        for cache, rows, scale in caches:
+            cache[block, row] = _quantized(rows[t], cache.dtype, scale)
+
+    def values_of(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        factor = _scales(scale, hk, d)
+        return cache.double() if factor is None else cache.double() * factor.double()
+
+    key_values = values_of(tensors.key_cache, plan.key_scale)
+    value_values = key_values[..., :dv] if plan.latent else values_of(tensors.value_cache, plan.value_scale)
+    out = tensors.out.view(n, hq, dv)
+    for b, (start, count, length) in enumerate(
+        zip(plan.query_starts.tolist(), plan.query_counts.tolist(), plan.context_lens.tolist())
+    ):
+        if count == 0:
+            continue
+        row = plan.tables[b].tolist()
+        for j in range(count):
+            position = length - count + j
+            last = position if plan.causal else length - 1
+            first = max(0, position - plan.window) if plan.window >= 0 else 0
+            where = [(row[p // plan.block_size], p % plan.block_size) for p in range(first, last + 1)]
+            k = torch.stack([key_values[blk, slot] for blk, slot in where])  # [L, Hk, D]
+            v = torch.stack([value_values[blk, slot] for blk, slot in where])
+            for h in range(hq):
+                g = h // (hq // hk)
+                scores = plan.scale * (k[:, g] @ queries[start + j, h].double())
+                if plan.softcap > 0:
+                    scores = plan.softcap * torch.tanh(scores / plan.softcap)
+                logits = scores if plan.head_sink is None else torch.cat([scores, plan.head_sink[h : h + 1].double()])
+                weights = torch.softmax(logits, dim=0)[: len(where)]
+                present = scores > float("-inf")  # a -inf score is absent: its value row is never read
+                out[start + j, h] = (weights[present] @ v[present, g]).float().to(out.dtype)

@@ -1,16 +1,33 @@
-"""The public Python front: ``gather_pa_kv_cache``, ``scatter_pa_kv_cache`` and ``paged_attention``,
-thin typed wrappers over the backends."""
+"""The public Python front: ``gather_pa_kv_cache``, ``scatter_pa_kv_cache``, ``paged_attention`` and
+``ort_paged_attention`` (ORT's com.microsoft::PagedAttention), thin typed wrappers over the backends."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
 
-from pakv_onnx import kernels
-from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterTensors
+from pakv_onnx import kernels, native_lib
+from pakv_onnx.plans import (
+    AttentionPlan,
+    AttentionTensors,
+    GatherPlan,
+    GatherTensors,
+    OrtAttentionTensors,
+    ScatterPlan,
+    ScatterTensors,
+)
 from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode
-from pakv_onnx.validator import check_attention_output, check_outputs, plan_attention, plan_gather, plan_scatter
+from pakv_onnx.validator import (
+    check_attention_output,
+    check_ort_attention_outputs,
+    check_outputs,
+    plan_attention,
+    plan_gather,
+    plan_ort_attention,
+    plan_scatter,
+)
 
 
 def gather_pa_kv_cache(
@@ -159,8 +176,17 @@ def scatter_pa_kv_cache(
     """
     plan = plan_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode=cache_mode)
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    _refuse_read_only(plan, chosen, key_cache)
     chosen.scatter(plan, ScatterTensors(key, value, key_cache, value_cache))
     return key_cache, value_cache
+
+
+def _refuse_read_only(plan: ScatterPlan, chosen: kernels.Backend, cache: torch.Tensor) -> None:
+    """``ValueError`` (nothing written) when host caches cannot be written where ``plan`` writes (a
+    read-only mapping, e.g. ``np.memmap(mode="r")``): a Python backend would die of the signal. The
+    ``native`` backend's C scatter asks the same itself."""
+    if cache.is_cpu and chosen.name != "native":
+        native_lib.check_scatter_writable(plan.native[0].buffer_info()[0])
 
 
 def scatter_with(
@@ -179,10 +205,13 @@ def scatter_with(
     key_out, value_out = allocate()
     plan_scatter(*inputs, cache_mode=cache_mode, key_cache_out=key_out, value_cache_out=value_out)  # checks them
     if key_out.data_ptr() != key_cache.data_ptr() or value_out.data_ptr() != value_cache.data_ptr():
-        for out, cache in ((key_out, key_cache), (value_out, value_cache)):
+        for name, out, cache in (("key_cache_out", key_out, key_cache), ("value_cache_out", value_out, value_cache)):
             if out.data_ptr() != cache.data_ptr():
+                if out.is_cpu and out.numel():
+                    native_lib.check_buffer_writable(out.data_ptr(), out.nbytes, name)
                 out.copy_(cache)
         plan = plan_scatter(key, value, key_out, value_out, slot_mapping, cache_mode=cache_mode)
+    _refuse_read_only(plan, chosen, key_out)
     chosen.scatter(plan, ScatterTensors(key, value, key_out, value_out))
     return key_out, value_out
 
@@ -247,4 +276,85 @@ def attention_with(
         out = allocate(plan) if allocate is not None else _empty("output", plan.out_shape, plan.dtype, query.device)
         check_attention_output(plan, out)
     chosen.attention(plan, AttentionTensors(query, key_cache, value_cache, out))
+    return out
+
+
+def ort_paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor | None,
+    cumulative_sequence_length: torch.Tensor,
+    past_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    cos_cache: torch.Tensor | None = None,
+    sin_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    head_sink: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    attention_metadata: torch.Tensor | None = None,
+    *,
+    num_heads: int,
+    kv_num_heads: int,
+    out: torch.Tensor | None = None,
+    backend: str = kernels.AUTO,
+    **attributes: object,
+) -> torch.Tensor:
+    """ONNX Runtime's ``com.microsoft::PagedAttention`` (its CUDA kernel's contract, served on the CPU):
+    each sequence's new tokens written into its paged caches in place, then attended over its context.
+
+    Token j of sequence b (query rows ``cu[b] ..``) is at position ``past_seqlens[b] + j``. Its q and k
+    heads go through RMSNorm (``q_norm_weight`` / ``k_norm_weight``, before rotary) and rotary
+    (``do_rotary=1``: ``cos_cache`` / ``sin_cache`` rows at the position, over channels
+    ``[rotary_offset, rotary_offset + 2 x cos_cache.shape[1])``, halves or ``rotary_interleaved``
+    pairs), rounded to the query's dtype after each; its key and value rows are written at
+    ``slot_mapping[t]`` (block ``s // bs``, row ``s % bs``; -1: not written) or, without
+    slot_mapping, at its position through block_table; int8 / float8_e4m3fn caches store
+    ``x / scale`` (``k_quant_type`` / ``v_quant_type`` "PER_TENSOR" or "PER_CHANNEL", scales float32
+    ``[1]`` / ``[Hk, 1, D]``). Then each query head h attends with kv head ``h // (Hq // Hk)`` over the
+    positions its token sees (up to itself when ``is_causal``, else the whole context; a
+    ``local_window_size`` W keeps the last W), scores ``scale x q . k`` (scale 0: 1 / sqrt(D)) capped
+    by ``softcap`` (``c tanh(s / c)``), softmax with ``head_sink[h]`` in the denominator.
+    ``kv_cache_layout="LATENT"`` (absorbed MLA): one cache, no value, V = the keys' leading
+    ``v_head_size`` channels, an explicit scale. docs/ort-paged-attention.md has the rules and ORT's
+    sources for each.
+
+    Args:
+        query: ``[N, Hq * D]`` float32 / float16 / bfloat16, or packed QKV ``[N, (Hq + 2 Hk) * D]``
+            (key and value None).
+        key, value: ``[N, Hk * D]`` of query's dtype (value None for LATENT).
+        key_cache, value_cache: ``[num_blocks, block_size, Hk, D]`` of query's dtype, int8 or
+            float8_e4m3fn, written in place (value_cache None for LATENT).
+        cumulative_sequence_length: int32/int64 ``[B+1]`` from 0 to N; past_seqlens ``[B]``;
+            block_table ``[B, max_blocks]``.
+        cos_cache, sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight, k_scale,
+            v_scale, attention_metadata: ORT's optional inputs (attention_metadata is a hint only).
+        num_heads, kv_num_heads: Hq and Hk.
+        out: optional ``[N, Hq * Dv]`` output of query's dtype, contiguous, written in place.
+        backend: a backend with this op's kernel (``native``, ``golden``) or ``"auto"``.
+        **attributes: ORT's other attributes by name (``spec.ORT_ATTENTION.attribute_defaults``).
+
+    Returns:
+        ``[N, Hq * Dv]`` in query's dtype (``out`` when given); the caches hold the new rows.
+
+    Raises:
+        TypeError, ValueError: the call breaks the contract (the C validator's message; nothing written).
+        BackendUnavailableError: the chosen backend cannot run here or has no kernel for this op.
+    """
+    inputs = (
+        query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table, cos_cache,
+        sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata,
+    )  # fmt: skip
+    plan = plan_ort_attention(inputs, {"num_heads": num_heads, "kv_num_heads": kv_num_heads, **attributes}, out=out)
+    chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    if key_cache.is_cpu and chosen.name != "native":  # a read-only pool: the native kernel asks itself
+        native_lib.check_fused_writable(ctypes.addressof(plan.native[0].plan))
+    if out is None:
+        out = _empty("output", plan.out_shape, plan.dtype, query.device)
+        check_ort_attention_outputs(plan, out)
+    chosen.ort_attention(plan, OrtAttentionTensors(inputs, key_cache, value_cache, out))
     return out

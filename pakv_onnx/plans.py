@@ -1,8 +1,9 @@
 """What the C validator hands back: one plan per op, and the tensors each op's kernels touch.
 
 :func:`pakv_onnx.validator.plan_gather` / :func:`~pakv_onnx.validator.plan_scatter` /
-:func:`~pakv_onnx.validator.plan_attention` make a :class:`GatherPlan` / :class:`ScatterPlan` /
-:class:`AttentionPlan` from the validator's C plan; every backend's kernel takes a plan and its op's
+:func:`~pakv_onnx.validator.plan_attention` / :func:`~pakv_onnx.validator.plan_ort_attention` make a
+:class:`GatherPlan` / :class:`ScatterPlan` / :class:`AttentionPlan` / :class:`OrtAttentionPlan` from the
+validator's C plan; every backend's kernel takes a plan and its op's
 tensor bundle (:class:`GatherTensors`, :class:`ScatterTensors`, :class:`AttentionTensors`), so no
 two tensors can be swapped by position. The contract itself (names, dtype and layout tables) is
 :mod:`pakv_onnx.spec`; its rules are the C validator's.
@@ -309,6 +310,96 @@ class AttentionTensors(NamedTuple):
     query: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class OrtAttentionPlan:
+    """A validated com.microsoft::PagedAttention (ORT's fused op): everything a backend needs besides
+    the tensors themselves. Made by :func:`pakv_onnx.validator.plan_ort_attention`.
+
+    Attributes:
+        num_tokens, num_heads, num_kv_heads: N, Hq, Hk (query head h reads kv head ``h // (Hq // Hk)``).
+        head_dim, value_head_dim: D (query, key, the caches) and Dv (the output's heads; < D for LATENT).
+        num_seqs, num_blocks, block_size: B and the caches' geometry ``[nb, bs, Hk, D]``.
+        dtype: T, the type of query, key, value, cos/sin, the norm weights, head_sink and the output.
+        cache_dtype: both caches' element type: T, int8 or float8_e4m3fn.
+        latent: one cache (V is each key row's leading Dv channels); packed: query holds Q, K and V.
+        normalize, epsilon: RMSNorm of each q / k head with the norm weights, before rotary.
+        rotary_dim, rotary_offset, rotary_interleaved: rotary over channels ``[offset, offset + dim)``
+            at each token's position (0: none).
+        key_quant, value_quant: "NONE", "PER_TENSOR" or "PER_CHANNEL".
+        scale: the scores' scale, resolved (0 -> 1 / sqrt(D)), as float32; softcap: 0 (off) or c.
+        window: positions a token sees back from its own (``local_window_size - 1``), or -1 (all).
+        causal: a token sees up to itself (else its whole context).
+        query_starts, query_counts, context_lens: int64 ``[B]`` (context = past + new).
+        positions, slots: int64 ``[N]``: each token's position (past + j) and the slot its key and
+            value go to (-1: not written).
+        key_scale, value_scale, head_sink: float32 copies (``[1]`` or ``[Hk * D]``; ``[Hq]``) or None.
+        tables: the caller's ``block_table`` on the host.
+        native: the validator's C call and what it points at (``kernels.native`` runs it).
+    """
+
+    num_tokens: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    value_head_dim: int
+    num_seqs: int
+    num_blocks: int
+    block_size: int
+    dtype: torch.dtype
+    cache_dtype: torch.dtype
+    latent: bool
+    packed: bool
+    normalize: bool
+    epsilon: float
+    rotary_dim: int
+    rotary_offset: int
+    rotary_interleaved: bool
+    key_quant: str
+    value_quant: str
+    scale: float
+    softcap: float
+    window: int
+    causal: bool
+    query_starts: torch.Tensor = dataclasses.field(repr=False)
+    query_counts: torch.Tensor = dataclasses.field(repr=False)
+    context_lens: torch.Tensor = dataclasses.field(repr=False)
+    positions: torch.Tensor = dataclasses.field(repr=False)
+    slots: torch.Tensor = dataclasses.field(repr=False)
+    key_scale: torch.Tensor | None = dataclasses.field(repr=False)
+    value_scale: torch.Tensor | None = dataclasses.field(repr=False)
+    head_sink: torch.Tensor | None = dataclasses.field(repr=False)
+    tables: torch.Tensor = dataclasses.field(repr=False)
+    native: Any = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def key_dtype(self) -> torch.dtype:  # the backend registry asks every plan for both caches' dtypes
+        return self.cache_dtype
+
+    @property
+    def value_dtype(self) -> torch.dtype:
+        return self.cache_dtype
+
+    @property
+    def out_shape(self) -> tuple[int, int]:
+        return (self.num_tokens, self.num_heads * self.value_head_dim)
+
+
+class OrtAttentionTensors(NamedTuple):
+    """What one com.microsoft::PagedAttention touches.
+
+    Attributes:
+        inputs: the op's 17 inputs in ORT's order (``spec.ORT_ATTENTION.input_names``; None: absent).
+        key_cache, value_cache: the caches written in place and read (the inputs' own, or the
+            outputs a caller copied them to; value_cache None for LATENT).
+        out: ``[N, Hq * Dv]`` of the query's dtype, contiguous, written.
+    """
+
+    inputs: tuple[torch.Tensor | None, ...]
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor | None
     out: torch.Tensor
 
 

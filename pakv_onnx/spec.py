@@ -5,7 +5,7 @@ attributes, dtype and layout tables, shapes (the plans the validator returns are
 This module is the single source of the operator's names and tables. Every backend, the
 exporter and the runtime plugin import them from here. The contract's *rules* (what a valid
 call is, and the message for each way a call can be invalid) are written once, in the C
-validator ``pakv_onnx/native_lib/pakv_contract.c``; :func:`pakv_onnx.validator.plan_gather`
+validator ``pakv_onnx/native_lib/pakv_contract_*.c``; :func:`pakv_onnx.validator.plan_gather`
 hands it a call and returns its :class:`~pakv_onnx.plans.GatherPlan` or raises what it said.
 
 Layouts (``nb`` = num_blocks, ``bs`` = block_size, ``T`` = total tokens)::
@@ -87,7 +87,7 @@ class OpSignature:
     input_names: tuple[str, ...]
     optional_inputs: frozenset[str]
     output_names: tuple[str, ...]
-    attribute_defaults: dict[str, str | bool | float]
+    attribute_defaults: dict[str, str | bool | float | int]
 
     @property
     def parameter_names(self) -> tuple[str, ...]:
@@ -148,6 +148,38 @@ ATTENTION = OpSignature(
     ("output",),
     {ATTR_SCALE: 0.0},
 )
+# com.microsoft::PagedAttention: ONNX Runtime's own fused paged-attention op (bert_defs.cc, opset 1),
+# which ORT implements for CUDA and WebGPU and this package for the CPU (docs/ort-paged-attention.md):
+# each new token's key / value (q/k RMSNorm, rotary at position past + j, int8 / float8 quantization)
+# written into its slot of the caches in place, then attention over the updated caches (GQA, window,
+# softcap, sinks, causal or not, LATENT absorbed MLA). query [N, Hq*D] (or packed QKV), output
+# [N, Hq*Dv] of query's dtype. Names, order and defaults are ORT's schema's; the Python front and the
+# torch op take them as keywords (num_heads and kv_num_heads required).
+MS_DOMAIN = "com.microsoft"
+MS_OPSET_VERSION = 1
+ORT_ATTENTION = OpSignature(
+    "PagedAttention",
+    (
+        "query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens",
+        "block_table", "cos_cache", "sin_cache", "slot_mapping", "head_sink", "q_norm_weight", "k_norm_weight",
+        "k_scale", "v_scale", "attention_metadata",
+    ),
+    frozenset({
+        "key", "value", "value_cache", "cos_cache", "sin_cache", "slot_mapping", "head_sink", "q_norm_weight",
+        "k_norm_weight", "k_scale", "v_scale", "attention_metadata",
+    }),
+    ("output", "key_cache_out", "value_cache_out"),
+    {
+        "num_heads": 0, "kv_num_heads": 0, "scale": 0.0, "softcap": 0.0, "local_window_size": -1, "is_causal": 1,
+        "do_rotary": 0, "rotary_interleaved": 0, "qk_norm_epsilon": 1e-6, "k_quant_type": "NONE",
+        "v_quant_type": "NONE", "k_cache_dtype": "", "v_cache_dtype": "", "kv_cache_layout": "SEPARATE",
+        "v_head_size": 0, "rotary_offset": 0,
+    },
+)  # fmt: skip
+# The inputs com.microsoft::PagedAttention reads on the host (its index tensors, and the small
+# tensors the validator copies or the prologue reads: rotary tables, norm weights, sinks, scales).
+ORT_ATTENTION_HOST_INPUTS = frozenset(ORT_ATTENTION.input_names[5:])
+
 # The gather's signature under its historical names (most of the package reads these).
 ATTRIBUTE_DEFAULTS = GATHER.attribute_defaults
 PARAMETER_NAMES: tuple[str, ...] = GATHER.parameter_names

@@ -2,7 +2,7 @@
 
 Every Python path (the public front on every backend, ``torch.ops.pakv.gather_pa_kv_cache``,
 the ORT plugin's Python callback) validates through :func:`plan_gather`, which describes each
-tensor to ``pakv_contract.c`` as a record (element type, dims, strides, device, addresses) and
+tensor to ``pakv_contract_*.c`` as a record (element type, dims, strides, device, addresses) and
 raises the ``TypeError`` / ``ValueError`` it answers, with its message. The rules and their
 messages are written there and nowhere else; this module only translates Python objects into
 records (and refuses what is not a tensor at all) and the answer into a
@@ -19,17 +19,20 @@ import array
 import ctypes
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pakv_onnx import native_lib
-from pakv_onnx.plans import AttentionPlan, GatherPlan, ScatterPlan
+from pakv_onnx.plans import AttentionPlan, GatherPlan, OrtAttentionPlan, ScatterPlan
 from pakv_onnx.spec import (
     ATTENTION,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
     ONNX_ELEMENT_TYPE_OF,
+    ORT_ATTENTION,
+    ORT_ATTENTION_HOST_INPUTS,
     SCATTER,
     CacheMode,
     parse_cache_mode,
@@ -89,6 +92,8 @@ def _describe_other(name: str, value: Any, is_index: bool) -> tuple[torch.Tensor
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.is_cpu:
         return value, value.data_ptr(), value if is_index else None, "cpu"
+    if value.is_meta:  # no data anywhere: the validator refuses an index tensor there by name
+        return value, 0, None, "meta"
     if is_index:
         value, host = _on_host(value)
         return value, value.data_ptr(), host, str(value.device)
@@ -105,6 +110,23 @@ def _describer():
     front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other)
     _describe = front.describe
     return _describe
+
+
+def _call_array(call_size: int, words: int, entries: int, one_per_entry: Any) -> tuple[array.array, int]:
+    """A call's int64 array: the call (``call_size`` bytes), then the validator's scratch of ``words``
+    int64 per entry; returns it and the scratch's length in words.
+
+    The scratch never counts more entries than ``one_per_entry`` (the index tensor a valid call gives one
+    entry per entry) has: a call with more is refused by its shapes before the scratch is used, so a
+    block table of 2**63 - 1 rows is never allocated for. A scratch that cannot be had is -1 words: the
+    validator still checks the call's shapes first and then says there is no room (as the C kernels do).
+    """
+    if isinstance(one_per_entry, torch.Tensor) and one_per_entry.numel() < entries:
+        entries = one_per_entry.numel()
+    try:
+        return array.array("q", bytes(call_size + 8 * words * entries)), words * entries
+    except (OverflowError, MemoryError):
+        return array.array("q", bytes(call_size)), -1
 
 
 def _raise(kind: int) -> None:
@@ -148,12 +170,10 @@ def plan_gather(
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
     values = (key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out)
     num_seqs = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else 0
-    call = array.array("q", bytes(_CALL_SIZE + 24 * num_seqs))
+    call, scratch = _call_array(_CALL_SIZE, 3, num_seqs, seq_lens)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _RECORDS_AT, values, _GATHER_ROLES)
-    _TAIL.pack_into(
-        call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, 3 * num_seqs, base + _CALL_SIZE, _errors.address
-    )
+    _TAIL.pack_into(call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, scratch, base + _CALL_SIZE, _errors.address)
     kind = native_lib.plan_gather_call(base)
     if kind:
         _raise(kind)
@@ -238,11 +258,11 @@ def plan_scatter(
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
     values = (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out)
     num_tokens = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() >= 1 else 0
-    call = array.array("q", bytes(_SCATTER_SIZE + 16 * num_tokens))
+    call, scratch = _call_array(_SCATTER_SIZE, 2, num_tokens, slot_mapping)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _SCATTER_RECORDS_AT, values, _SCATTER_ROLES)
     _SCATTER_TAIL.pack_into(
-        call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, 2 * num_tokens, base + _SCATTER_SIZE, _errors.address
+        call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, scratch, base + _SCATTER_SIZE, _errors.address
     )
     kind = native_lib.plan_scatter_call(base)
     if kind:
@@ -316,11 +336,11 @@ def plan_attention(
     scale = parse_scale(scale)
     tensors = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, out)
     num_seqs = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
-    call = array.array("q", bytes(_ATTENTION_SIZE + 24 * num_seqs))
+    call, scratch = _call_array(_ATTENTION_SIZE, 3, num_seqs, past_sequence_lengths)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _ATTENTION_RECORDS_AT, tensors, _ATTENTION_ROLES)
     tables = hosts[3]
-    _ATTENTION_TAIL.pack_into(call, _ATTENTION_TAIL_AT, scale, 0, 3 * num_seqs, base + _ATTENTION_SIZE, _errors.address)
+    _ATTENTION_TAIL.pack_into(call, _ATTENTION_TAIL_AT, scale, 0, scratch, base + _ATTENTION_SIZE, _errors.address)
     kind = native_lib.plan_attention_call(base)
     if kind:
         _raise(kind)
@@ -354,3 +374,130 @@ def check_attention_output(plan: AttentionPlan, out: torch.Tensor) -> None:
     if kind:
         _raise(kind)
     struct.pack_into("@P", call, _ATTENTION_OUT_AT, out.data_ptr())
+
+
+# com.microsoft::PagedAttention: its 17 inputs (the host-read ones with _INDEX), then its 3 outputs.
+_ORT_ROLES = (
+    *(
+        (name, _OPTIONAL * (name in ORT_ATTENTION.optional_inputs) | _INDEX * (name in ORT_ATTENTION_HOST_INPUTS))
+        for name in ORT_ATTENTION.input_names
+    ),
+    *((name, _OPTIONAL) for name in ORT_ATTENTION.output_names),
+)
+_ORT_OUTPUT_ROLES = _ORT_ROLES[len(ORT_ATTENTION.input_names) :]
+_FUSED_RECORDS_AT = native_lib.FusedCall.records.offset
+_FUSED_OUTPUTS_AT = _FUSED_RECORDS_AT + len(ORT_ATTENTION.input_names) * _RECORD_SIZE
+_QUANT_NAMES = ("NONE", "PER_TENSOR", "PER_CHANNEL")
+_STRING_ATTRIBUTES = ("k_quant_type", "v_quant_type", "k_cache_dtype", "v_cache_dtype", "kv_cache_layout")
+_FLOAT_ATTRIBUTES = ("scale", "softcap", "qk_norm_epsilon")
+
+
+def _set_attributes(target: Any, attributes: dict[str, Any]) -> None:
+    """ORT's attributes into a pakv_fused_attributes (defaults already there): the Python types the
+    node's attribute types are (INT, FLOAT, STRING); their values are the validator's to judge."""
+    for name, value in attributes.items():
+        if name not in ORT_ATTENTION.attribute_defaults:
+            raise TypeError(f"PagedAttention got an unknown attribute {name!r}")
+        if name in _STRING_ATTRIBUTES:
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            if not isinstance(value, str):
+                raise TypeError(f"{name} must be a string, got {type(value).__name__}")
+            setattr(target, name, value.encode()[: native_lib.FUSED_STRING_LEN - 1])
+        elif name in _FLOAT_ATTRIBUTES:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+            setattr(target, name, ctypes.c_float(value).value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            setattr(target, name, max(min(value, 2**63 - 1), -(2**63)))
+    target.given = 3  # num_heads and kv_num_heads: the front's required arguments
+
+
+def _read(address: int, count: int, ctype: Any, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` C values at ``address`` as a CPU tensor (a copy)."""
+    if count <= 0 or not address:
+        return torch.empty(0, dtype=dtype)
+    return torch.tensor(list((ctype * count).from_address(address)), dtype=dtype)
+
+
+def plan_ort_attention(
+    inputs: Sequence[torch.Tensor | None], attributes: dict[str, Any], *, out: torch.Tensor | None = None
+) -> OrtAttentionPlan:
+    """Validate one com.microsoft::PagedAttention call and return its plan.
+
+    Args:
+        inputs: the op's 17 inputs in ORT's order (``spec.ORT_ATTENTION.input_names``), None for an
+            absent optional one: query ``[N, Hq*D]`` (or packed QKV), key / value ``[N, Hk*D]``, the
+            caches ``[nb, bs, Hk, D]`` (T, int8 or float8_e4m3fn), cumulative_sequence_length
+            ``[B+1]``, past_seqlens ``[B]``, block_table ``[B, cols]``, cos / sin ``[rows, rotary/2]``,
+            slot_mapping ``[N]``, head_sink ``[Hq]``, the norm weights ``[D]``, the scales ``[1]`` or
+            ``[Hk, 1, D]`` (float32), attention_metadata ``[2|3]``.
+        attributes: ORT's attributes by name (num_heads and kv_num_heads needed; others default).
+        out: an optional ``[N, Hq * Dv]`` output to check (contiguous, query's dtype, apart from every input).
+
+    Raises:
+        TypeError: a non-tensor, a dtype the op does not take; ValueError: any other rule, named by
+            the C validator (pakv_contract_fused*.c).
+    """
+    values = tuple(inputs)
+    if len(values) != len(ORT_ATTENTION.input_names):
+        raise TypeError(f"PagedAttention takes {len(ORT_ATTENTION.input_names)} inputs, got {len(values)}")
+    call = native_lib.FusedCall()
+    base = ctypes.addressof(call)
+    native_lib.fused_defaults(ctypes.addressof(call.attributes))
+    _set_attributes(call.attributes, attributes)
+    hosts = (_describe or _describer())(base + _FUSED_RECORDS_AT, (*values, out, None, None), _ORT_ROLES)
+    needed = native_lib.fused_scratch_needed(base)
+    scratch = array.array("q", bytes(8 * max(needed, 1)))
+    call.scratch_len, call.scratch, call.error = needed, scratch.buffer_info()[0], _errors.address
+    kind = native_lib.plan_fused_call(base)
+    if kind:
+        _raise(kind)
+    plan, attention = call.plan, call.plan.attention
+    b, n = attention.num_seqs, plan.num_tokens
+    def scale_count(quant: int) -> int:  # PAKV_QUANT_*: NONE, PER_TENSOR, PER_CHANNEL
+        return (0, 1, plan.num_kv_heads * plan.head_dim)[quant]
+
+    def floats(address: int | None, count: int) -> torch.Tensor | None:
+        return _read(address, count, ctypes.c_float, torch.float32) if address else None
+
+    key_cache = values[3]
+    result = object.__new__(OrtAttentionPlan)
+    result.__dict__.update(
+        num_tokens=n, num_heads=plan.num_heads, num_kv_heads=plan.num_kv_heads, head_dim=plan.head_dim,
+        value_head_dim=attention.value_head_dim, num_seqs=b, num_blocks=plan.num_blocks, block_size=plan.block_size,
+        dtype=values[0].dtype, cache_dtype=key_cache.dtype, latent=bool(plan.latent),
+        packed=values[1] is None and not plan.latent, normalize=bool(plan.normalize), epsilon=plan.epsilon,
+        rotary_dim=plan.rotary_dim, rotary_offset=plan.rotary_offset, rotary_interleaved=bool(plan.rotary_interleaved),
+        key_quant=_QUANT_NAMES[plan.key_quant], value_quant=_QUANT_NAMES[plan.value_quant], scale=attention.scale,
+        softcap=attention.softcap, window=attention.window, causal=bool(attention.causal),
+        query_starts=_read(attention.query_starts, b, ctypes.c_int64, torch.int64),
+        query_counts=_read(attention.query_counts, b, ctypes.c_int64, torch.int64),
+        context_lens=_read(attention.context_lens, b, ctypes.c_int64, torch.int64),
+        positions=_read(plan.positions, n, ctypes.c_int64, torch.int64),
+        slots=_read(plan.slots, n, ctypes.c_int64, torch.int64),
+        key_scale=floats(plan.key_scale, scale_count(plan.key_quant)),
+        value_scale=floats(plan.value_scale, scale_count(plan.value_quant)),
+        head_sink=floats(attention.head_sink, plan.num_heads),
+        tables=hosts[7], native=(call, scratch, hosts),
+    )  # fmt: skip
+    return result
+
+
+def check_ort_attention_outputs(
+    plan: OrtAttentionPlan,
+    out: torch.Tensor,
+    key_cache_out: torch.Tensor | None = None,
+    value_cache_out: torch.Tensor | None = None,
+) -> None:
+    """The validator's output rules for outputs obtained after ``plan`` was made: ``out`` ``[N, Hq*Dv]``
+    of query's dtype, contiguous, apart from every input; a cache output its cache's shape and dtype,
+    the cache itself (in place) or apart from every input. Raises what the validator said."""
+    call = plan.native[0]
+    base = ctypes.addressof(call)
+    (_describe or _describer())(base + _FUSED_OUTPUTS_AT, (out, key_cache_out, value_cache_out), _ORT_OUTPUT_ROLES)
+    kind = native_lib.check_fused_outputs_call(base)
+    if kind:
+        _raise(kind)

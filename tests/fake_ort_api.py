@@ -133,6 +133,7 @@ class FakeRuntime:
         self.stream = stream
         self.parallel_calls: list[tuple[int, int]] = []  # (total, num_batch) of each ParallelFor
         self.ops: list[int] = []
+        self.op_domains: dict[int, str] = {}  # op address -> the domain it was added to
         self._objects: dict[int, object] = {}
         self._next = 0x1000
         self._lock = threading.Lock()
@@ -192,6 +193,7 @@ class FakeRuntime:
         @slot("CustomOpDomain_Add", _V, _V, _V)
         def domain_add(domain, op):
             self.ops.append(op)
+            self.op_domains[op] = self._get(domain)[1].decode()
             return None
 
         @slot("AddCustomOpDomain", _V, _V, _V)

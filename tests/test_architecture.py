@@ -203,3 +203,26 @@ def _assertion_text(call) -> str:
     with pytest.raises(AssertionError) as info:
         call()
     return str(info.value)
+
+
+# --------------------------------------------------------------------------- #
+# The C library stays readable as it grows: no C unit over MAX_C_LINES lines
+# --------------------------------------------------------------------------- #
+MAX_C_LINES = 450
+
+
+def oversized_c_files(folder: Path, limit: int = MAX_C_LINES) -> dict[str, int]:
+    """``{file name: lines}`` of the C sources and headers in ``folder`` longer than ``limit``."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in [*folder.glob("*.c"), *folder.glob("*.h")]}
+    return {name: lines for name, lines in sizes.items() if lines > limit}
+
+
+def test_no_c_file_of_the_library_is_over_450_lines() -> None:
+    """Each op's contract, core and glue in units of their own: a unit past the limit is split, not grown."""
+    assert oversized_c_files(ROOT / PACKAGE / "native_lib") == {}
+
+
+def test_the_c_size_check_finds_a_long_file(tmp_path: Path) -> None:
+    (tmp_path / "long.c").write_text("int x;\n" * (MAX_C_LINES + 1))
+    (tmp_path / "short.h").write_text("int y;\n" * MAX_C_LINES)
+    assert oversized_c_files(tmp_path) == {"long.c": MAX_C_LINES + 1}

@@ -1,6 +1,6 @@
 """Every path of the op raises what the one validator said (issues 14 and 19).
 
-The validator (pakv_contract.c, reached from Python through ``validator.plan_gather``) words every
+The validator (pakv_contract_*.c, reached from Python through ``validator.plan_gather``) words every
 refusal; the paths are the public front on every backend (with and without caller outputs),
 ``torch.ops.pakv.gather_pa_kv_cache``, the ORT plugin's Python callback and the ORT plugin's C
 kernel. :func:`assert_same_rejection_everywhere` runs one call through all of them and compares each

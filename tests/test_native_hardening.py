@@ -171,16 +171,17 @@ fake = fake_ort(funcs, api_version=17)
 options = (ctypes.c_char * 64)()
 for _ in range(200):
     assert register_custom_ops(lib, ctypes.addressof(options), fake) is None
-print("domains created", len(created))
+print("domains created", len(created), sorted(n.decode() for n in created))
 """
 
 
 def test_registrations_reuse_one_domain_per_backend() -> None:
-    """200 registrations (through a fake OrtApi that counts CreateCustomOpDomain) create one
-    domain, not 200 (each used to leak ~210 bytes)."""
+    """200 registrations (through a fake OrtApi that counts CreateCustomOpDomain) create the
+    backend's two domains once (pakv's ops, com.microsoft's PagedAttention), not 200 times (each
+    used to leak ~210 bytes)."""
     result = run_python(COUNT_DOMAINS)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "domains created 1\n" in result.stdout, result.stdout
+    assert "domains created 2 ['com.microsoft', 'pakv']\n" in result.stdout, result.stdout
 
 
 # --- 10.5 one SessionOptions, several sessions ----------------------------------------------------

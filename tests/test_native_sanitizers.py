@@ -5,7 +5,12 @@ core through ctypes (tests/native/sanitizer_session.py); in a process of its own
 CUDA and CANN entries through the fake ORT runtime and the fake device driver (host memcpy, so
 ASan checks every device copy's bounds); and, in another, PagedAttention inside ORT (random valid
 calls against a numpy reference, every rule broken once, int64-edge shapes, a writer racing the
-block table, outputs bound over inputs). Any invalid access or undefined behaviour aborts the run.
+block table, outputs bound over inputs); and, in another, the attention core on plans built directly
+(every type, quantization and feature of the plan, on the calling thread and the library's threads,
+against tests/attention_reference.py, and malformed plans); and, in another, com.microsoft::PagedAttention
+inside ORT (tests/native/ort_attention_session.py); and, in another, the write op's in-place routes and
+the attention's non-finite rules (tests/native/write_session.py). Any invalid access or undefined behaviour
+aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
 path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
 so both its loop on the calling thread and its parts on ORT's pool run."""
@@ -27,6 +32,8 @@ from pakv_onnx import native_lib
 
 SOURCES = Path(native_lib.__file__).parent
 SESSION = Path(__file__).parent / "native" / "sanitizer_session.py"
+CORE_SESSION = Path(__file__).parent / "native" / "attention_core_session.py"
+ORT_ATTENTION_SESSION = Path(__file__).parent / "native" / "ort_attention_session.py"
 
 
 def _setup_sources() -> list[str]:
@@ -58,7 +65,10 @@ def sanitized_library(tmp_path_factory) -> Path:
     return out
 
 
-def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
+WRITE_SESSION = Path(__file__).parent / "native" / "write_session.py"
+
+
+def _sanitized_run(library: Path, *args: str, session: Path = SESSION, **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
@@ -68,9 +78,10 @@ def _sanitized_run(library: Path, *args: str) -> subprocess.CompletedProcess:
         PAKV_ONNX_PARALLEL_MIN_BYTES="0",
         PAKV_ONNX_ATTENTION_PARALLEL_MIN="16384",  # multiply-adds: about half the random calls split
         ORT_LOGGING_LEVEL="3",
+        **env_extra,
     )
     result = subprocess.run(
-        [sys.executable, str(SESSION), str(library), str(SOURCES / "__init__.py"), *args],
+        [sys.executable, str(session), str(library), str(SOURCES / "__init__.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -93,3 +104,23 @@ def test_device_entries_are_clean_under_asan_and_ubsan_through_the_fakes(sanitiz
 
 def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
     _sanitized_run(sanitized_library, "300", "--attention")
+
+
+@pytest.mark.parametrize("width", ["16", "8"])
+def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path, width: str) -> None:
+    # Both walks: the widest the CPU runs, and the 8-float one (PAKV_ONNX_ATTENTION_WIDTH=8).
+    _sanitized_run(sanitized_library, "300", session=CORE_SESSION, PAKV_ONNX_ATTENTION_WIDTH=width)
+
+
+def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
+    """com.microsoft::PagedAttention inside ORT: random valid calls of every feature (caches exact,
+    outputs close to the reference), broken calls refused with nothing written, a writer racing the
+    block table, cache outputs bound over the other cache (tests/native/ort_attention_session.py)."""
+    _sanitized_run(sanitized_library, "150", session=ORT_ATTENTION_SESSION)
+
+
+def test_the_write_routes_and_attentions_non_finite_rules_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
+    """tests/native/write_session.py (issue 27): the write op's routes (copy, bound, fed, alias opt-in), a
+    second reader, two writes of one pool, initializer pools, read-only pools and outputs (refused by the
+    kernel's writability probe: no signal), degenerate writes, and the attention's non-finite rules."""
+    _sanitized_run(sanitized_library, str(Path(__file__).parent), session=WRITE_SESSION)

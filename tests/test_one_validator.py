@@ -1,7 +1,8 @@
-"""One validator (issue 19): every rule of the contract is written once, in pakv_contract.c.
+"""One validator (issue 19): every rule of the contract is written once, in the contract units
+(``native_lib/pakv_contract_*.c``: one per op, and the pieces they share).
 
-Each message the validator can give is found by parsing the C source (every ``pakv_fail`` /
-``pakv_fail_type`` format there); its longest literal stretch must appear once in that file and in
+Each message the validator can give is found by parsing the C sources (every ``pakv_fail`` /
+``pakv_fail_type`` format there); its longest literal stretch must appear once in those files and in
 no other source of the package (Python or C). A second copy of a rule would have to word its
 refusal, and so would show up here. Then the two defects that one rule for every path mended:
 outputs a host binds in ORT are checked for overlap like the front's, and every backend reads
@@ -26,7 +27,7 @@ from pakv_onnx.spec import bitwise_equal
 from pakv_onnx.validator import plan_gather
 
 PACKAGE = Path(pakv_onnx.__file__).resolve().parent
-CONTRACT = PACKAGE / "native_lib" / "pakv_contract.c"
+CONTRACT_UNITS = sorted((PACKAGE / "native_lib").glob("pakv_contract_*.c"))
 _CALL = re.compile(r"pakv_fail(?:_type)?\(\s*err,\s*((?:\"(?:[^\"\\]|\\.)*\"\s*)+)")
 _LITERAL = re.compile(r"\"((?:[^\"\\]|\\.)*)\"")
 _SPECIFIER = re.compile(r"%[-.0-9]*(?:lld|zu|s|d)")
@@ -36,7 +37,7 @@ _CONTINUED = re.compile(r"[\"']\s*\n\s*(?:[rf]{0,2})[\"']")
 
 def contract_messages() -> list[str]:
     """Every format string the validator fails with (adjacent C literals joined)."""
-    source = CONTRACT.read_text()
+    source = "\n".join(unit.read_text() for unit in CONTRACT_UNITS)
     return ["".join(_LITERAL.findall(match.group(1))) for match in _CALL.finditer(source)]
 
 
@@ -67,19 +68,21 @@ def test_each_rule_is_written_once_in_the_c_validator(message: str) -> None:
     assert len(literal) >= 10, f"{message!r}: too little literal text to find a copy by"
     pattern = copy_pattern(message)
     sources = package_sources()
-    found = len(pattern.findall(sources[CONTRACT]))
-    assert found == 1, f"{message!r} is written {found} times in pakv_contract.c"
-    copies = [path.relative_to(PACKAGE) for path, text in sources.items() if path != CONTRACT and pattern.search(text)]
+    found = sum(len(pattern.findall(sources[unit])) for unit in CONTRACT_UNITS)
+    assert found == 1, f"{message!r} is written {found} times in the contract units"
+    copies = [
+        path.relative_to(PACKAGE) for path, text in sources.items() if path not in CONTRACT_UNITS and pattern.search(text)
+    ]
     assert not copies, f"the rule worded {message!r} is written again in {copies}"
 
 
 def test_the_check_finds_a_copied_rule() -> None:
     """The check above can fail: a Python re-check of the cumsum rule, worded as an f-string, is found."""
     copy = 'raise ValueError(f"seq_lens (cumsum) must start at 0, got seq_lens[0] = {first}")'
-    message = next(m for m in contract_messages() if "must start at 0" in m)
+    message = next(m for m in contract_messages() if "seq_lens (cumsum) must start at 0" in m)
     assert copy_pattern(message).search(copy)
     split = '    raise ValueError(\n        f"block_tables row {q} is too short: sequence {q} has {n} tokens "\n        f"= {b} blocks'
-    message = next(m for m in contract_messages() if "is too short" in m)
+    message = next(m for m in contract_messages() if "block_tables row %lld is too short" in m)
     assert copy_pattern(message.split("= %lld blocks")[0] + "= %lld blocks").search(_CONTINUED.sub("", split))
 
 

@@ -256,16 +256,23 @@ BARE_ORT_SCRIPT = textwrap.dedent(
         binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
     one.run_with_iobinding(binding)
     assert np.array_equal(pool_k, want_k) and np.array_equal(pool_v, want_v)
-    # Feeding a later node: the alias map (ORT >= 1.18) writes the input pool in place; older copy it.
-    fed = ort.InferenceSession(scatter_model(True).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    pool_k, pool_v = kc.copy(), vc.copy()
-    lens = np.array([0, 24], np.int32)
-    all_k, _ = fed.run(None, dict(zip([*snames, "block_tables", "seq_lens"], (k, v, pool_k, pool_v, slots, np.arange(6, dtype=np.int32)[None], lens))))
-    assert np.array_equal(all_k, want_k.reshape(24, 2, 8))
-    aliased = np.array_equal(pool_k, want_k)
+    # Feeding a later node: a copy (the graph's input is left as it was), unless the host opts into the
+    # alias route (session config entry pakv_onnx.alias_caches = 1; ORT >= 1.18): then the pool in place.
     minor = int(ort.__version__.split(".")[1])
-    assert aliased == (minor >= 18), (ort.__version__, aliased)
-    print("scatter route when feeding a node:", "in place (alias map)" if aliased else "copy")
+    for opt_in in (None, "1"):
+        fed_options = ort.SessionOptions()
+        if opt_in:
+            fed_options.add_session_config_entry("pakv_onnx.alias_caches", opt_in)
+        fed_options.register_custom_ops_library(lib)
+        fed = ort.InferenceSession(scatter_model(True).SerializeToString(), fed_options, providers=["CPUExecutionProvider"])
+        pool_k, pool_v = kc.copy(), vc.copy()
+        lens = np.array([0, 24], np.int32)
+        all_k, _ = fed.run(None, dict(zip([*snames, "block_tables", "seq_lens"], (k, v, pool_k, pool_v, slots, np.arange(6, dtype=np.int32)[None], lens))))
+        assert np.array_equal(all_k, want_k.reshape(24, 2, 8))
+        aliased = np.array_equal(pool_k, want_k)
+        assert aliased == (opt_in is not None and minor >= 18), (ort.__version__, opt_in, aliased)
+        assert fed_options.get_session_config_entry("pakv_onnx.alias_caches") == ("1" if opt_in else "0")
+        print("scatter route when feeding a node, alias", opt_in, ":", "in place (alias map)" if aliased else "copy")
     print("bare onnxruntime", ort.__version__, "ok")
     """
 )
@@ -296,3 +303,78 @@ def test_the_stated_onnxruntime_range_is_the_one_ci_tests() -> None:
     floor = ".".join(python_oldest.split(".")[:2])
     dependencies = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert f"onnxruntime>={floor}" in dependencies, dependencies
+
+
+# com.microsoft::PagedAttention on a bare runtime: fp32, separate QKV, rotary at past + j, derived
+# slots, a ragged batch (a decode row, a two-token chunk); the caches compared exactly with a numpy
+# write, the output with a numpy attention (1e-5).
+BARE_ORT_ATTENTION_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["torch"] = None
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    N, HQ, HK, D, NB, BS = 3, 4, 2, 16, 4, 4
+    names = ["query", "key", "value", "key_cache", "value_cache", "cumulative_sequence_length", "past_seqlens",
+             "block_table", "cos_cache", "sin_cache"]
+    node = helper.make_node("PagedAttention", names, ["output", "key_cache_out", "value_cache_out"],
+                            domain="com.microsoft", num_heads=HQ, kv_num_heads=HK, do_rotary=1)
+    types = [TensorProto.INT32 if 5 <= i <= 7 else TensorProto.FLOAT for i in range(len(names))]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, t, None) for n, t in zip(names, types)],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in node.output])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=8)
+    rng = np.random.default_rng(0)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    angles = np.arange(16)[:, None] / 10.0 ** np.arange(8)[None, :]
+    feeds = dict(query=f(N, HQ * D), key=f(N, HK * D), value=f(N, HK * D), key_cache=f(NB, BS, HK, D),
+                 value_cache=f(NB, BS, HK, D), cumulative_sequence_length=np.array([0, 1, 3], np.int32),
+                 past_seqlens=np.array([2, 3], np.int32), block_table=np.array([[1, 0], [3, 2]], np.int32),
+                 cos_cache=np.cos(angles).astype(np.float32), sin_cache=np.sin(angles).astype(np.float32))
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(sys.argv[1])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    output, key_cache, value_cache = session.run(None, feeds)
+
+    def rotate(x, position):  # halves, in float64, rounded to float32
+        c, s = np.cos(angles[position]), np.sin(angles[position])
+        c, s = c.astype(np.float32).astype(np.float64), s.astype(np.float32).astype(np.float64)
+        a, b = x[..., :8].astype(np.float64), x[..., 8:].astype(np.float64)
+        return np.concatenate([a * c - b * s, b * c + a * s], -1).astype(np.float32)
+
+    keys, values, queries = feeds["key_cache"].copy(), feeds["value_cache"].copy(), []
+    for b, (start, past) in enumerate(((0, 2), (1, 3))):
+        for j in range(feeds["cumulative_sequence_length"][b + 1] - start):
+            t, p = start + j, past + j
+            block = feeds["block_table"][b, p // BS]
+            keys[block, p % BS] = rotate(feeds["key"][t].reshape(HK, D), p)
+            values[block, p % BS] = feeds["value"][t].reshape(HK, D)
+            queries.append((t, b, p, rotate(feeds["query"][t].reshape(HQ, D), p)))
+    assert np.array_equal(key_cache, keys) and np.array_equal(value_cache, values), "the write"
+    for t, b, p, q in queries:
+        context = [(feeds["block_table"][b, i // BS], i % BS) for i in range(p + 1)]
+        for h in range(HQ):
+            k = np.stack([keys[blk, row, h // 2] for blk, row in context]).astype(np.float64)
+            v = np.stack([values[blk, row, h // 2] for blk, row in context]).astype(np.float64)
+            s = k @ q[h] / 4.0
+            w = np.exp(s - s.max())
+            assert np.allclose(output[t, h * D:(h + 1) * D], (w / w.sum()) @ v, atol=1e-5), (t, h)
+    print("ok", ort.__version__)
+    """
+)
+
+
+def test_ort_paged_attention_runs_under_bare_onnxruntime(tmp_path: Path) -> None:
+    """The .so alone serves com.microsoft::PagedAttention in onnxruntime without torch or pakv_onnx
+    (CI runs this on the oldest runtime, 1.16.3, too)."""
+    from pakv_onnx.runtime_plugin import library_path
+
+    script = tmp_path / "bare_attention.py"
+    script.write_text(BARE_ORT_ATTENTION_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(library_path())], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr
+    assert "ok" in result.stdout

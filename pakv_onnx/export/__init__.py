@@ -3,13 +3,16 @@
 * :data:`gather_pa_kv_cache` — ``torch.ops.pakv.gather_pa_kv_cache``, the torch custom op;
   :data:`scatter_pa_kv_cache` (in place) and :data:`scatter_pa_kv_cache_functional` (what an
   exported graph records) for the write op; :data:`paged_attention` (``torch.ops.pakv.paged_attention``)
-  for the attention op.
+  for the attention op; :data:`ort_paged_attention` (in place) and :data:`ort_paged_attention_functional`
+  (what an exported graph records) for ONNX Runtime's ``com.microsoft::PagedAttention``
+  (:mod:`pakv_onnx.export.ort_attention`).
 * :func:`export` — ``torch.onnx.export(..., dynamo=True)`` with the op's translation, the
   ONNX schema registered and the stock-ONNX fallback function attached.
 * :func:`export_legacy` — the TorchScript exporter (``dynamo=False``) path.
 * :func:`gather_node` / :func:`make_gather_model` / :func:`make_gather_model_for`,
   :func:`scatter_node` / :func:`make_scatter_model_for`, :func:`attention_node` /
-  :func:`make_attention_model_for` — hand-built graphs without the
+  :func:`make_attention_model_for`, :func:`ort_attention_node` / :func:`make_ort_attention_model_for`
+  — hand-built graphs without the
   exporter; :data:`PAKV_OPSET` for onnxscript functions.
 * :func:`register_schema`, :func:`attach_fallback`, :func:`op_dynamic_shapes`.
 
@@ -31,6 +34,13 @@ from pakv_onnx.export.builder import (
     make_gather_model_for,
     make_scatter_model_for,
     scatter_node,
+)
+from pakv_onnx.export.ort_attention import (
+    make_ort_attention_model_for,
+    ort_attention_node,
+    ort_paged_attention,
+    ort_paged_attention_functional,
+    register_ort_attention_schema,
 )
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.torch_op import (
@@ -84,8 +94,13 @@ __all__ = [
     "make_gather_model",
     "make_attention_model_for",
     "make_gather_model_for",
+    "make_ort_attention_model_for",
     "make_scatter_model_for",
     "op_dynamic_shapes",
+    "ort_attention_node",
+    "ort_paged_attention",
+    "ort_paged_attention_functional",
+    "register_ort_attention_schema",
     "paged_attention",
     "register_legacy_symbolic",
     "register_schema",

@@ -17,7 +17,7 @@ from pakv_onnx.export.builder import DEFAULT_OPSET
 from pakv_onnx.export.fallback import MIN_OPSET, attach_fallback
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.translation import register_legacy_symbolic, translation_table
-from pakv_onnx.spec import DOMAIN, OPSET_VERSION
+from pakv_onnx.spec import DOMAIN, MS_DOMAIN, MS_OPSET_VERSION, OPSET_VERSION
 
 
 def _check_opset(opset_version: int, fallback: bool) -> None:
@@ -150,7 +150,7 @@ def export_legacy(
             input_names=input_names,
             output_names=output_names,
             dynamic_axes=dynamic_axes,
-            custom_opsets={DOMAIN: OPSET_VERSION},
+            custom_opsets={DOMAIN: OPSET_VERSION, MS_DOMAIN: MS_OPSET_VERSION},
             **torch_onnx_kwargs,
         )
     return _finish(onnx.load_model_from_string(buffer.getvalue()), path, fallback)

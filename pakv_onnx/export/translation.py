@@ -16,16 +16,18 @@ from __future__ import annotations
 import inspect
 import threading
 
+import onnx
 import onnxscript
 import torch
 
 from pakv_onnx import spec
+from pakv_onnx.export import ort_attention, torch_op
 from pakv_onnx.export import schema as _schema
-from pakv_onnx.export import torch_op
 from pakv_onnx.export.builder import node_attributes
 
 _schema.register_schema()
 PAKV_OPSET = onnxscript.values.Opset(spec.DOMAIN, spec.OPSET_VERSION)
+MS_OPSET = onnxscript.values.Opset(spec.MS_DOMAIN, spec.MS_OPSET_VERSION)
 
 
 def gather_pa_kv_cache_onnx(
@@ -79,12 +81,39 @@ def paged_attention_onnx(
     return op(*inputs, scale=spec.parse_scale(scale))
 
 
+def ort_paged_attention_onnx(
+    query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table, cos_cache,
+    sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata, *,
+    num_heads: int, kv_num_heads: int, scale: float = 0.0, softcap: float = 0.0, local_window_size: int = -1,
+    is_causal: int = 1, do_rotary: int = 0, rotary_interleaved: int = 0, qk_norm_epsilon: float = 1e-6,
+    k_quant_type: str = "NONE", v_quant_type: str = "NONE", k_cache_dtype: str = "", v_cache_dtype: str = "",
+    kv_cache_layout: str = "SEPARATE", v_head_size: int = 0, rotary_offset: int = 0,
+):  # fmt: skip
+    """onnxscript translation of ``torch.ops.pakv.ort_paged_attention_functional``: one
+    ``com.microsoft::PagedAttention`` node (every attribute written; absent inputs left empty) whose
+    outputs are the attention and the updated caches (LATENT has no value_cache_out: an empty constant
+    stands for the torch op's third result)."""
+    inputs = (
+        query, key, value, key_cache, value_cache, cumulative_sequence_length, past_seqlens, block_table, cos_cache,
+        sin_cache, slot_mapping, head_sink, q_norm_weight, k_norm_weight, k_scale, v_scale, attention_metadata,
+    )  # fmt: skip
+    attributes = {name: value for name, value in locals().items() if name in spec.ORT_ATTENTION.attribute_defaults}
+    latent = kv_cache_layout == "LATENT"
+    op = getattr(MS_OPSET, spec.ORT_ATTENTION.op_type)
+    results = op(*inputs, **ort_attention.node_attributes(attributes), _outputs=2 if latent else 3)
+    if not latent:
+        return results
+    empty = onnx.helper.make_tensor("empty", int(key_cache.dtype), [0], [])
+    return (*results, onnxscript.opset18.Constant(value=empty))
+
+
 def translation_table() -> dict:
     """``custom_translation_table`` entries for ``torch.onnx.export(..., dynamo=True)``."""
     return {
         torch_op.op_overload(): gather_pa_kv_cache_onnx,
         torch_op.scatter_functional_overload(): scatter_pa_kv_cache_onnx,
         torch_op.attention_overload(): paged_attention_onnx,
+        ort_attention.functional_overload(): ort_paged_attention_onnx,
     }
 
 
@@ -161,6 +190,37 @@ def _legacy_attention_symbolic(g, *args):
     return out
 
 
+def _legacy_ort_attention_symbolic(g, *args):
+    """The TorchScript exporter's symbolic for ``pakv::ort_paged_attention_functional``: one
+    com.microsoft::PagedAttention node (absent inputs as ONNX's missing-input marker; LATENT: an empty
+    constant for the third result, as the dynamo translation)."""
+    from torch.onnx import symbolic_helper
+    from torch.onnx.symbolic_opset9 import unused
+
+    bound = spec.ORT_ATTENTION.bind(args, {})
+    given = [not symbolic_helper._is_none(bound[n]) for n in spec.ORT_ATTENTION.input_names]
+    count = max(i + 1 for i, present in enumerate(given) if present)  # trailing absent inputs are left out
+    names = spec.ORT_ATTENTION.input_names[:count]
+    inputs = [bound[n] if present else unused(g) for n, present in zip(names, given)]
+    kinds = {str: "s", float: "f", int: "i"}
+    attributes = {}
+    for name, default in spec.ORT_ATTENTION.attribute_defaults.items():
+        value = symbolic_helper._maybe_get_const(bound[name], kinds[type(default)])
+        attributes[f"{name}_{kinds[type(default)]}"] = value
+    latent = attributes["kv_cache_layout_s"] == "LATENT"
+    results = g.op(f"{spec.MS_DOMAIN}::{spec.ORT_ATTENTION.op_type}", *inputs, **attributes, outputs=2 if latent else 3)
+    try:
+        results[0].setType(bound["query"].type().with_sizes([None, None]))
+        for out, cache in zip(results[1:], (bound["key_cache"], bound["value_cache"])):
+            out.setType(cache.type())
+    except (AttributeError, RuntimeError):
+        pass
+    if not latent:
+        return results
+    empty = g.op("Constant", value_t=torch.zeros(0, dtype=bound["key_cache"].type().dtype()))
+    return (*results, empty)
+
+
 def register_legacy_symbolic(opset_version: int) -> None:
     """Register the TorchScript-exporter symbolics for ``pakv::gather_pa_kv_cache``,
     ``pakv::scatter_pa_kv_cache_functional`` and ``pakv::paged_attention`` (idempotent)."""
@@ -172,4 +232,6 @@ def register_legacy_symbolic(opset_version: int) -> None:
         torch.onnx.register_custom_op_symbolic(scatter_name, _legacy_scatter_symbolic, opset_version)
         attention_name = f"{spec.DOMAIN}::{torch_op.ATTENTION_OP_NAME}"
         torch.onnx.register_custom_op_symbolic(attention_name, _legacy_attention_symbolic, opset_version)
+        ort_name = f"{spec.DOMAIN}::{ort_attention.FUNCTIONAL_OP_NAME}"
+        torch.onnx.register_custom_op_symbolic(ort_name, _legacy_ort_attention_symbolic, opset_version)
         _legacy_registered.add(opset_version)

@@ -18,7 +18,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the registry imports without torch (the CLI's --help lists it)
     import torch
 
-    from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+    from pakv_onnx.plans import (
+        AttentionPlan,
+        AttentionTensors,
+        GatherPlan,
+        GatherTensors,
+        OrtAttentionPlan,
+        OrtAttentionTensors,
+        ScatterPlan,
+        ScatterTensors,
+    )
 
     # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
     GatherFn = Callable[[GatherPlan, GatherTensors], None]
@@ -26,6 +35,8 @@ if TYPE_CHECKING:  # annotations only: the registry imports without torch (the C
     ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
     # attention(plan, tensors): reads tensors.query and the caches, writes tensors.out.
     AttentionFn = Callable[[AttentionPlan, AttentionTensors], None]
+    # ort_attention(plan, tensors): writes the new rows into tensors.key_cache / value_cache, then tensors.out.
+    OrtAttentionFn = Callable[[OrtAttentionPlan, OrtAttentionTensors], None]
 
 
 def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
@@ -62,6 +73,9 @@ class Backend:
         attention: ``attention(plan, tensors)`` (a :class:`~pakv_onnx.plans.AttentionTensors`) for
             PagedAttention, writing ``tensors.out``; ``None``: the backend has none (refused by
             name for an :class:`~pakv_onnx.plans.AttentionPlan`).
+        ort_attention: ``ort_attention(plan, tensors)`` (a :class:`~pakv_onnx.plans.OrtAttentionTensors`)
+            for com.microsoft::PagedAttention, writing the caches in place and ``tensors.out``; ``None``:
+            the backend has none (refused by name for an :class:`~pakv_onnx.plans.OrtAttentionPlan`).
     """
 
     name: str
@@ -73,6 +87,7 @@ class Backend:
     mixed_dtypes: bool = False
     scatter: ScatterFn | None = None
     attention: AttentionFn | None = None
+    ort_attention: OrtAttentionFn | None = None
 
     def unavailable(self) -> str | None:
         """:attr:`unavailable_reason`, asked once per process (packages and devices don't come and go)."""
@@ -81,13 +96,17 @@ class Backend:
             known = _availability[id(self)] = (self, self.unavailable_reason())
         return known[1]
 
-    def refusal(self, plan: GatherPlan | ScatterPlan | AttentionPlan, caches: tuple[torch.Tensor, ...]) -> str | None:
+    def refusal(
+        self, plan: GatherPlan | ScatterPlan | AttentionPlan | OrtAttentionPlan, caches: tuple[torch.Tensor, ...]
+    ) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
         plans = sys.modules["pakv_onnx.plans"]  # loaded: it made `plan`
         if self.scatter is None and type(plan) is plans.ScatterPlan:
             return "it has no ScatterPaKvCache kernel"
         if self.attention is None and type(plan) is plans.AttentionPlan:
             return "it has no PagedAttention kernel"
+        if self.ort_attention is None and type(plan) is plans.OrtAttentionPlan:
+            return "it has no com.microsoft::PagedAttention kernel"
         reason = self.unavailable() or self.unsupported_reason(plan, caches[0])
         if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:
             return (

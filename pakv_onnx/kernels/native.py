@@ -10,11 +10,22 @@ pool, or an expanded pool whose blocks overlap) is read in place, never copied.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from pakv_onnx import native_lib
 from pakv_onnx.kernels import Backend
-from pakv_onnx.plans import AttentionPlan, AttentionTensors, GatherPlan, GatherTensors, ScatterPlan, ScatterTensors
+from pakv_onnx.plans import (
+    AttentionPlan,
+    AttentionTensors,
+    GatherPlan,
+    GatherTensors,
+    OrtAttentionPlan,
+    OrtAttentionTensors,
+    ScatterPlan,
+    ScatterTensors,
+)
 
 # int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
 _WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))
@@ -68,6 +79,12 @@ def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
     native_lib.run_gather(call.buffer_info()[0], key_address, value_address)
 
 
+def _not_planned(tensors, planned: tuple[int, ...]) -> bool:
+    """A tensor with elements is not at the address its C plan holds (an empty one may be anywhere: the
+    validator gives it an address nothing reads)."""
+    return any(t.numel() and t.data_ptr() != address for t, address in zip(tensors, planned))
+
+
 _SCATTER_WORDS = tuple(
     getattr(native_lib.ScatterPlan, f).offset // 8 for f in ("key", "value", "key_cache", "value_cache")
 )
@@ -80,7 +97,7 @@ def scatter_native(plan: ScatterPlan, tensors: ScatterTensors) -> None:
         raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_scatter")
     call = plan.native[0]
     planned = tuple(call[word] for word in _SCATTER_WORDS)
-    if tuple(t.data_ptr() for t in tensors) != planned and any(t.numel() for t in tensors):
+    if _not_planned(tensors, planned):
         raise ValueError("native backend: key/value/key_cache/value_cache are not the tensors this plan was made for")
     native_lib.run_scatter(call.buffer_info()[0])
 
@@ -97,12 +114,33 @@ def attention_native(plan: AttentionPlan, tensors: AttentionTensors) -> None:
         raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_attention")
     call = plan.native[0]
     planned = tuple(call[word] for word in _ATTENTION_WORDS[:3])
-    if tuple(t.data_ptr() for t in tensors[:3]) != planned and any(t.numel() for t in tensors[:3]):
+    if _not_planned(tensors[:3], planned):
         raise ValueError("native backend: query/key_cache/value_cache are not the tensors this plan was made for")
     out = tensors.out
     if out.data_ptr() != call[_ATTENTION_WORDS[3]] and out.numel():
         raise ValueError("native backend: out is not the output this plan was checked for (plan_attention(out=...))")
     native_lib.run_attention(call.buffer_info()[0])
+
+
+def ort_attention_native(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -> None:
+    """com.microsoft::PagedAttention with the C cores: the validator's plan bound to these caches (the
+    ones it was made for) and output, the prologue writing the caches in place, then the attention,
+    on the calling thread."""
+    if plan.native is None:
+        raise ValueError("native backend: the plan holds no C plan; make it with validator.plan_ort_attention")
+    c_plan = plan.native[0].plan
+    caches = (tensors.key_cache, tensors.value_cache)
+    planned = (c_plan.key_cache, c_plan.value_cache)
+    if any(c is not None and c.numel() and c.data_ptr() != p for c, p in zip(caches, planned)):
+        raise ValueError("native backend: key_cache/value_cache are not the caches this plan was made for")
+    _require_output("output", tensors.out, plan.out_shape, plan.dtype)
+    rows = None
+    if c_plan.prepare_query:
+        rows = torch.empty((plan.num_tokens, plan.num_heads, plan.head_dim), dtype=plan.dtype)
+    address = ctypes.addressof(c_plan)
+    value_cache = tensors.value_cache.data_ptr() if tensors.value_cache is not None else 0
+    native_lib.run_fused(address, tensors.out.data_ptr(), rows.data_ptr() if rows is not None else 0,
+                         tensors.key_cache.data_ptr(), value_cache)  # fmt: skip
 
 
 BACKEND = Backend(
@@ -115,4 +153,5 @@ BACKEND = Backend(
     mixed_dtypes=True,
     scatter=scatter_native,
     attention=attention_native,
+    ort_attention=ort_attention_native,
 )

@@ -6,7 +6,7 @@ the torch reference, as a backend.
 called golden.)
 """
 
-from pakv_onnx.golden import attention_golden, gather_golden, scatter_golden
+from pakv_onnx.golden import attention_golden, gather_golden, ort_attention_golden, scatter_golden
 from pakv_onnx.kernels import Backend
 
 BACKEND = Backend(
@@ -17,4 +17,5 @@ BACKEND = Backend(
     mixed_dtypes=True,
     scatter=scatter_golden,
     attention=attention_golden,
+    ort_attention=ort_attention_golden,
 )

@@ -14,8 +14,9 @@ below; a stale build is refused with a message saying how to rebuild.
 
 Layout of the C sources (this directory): ``pakv_contract.[ch]`` the contract's validator (every
 rule and its message; :mod:`pakv_onnx.validator` calls it from Python), ``pakv_core.[ch]`` the copy
-core (no ORT, no Python), ``pakv_attention.c`` the PagedAttention core (its plan is declared in
-pakv_core.h), ``pakv_ort.[ch]`` the ORT kernels and ``pakv_ort_register.c`` the ops ORT reads (the ORT
+core (no ORT, no Python), ``pakv_attention*.c`` the attention core of both paged-attention ops (its
+plan is declared in pakv_core.h: ``_check`` its checks, ``_part`` one part, ``pakv_attention.c`` the
+run), ``pakv_ort.[ch]`` the ORT kernels and ``pakv_ort_register.c`` the ops ORT reads (the ORT
 glue), ``pakv_bridge.[ch]`` the Python bridge,
 ``pakv_dtypes.h`` the cache dtype table (checked against :data:`pakv_onnx.spec.CACHE_DTYPES` by a
 test), ``ort_abi.h`` the ORT ABI subset, ``pakv_ep.[ch]`` the execution providers (CPU, CUDA, CANN
@@ -34,7 +35,7 @@ import threading
 from pathlib import Path
 
 LIBRARY_NAME = "libpakv_ort.dylib" if sys.platform == "darwin" else "libpakv_ort.so"
-ABI_VERSION = 5  # PAKV_ABI_VERSION in pakv_core.h
+ABI_VERSION = 6  # PAKV_ABI_VERSION in pakv_core.h
 MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
 DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
@@ -43,6 +44,9 @@ NUM_INPUTS = 6  # PAKV_NUM_INPUTS (the most inputs an op has: PagedAttention's)
 LAYOUT_NORM, LAYOUT_NZ = 0, 1  # PAKV_LAYOUT_*
 # Session config entry the library writes on the SessionOptions it is registered on (pakv_ort.c).
 CONFIG_KEY_BACKEND = "pakv_onnx.backend"
+# Session config entry opting a registration into the write op's alias route ("1"; the library writes "0" or
+# "1" when it registers: pakv_ort_register.c).
+CONFIG_KEY_ALIAS = "pakv_onnx.alias_caches"
 
 
 class LibraryNotBuiltError(FileNotFoundError):
@@ -191,25 +195,38 @@ class ScatterCall(ctypes.Structure):
 
 
 class AttentionPlan(ctypes.Structure):
-    """``pakv_attention_plan`` (pakv_core.h): one PagedAttention in bytes, made by the validator, run by ``pakv_attention``."""
+    """``pakv_attention_plan`` (pakv_core.h): one paged attention in bytes, made by a validator, run by ``pakv_attention``."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
         ("struct_size", ctypes.c_uint32),
-        ("elem_type", ctypes.c_int32),
+        ("query_type", ctypes.c_int32),
+        ("out_type", ctypes.c_int32),
         ("tables64", ctypes.c_int32),
+        ("causal", ctypes.c_int32),
         ("num_blocks", ctypes.c_int64),
         ("block_size", ctypes.c_int64),
         ("key_cache", ctypes.c_void_p),
         ("value_cache", ctypes.c_void_p),
+        ("key_type", ctypes.c_int32),
+        ("value_type", ctypes.c_int32),
+        ("key_quant", ctypes.c_int32),
+        ("value_quant", ctypes.c_int32),
+        ("key_scale", ctypes.c_void_p),
+        ("value_scale", ctypes.c_void_p),
         ("key_block_stride", ctypes.c_int64),
         ("value_block_stride", ctypes.c_int64),
+        ("key_row_stride", ctypes.c_int64),
+        ("value_row_stride", ctypes.c_int64),
+        ("key_head_stride", ctypes.c_int64),
+        ("value_head_stride", ctypes.c_int64),
         ("num_heads", ctypes.c_int64),
         ("num_kv_heads", ctypes.c_int64),
         ("head_dim", ctypes.c_int64),
         ("value_head_dim", ctypes.c_int64),
         ("query", ctypes.c_void_p),
         ("query_token_stride", ctypes.c_int64),
+        ("query_head_stride", ctypes.c_int64),
         ("out", ctypes.c_void_p),
         ("num_tokens", ctypes.c_int64),
         ("num_seqs", ctypes.c_int64),
@@ -221,7 +238,9 @@ class AttentionPlan(ctypes.Structure):
         ("query_counts", ctypes.c_void_p),
         ("context_lens", ctypes.c_void_p),
         ("scale", ctypes.c_float),
-        ("reserved", ctypes.c_int32),
+        ("softcap", ctypes.c_float),
+        ("window", ctypes.c_int64),
+        ("head_sink", ctypes.c_void_p),
     ]
 
 
@@ -233,6 +252,98 @@ class AttentionCall(ctypes.Structure):
         ("records", Tensor * 7),
         ("scale", ctypes.c_float),
         ("reserved", ctypes.c_int32),
+        ("scratch_len", ctypes.c_int64),
+        ("scratch", ctypes.c_void_p),
+        ("error", ctypes.c_void_p),
+    ]
+
+
+FUSED_STRING_LEN = 32  # PAKV_FUSED_STRING_LEN in pakv_fused.h
+FUSED_RECORDS = 20  # PAKV_FUSED_RECORDS: com.microsoft::PagedAttention's 17 inputs and 3 outputs
+
+
+class FusedAttributes(ctypes.Structure):
+    """``pakv_fused_attributes`` (pakv_fused.h): com.microsoft::PagedAttention's attributes as given."""
+
+    _fields_ = [
+        ("num_heads", ctypes.c_int64),
+        ("kv_num_heads", ctypes.c_int64),
+        ("local_window_size", ctypes.c_int64),
+        ("is_causal", ctypes.c_int64),
+        ("do_rotary", ctypes.c_int64),
+        ("rotary_interleaved", ctypes.c_int64),
+        ("v_head_size", ctypes.c_int64),
+        ("rotary_offset", ctypes.c_int64),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("qk_norm_epsilon", ctypes.c_float),
+        ("given", ctypes.c_int32),
+        ("k_quant_type", ctypes.c_char * FUSED_STRING_LEN),
+        ("v_quant_type", ctypes.c_char * FUSED_STRING_LEN),
+        ("k_cache_dtype", ctypes.c_char * FUSED_STRING_LEN),
+        ("v_cache_dtype", ctypes.c_char * FUSED_STRING_LEN),
+        ("kv_cache_layout", ctypes.c_char * FUSED_STRING_LEN),
+    ]
+
+
+class FusedPlan(ctypes.Structure):
+    """``pakv_fused_plan`` (pakv_fused.h): one com.microsoft::PagedAttention in bytes (prologue, then
+    its ``attention`` plan), made by the validator, run by ``pakv_fused_attention``."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("struct_size", ctypes.c_uint32),
+        ("query_type", ctypes.c_int32),
+        ("cache_type", ctypes.c_int32),
+        ("key_quant", ctypes.c_int32),
+        ("value_quant", ctypes.c_int32),
+        ("latent", ctypes.c_int32),
+        ("normalize", ctypes.c_int32),
+        ("rotary_interleaved", ctypes.c_int32),
+        ("prepare_query", ctypes.c_int32),
+        ("num_tokens", ctypes.c_int64),
+        ("num_heads", ctypes.c_int64),
+        ("num_kv_heads", ctypes.c_int64),
+        ("head_dim", ctypes.c_int64),
+        ("query", ctypes.c_void_p),
+        ("query_token_stride", ctypes.c_int64),
+        ("key", ctypes.c_void_p),
+        ("key_token_stride", ctypes.c_int64),
+        ("value", ctypes.c_void_p),
+        ("value_token_stride", ctypes.c_int64),
+        ("q_norm_weight", ctypes.c_void_p),
+        ("k_norm_weight", ctypes.c_void_p),
+        ("epsilon", ctypes.c_float),
+        ("reserved", ctypes.c_int32),
+        ("cos_cache", ctypes.c_void_p),
+        ("sin_cache", ctypes.c_void_p),
+        ("rotary_dim", ctypes.c_int64),
+        ("rotary_offset", ctypes.c_int64),
+        ("rotary_rows", ctypes.c_int64),
+        ("key_scale", ctypes.c_void_p),
+        ("value_scale", ctypes.c_void_p),
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+        ("num_blocks", ctypes.c_int64),
+        ("block_size", ctypes.c_int64),
+        ("key_block_stride", ctypes.c_int64),
+        ("value_block_stride", ctypes.c_int64),
+        ("key_row_bytes", ctypes.c_int64),
+        ("value_row_bytes", ctypes.c_int64),
+        ("slots", ctypes.c_void_p),
+        ("positions", ctypes.c_void_p),
+        ("query_rows", ctypes.c_void_p),
+        ("attention", AttentionPlan),
+    ]
+
+
+class FusedCall(ctypes.Structure):
+    """``pakv_fused_call`` (pakv_fused.h): one com.microsoft::PagedAttention validation handed over in one piece."""
+
+    _fields_ = [
+        ("plan", FusedPlan),
+        ("records", Tensor * FUSED_RECORDS),
+        ("attributes", FusedAttributes),
         ("scratch_len", ctypes.c_int64),
         ("scratch", ctypes.c_void_p),
         ("error", ctypes.c_void_p),
@@ -273,12 +384,28 @@ _SIGNATURES = {
     "pakv_scatter_call_size": ([], ctypes.c_size_t),
     "pakv_plan_scatter": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_scatter": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_scatter_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_buffer_writable": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t],
+        ctypes.c_int,
+    ),
     "pakv_attention_plan_size": ([], ctypes.c_size_t),
     "pakv_attention_call_size": ([], ctypes.c_size_t),
     "pakv_plan_attention": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_attention_output": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_fused_plan_size": ([], ctypes.c_size_t),
+    "pakv_fused_call_size": ([], ctypes.c_size_t),
+    "pakv_fused_defaults": ([ctypes.c_void_p], None),
+    "pakv_fused_scratch_needed": ([ctypes.c_void_p], ctypes.c_int64),
+    "pakv_fused_bind_plan": ([ctypes.c_void_p] * 5, None),
+    "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
+    "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_fused_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_attention_threads": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
+    "pakv_bind_next_alias": ([ctypes.c_int], None),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
     "pakv_request_output": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p),
@@ -297,6 +424,8 @@ def check_abi(lib: ctypes.CDLL, path: str) -> None:
         "sizeof(pakv_scatter_call)": (lib.pakv_scatter_call_size(), ctypes.sizeof(ScatterCall)),
         "sizeof(pakv_attention_plan)": (lib.pakv_attention_plan_size(), ctypes.sizeof(AttentionPlan)),
         "sizeof(pakv_attention_call)": (lib.pakv_attention_call_size(), ctypes.sizeof(AttentionCall)),
+        "sizeof(pakv_fused_plan)": (lib.pakv_fused_plan_size(), ctypes.sizeof(FusedPlan)),
+        "sizeof(pakv_fused_call)": (lib.pakv_fused_call_size(), ctypes.sizeof(FusedCall)),
         "sizeof(pakv_request)": (lib.pakv_request_size(), ctypes.sizeof(Request)),
     }
     wrong = [f"{name} is {got} in the library, {want} here" for name, (got, want) in found.items() if got != want]
@@ -436,6 +565,24 @@ def run_scatter(plan_address: int) -> None:
         raise ValueError(scratch.error.value.decode(errors="replace"))
 
 
+def check_scatter_writable(plan_address: int) -> None:
+    """``ValueError`` (nothing written) unless the caches of the validated pakv_scatter_plan at
+    ``plan_address`` can be written where it writes (asked of the kernel: a read-only pool is never a
+    signal); what a Python backend calls before it writes host caches (the C scatter asks itself)."""
+    hot, scratch = _fast or fast(), _scratch
+    if hot.run(ctypes.cast(_function("pakv_scatter_writable"), ctypes.c_void_p).value, plan_address,
+               scratch.error_address, ERROR_LEN) != 0:  # fmt: skip
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
+def check_buffer_writable(address: int, size: int, name: str) -> None:
+    """``ValueError`` naming ``name`` unless the ``size`` bytes at ``address`` can be written (their first
+    and last byte, asked of the kernel)."""
+    scratch = _scratch
+    if _function("pakv_buffer_writable")(address, size, name.encode(), scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
 def check_gather_outputs_call(call: int) -> int:
     """``pakv_check_gather_outputs`` on the GatherCall at ``call`` (see :func:`plan_gather_call`)."""
     hot = _fast or fast()
@@ -485,15 +632,58 @@ def check_attention_output_call(call: int) -> int:
     return _function("pakv_check_attention_output")(call)
 
 
-def run_attention(plan_address: int) -> None:
-    """Run the validated pakv_attention_plan at ``plan_address`` (it writes its output), on this thread."""
+def run_attention(plan_address: int, threads: int = 1) -> None:
+    """Run the validated pakv_attention_plan at ``plan_address`` (it writes its output) on this thread,
+    or split over ``threads`` of the library's threads (the same answer, bit for bit)."""
     error = _scratch.error_address
-    if _function("pakv_attention")(plan_address, error, ERROR_LEN) != 0:
-        raise ValueError(_scratch.error.value.decode(errors="replace"))
+    if threads == 1:
+        kind = _function("pakv_attention")(plan_address, error, ERROR_LEN)
+    else:
+        kind = _function("pakv_attention_threads")(plan_address, threads, error, ERROR_LEN)
+    if kind != 0:  # ERR_TYPE: the plan names a type the core does not read
+        raise (TypeError if kind == ERR_TYPE else ValueError)(_scratch.error.value.decode(errors="replace"))
 
 
 # pakv_attention_plan as one struct format, and each field's position in its unpacked tuple.
-ATTENTION_PLAN_FORMAT = "@IIiiqqPPqqqqqqPqPqqqPqqPPPfi"
+ATTENTION_PLAN_FORMAT = "@IIiiiiqqPPiiiiPPqqqqqqqqqqPqqPqqqPqqPPPffqP"
 ATTENTION_PLAN_FIELD_AT: dict[str, int] = {name: i for i, (name, _) in enumerate(AttentionPlan._fields_)}
 if struct.calcsize(ATTENTION_PLAN_FORMAT) != ctypes.sizeof(AttentionPlan):  # pragma: no cover
     raise LibraryABIError("ATTENTION_PLAN_FORMAT does not match the AttentionPlan mirror on this platform")
+
+
+def plan_fused_call(call: int) -> int:
+    """``pakv_plan_fused`` on the FusedCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_plan_fused")(call)
+
+
+def check_fused_outputs_call(call: int) -> int:
+    """``pakv_check_fused_outputs`` on the FusedCall at ``call`` (see :func:`plan_gather_call`)."""
+    return _function("pakv_check_fused_outputs")(call)
+
+
+def fused_scratch_needed(call: int) -> int:
+    """int64 scratch entries the FusedCall at ``call`` needs (its records written), or -1."""
+    return _function("pakv_fused_scratch_needed")(call)
+
+
+def fused_defaults(attributes: int) -> None:
+    """Fill the pakv_fused_attributes at ``attributes`` with ORT's schema defaults."""
+    _function("pakv_fused_defaults")(attributes)
+
+
+def check_fused_writable(plan_address: int) -> None:
+    """``ValueError`` (nothing written) unless the caches of the validated pakv_fused_plan at ``plan_address``
+    can be written where its prologue writes (asked of the kernel): what a Python backend calls first."""
+    error = _scratch.error_address
+    if load().pakv_fused_writable(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
+def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, value_cache: int) -> None:
+    """Bind the validated pakv_fused_plan at ``plan_address`` to its buffers and run it on this thread
+    (the prologue writes the caches in place, then the attention writes ``out``)."""
+    lib = load()
+    lib.pakv_fused_bind_plan(plan_address, out, query_rows, key_cache, value_cache)
+    error = _scratch.error_address
+    if lib.pakv_fused_attention(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))

@@ -1,238 +1,21 @@
-/* The attention core of PagedAttention: causal attention of each sequence's new tokens over its
- * whole context, read from the paged caches in place through the block table (no gather, no
- * copy of a context). No ONNX Runtime, no Python, no libm. See pakv_core.h for the plan.
+/* The attention core's run: a checked plan (pakv_attention_check.c) cut into parts
+ * (pakv_attention_part.c runs one), on ORT's intra-op pool or on the calling thread. No ONNX Runtime,
+ * no Python, no libm. See pakv_core.h for the plan.
  *
- * Work is cut into parts of (sequence, kv head, tile of query tokens): the Hq / Hk query heads
- * that share a kv head (GQA) are one part's queries, so each K/V row a part reads serves all of
- * them. A part walks the context in chunks of PAKV_ATTN_CHUNK positions with an online softmax
- * (running max, running sum, fp32 accumulator per query): exact softmax, memory independent of
- * the context length. Inner loops run over contiguous fp32 rows (16-bit rows are widened once per
- * chunk), in 8-float vectors (GCC/clang vector extensions: one AVX register, or two SSE / NEON
- * ones) so accumulators stay in registers; two queries (GQA heads) share each key row read.
- *
- * Parts run on ORT's intra-op pool when the caller gives one (pakv_parallel) and the call is big
- * enough, else on the calling thread. Each thread keeps one scratch buffer (grown on demand, freed
- * when the thread ends): no allocation per call beyond the parts' index when parallel. */
+ * Parts are (sequence, tile of new tokens, group of kv heads, share of the context): the Hq / Hk
+ * query heads that share a kv head (GQA) are one part's queries, so each K/V row a part reads serves
+ * all of them; a decode token's part covers every kv head (each block read once, contiguously) and
+ * a long context is split in shares merged afterwards. Parts run on ORT's intra-op pool when the
+ * caller gives one (pakv_parallel) and the call is big enough, else on the calling thread: the same
+ * parts either way, so the same bytes. Each thread keeps one scratch buffer (grown on demand, freed when the thread
+ * ends): no allocation per call beyond the parts' index when parallel. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pakv_core.h"
-
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors by value between inlined helpers: no ABI crosses */
-#endif
-
-#define ONNX_FLOAT 1
-#define ONNX_FLOAT16 10
-#define ONNX_BFLOAT16 16
-/* Key positions per online-softmax step (their rows stay in L1 while every query of the part reads them). */
-#define PAKV_ATTN_CHUNK 32
-/* Queries (tokens x the heads of one kv head) per part. */
-#define PAKV_ATTN_TILE_QUERIES 16
-
-/* ------------------------------------------------------------------------------------------- */
-/* Element types                                                                               */
-/* ------------------------------------------------------------------------------------------- */
-static inline float bits_to_float(uint32_t bits) {
-  float f;
-  memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-static inline uint32_t float_to_bits(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof(bits));
-  return bits;
-}
-
-static inline float bf16_to_float(uint16_t h) { return bits_to_float((uint32_t)h << 16); }
-
-/* Round to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN (quiet). */
-static inline uint16_t float_to_bf16(float f) {
-  uint32_t bits = float_to_bits(f);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((bits >> 16) | 0x40u);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return (uint16_t)(bits >> 16);
-}
-
-static inline float f16_to_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  if (exponent == 0x1Fu) return bits_to_float(sign | 0x7F800000u | (mantissa << 13)); /* inf, NaN */
-  if (exponent) return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-  float tiny = (float)mantissa * 5.9604644775390625e-8f; /* subnormal (or zero): mantissa x 2^-24 */
-  return sign ? -tiny : tiny;
-}
-
-/* Round to nearest even, as torch's .to(torch.float16): overflow to inf, NaN stays NaN. */
-static inline uint16_t float_to_f16(float f) {
-  uint32_t bits = float_to_bits(f), sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
-  if (magnitude > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
-  if (magnitude >= 0x47800000u) return (uint16_t)(sign | 0x7C00u); /* >= 65536 (and inf) */
-  if (magnitude < 0x38800000u) {
-    /* Below the smallest normal half (2^-14): adding 0.5 (exponent 126) lines the value's bits up
-     * with the half subnormal's units of 2^-24, and the float addition rounds to nearest even. */
-    float aligned = bits_to_float(magnitude) + 0.5f;
-    return (uint16_t)(sign | (float_to_bits(aligned) - 0x3F000000u));
-  }
-  /* Normal: rebias the exponent and round the 13 dropped mantissa bits to nearest even (a carry
-   * into the exponent is right, up to inf for values >= 65520). */
-  uint32_t odd = (magnitude >> 13) & 1u;
-  magnitude += ((uint32_t)(15 - 127) << 23) + 0xFFFu + odd;
-  return (uint16_t)(sign | (magnitude >> 13));
-}
-
-static inline int64_t item_size(int32_t elem_type) { return elem_type == ONNX_FLOAT ? 4 : 2; }
-
-/* n elements of `elem_type` at src, widened to fp32. */
-static void widen(float* dst, const void* src, int64_t n, int32_t elem_type) {
-  if (elem_type == ONNX_FLOAT) {
-    memcpy(dst, src, (size_t)n * sizeof(float));
-  } else if (elem_type == ONNX_BFLOAT16) {
-    const uint16_t* s = (const uint16_t*)src;
-    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
-  } else {
-    const uint16_t* s = (const uint16_t*)src;
-    for (int64_t i = 0; i < n; i++) dst[i] = f16_to_float(s[i]);
-  }
-}
-
-static void narrow(void* dst, const float* src, int64_t n, int32_t elem_type) {
-  if (elem_type == ONNX_FLOAT) {
-    memcpy(dst, src, (size_t)n * sizeof(float));
-  } else if (elem_type == ONNX_BFLOAT16) {
-    uint16_t* d = (uint16_t*)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
-  } else {
-    uint16_t* d = (uint16_t*)dst;
-    for (int64_t i = 0; i < n; i++) d[i] = float_to_f16(src[i]);
-  }
-}
-
-/* ------------------------------------------------------------------------------------------- */
-/* Vector pieces: GCC/clang vector extensions, 8 floats (one AVX register where the CPU has it,   */
-/* two SSE / NEON registers otherwise), so accumulators stay in registers                      */
-/* ------------------------------------------------------------------------------------------- */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-static inline v8f load8(const float* p) {
-  v8f v;
-  memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-static inline void store8(float* p, const v8f* v) { memcpy(p, v, sizeof(*v)); }
-
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-static inline float hsum8(const v8f* v) {
-  return (((*v)[0] + (*v)[4]) + ((*v)[1] + (*v)[5])) + (((*v)[2] + (*v)[6]) + ((*v)[3] + (*v)[7]));
-}
-
-/* a . b over n floats. */
-static inline float dot(const float* a, const float* b, int64_t n) {
-  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 += load8(a + i) * load8(b + i);
-    s1 += load8(a + i + 8) * load8(b + i + 8);
-  }
-  if (i + 8 <= n) {
-    s0 += load8(a + i) * load8(b + i);
-    i += 8;
-  }
-  float rest = 0.0f;
-  for (; i < n; i++) rest += a[i] * b[i];
-  s0 += s1;
-  return hsum8(&s0) + rest;
-}
-
-/* a0 . b and a1 . b over n floats: b (a key row) is read once for two queries (GQA heads). */
-static inline void dot2(const float* a0, const float* a1, const float* b, int64_t n, float* out0, float* out1) {
-  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    v8f x = load8(b + i);
-    s0 += load8(a0 + i) * x;
-    s1 += load8(a1 + i) * x;
-  }
-  float r0 = 0.0f, r1 = 0.0f;
-  for (; i < n; i++) {
-    r0 += a0[i] * b[i];
-    r1 += a1[i] * b[i];
-  }
-  *out0 = hsum8(&s0) + r0;
-  *out1 = hsum8(&s1) + r1;
-}
-
-/* y[0..n) += sum over rows r < count of w[r] * rows[r][0..n): the accumulators stay in registers
- * (blocks of 32 floats, then 8, then singles) while the value rows stream past. */
-static inline void weighted_rows(float* y, const float* w, const float* const* rows, int64_t count, int64_t n) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    v8f y0 = load8(y + i), y1 = load8(y + i + 8), y2 = load8(y + i + 16), y3 = load8(y + i + 24);
-    for (int64_t r = 0; r < count; r++) {
-      const float* x = rows[r] + i;
-      v8f a = splat8(w[r]);
-      y0 += a * load8(x);
-      y1 += a * load8(x + 8);
-      y2 += a * load8(x + 16);
-      y3 += a * load8(x + 24);
-    }
-    store8(y + i, &y0);
-    store8(y + i + 8, &y1);
-    store8(y + i + 16, &y2);
-    store8(y + i + 24, &y3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    v8f y0 = load8(y + i);
-    for (int64_t r = 0; r < count; r++) y0 += splat8(w[r]) * load8(rows[r] + i);
-    store8(y + i, &y0);
-  }
-  for (; i < n; i++) {
-    float sum = y[i];
-    for (int64_t r = 0; r < count; r++) sum += w[r] * rows[r][i];
-    y[i] = sum;
-  }
-}
-
-static inline void scale_row(float* y, float a, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] *= a;
-}
-
-/* e^x for x <= 0 (a score minus the running max), 8 at a time, relative error ~2e-7: x = k ln2 + r
- * with |r| <= ln2 / 2 (ln2 split in two for precision), e^r by its degree-6 polynomial, 2^k through
- * the exponent bits. Below -87 the result is ~1e-38 instead of its true tinier value. */
-static inline v8f exp8_nonpositive(const v8f* arg) {
-  const v8f floor_x = splat8(-87.0f);
-  v8f x = *arg;
-  v8i low = x < floor_x; /* all ones where x is below (or NaN: never here) */
-  x = (v8f)((low & (v8i)floor_x) | (~low & (v8i)x));
-  v8f t = x * splat8(1.44269504088896341f) - splat8(0.5f);
-  v8i k = __builtin_convertvector(t, v8i); /* t <= -0.5: truncation rounds x / ln2 to nearest */
-  v8f kf = __builtin_convertvector(k, v8f);
-  v8f r = (x - kf * splat8(0.693359375f)) + kf * splat8(2.12194440e-4f);
-  v8f p = splat8(1.9875691500e-4f);
-  p = p * r + splat8(1.3981999507e-3f);
-  p = p * r + splat8(8.3334519073e-3f);
-  p = p * r + splat8(4.1665795894e-2f);
-  p = p * r + splat8(1.6666665459e-1f);
-  p = p * r + splat8(5.0000001201e-1f);
-  p = p * r * r + r + splat8(1.0f);
-  return p * (v8f)((k + 127) << 23);
-}
-
-/* weights[0..count) = e^(scores - top), count <= PAKV_ATTN_CHUNK (both arrays hold a whole chunk). */
-static inline void exp_rows(float* weights, const float* scores, float top, int64_t count) {
-  for (int64_t i = 0; i < count; i += 8) {
-    v8f x = load8(scores + i) - splat8(top);
-    v8f e = exp8_nonpositive(&x);
-    store8(weights + i, &e);
-  }
-}
+#include "pakv_attention_core.h"
 
 /* ------------------------------------------------------------------------------------------- */
 /* Per-thread scratch                                                                          */
@@ -268,226 +51,6 @@ static float* thread_scratch(size_t floats) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Checks                                                                                      */
-/* ------------------------------------------------------------------------------------------- */
-static inline int64_t table_entry(const pakv_attention_plan* p, int64_t b, int64_t c) {
-  const char* at = (const char*)p->block_tables + b * p->table_row_stride + c * p->table_col_stride;
-  if (p->tables64) return *(const volatile int64_t*)at; /* one read: the caller may be writing it */
-  return (int64_t) * (const volatile int32_t*)at;
-}
-
-/* Bytes [0, extent) a cache's blocks span, or -1 on overflow. */
-static int64_t cache_extent(const pakv_attention_plan* p, int64_t heads, int64_t dim, int64_t stride) {
-  int64_t row, block, span;
-  if (pakv_mul(heads, dim, &row) || pakv_mul(row, item_size(p->elem_type), &row) ||
-      pakv_mul(row, p->block_size, &block) || stride < 0)
-    return -1;
-  if (p->num_blocks == 0) return 0;
-  if (pakv_mul(stride, p->num_blocks - 1, &span) || pakv_add(span, block, &span)) return -1;
-  return span;
-}
-
-int pakv_check_attention_plan(const pakv_attention_plan* p, pakv_err* err) {
-  if (!p) return pakv_fail(err, "NULL attention plan");
-  if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_attention_plan))
-    return pakv_fail(err, "attention plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
-                     p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_attention_plan));
-  if (p->elem_type != ONNX_FLOAT && p->elem_type != ONNX_FLOAT16 && p->elem_type != ONNX_BFLOAT16)
-    return pakv_fail(err, "attention plan: element type %d is none of float32 (1), float16 (10), bfloat16 (16)",
-                     p->elem_type);
-  if (p->block_size < 1 || p->num_blocks < 0 || p->num_heads < 0 || p->num_kv_heads < 1 || p->head_dim < 0 ||
-      p->value_head_dim < 0 || p->num_tokens < 0 || p->num_seqs < 0 || p->table_cols < 0 ||
-      p->num_heads % p->num_kv_heads)
-    return pakv_fail(err,
-                     "attention plan: sizes out of range (block_size %lld, num_blocks %lld, heads %lld / %lld, "
-                     "dims %lld / %lld, tokens %lld, sequences %lld, columns %lld)",
-                     (long long)p->block_size, (long long)p->num_blocks, (long long)p->num_heads,
-                     (long long)p->num_kv_heads, (long long)p->head_dim, (long long)p->value_head_dim,
-                     (long long)p->num_tokens, (long long)p->num_seqs, (long long)p->table_cols);
-  if (cache_extent(p, p->num_kv_heads, p->head_dim, p->key_block_stride) < 0 ||
-      cache_extent(p, p->num_kv_heads, p->value_head_dim, p->value_block_stride) < 0)
-    return pakv_fail(err, "attention plan: a cache's %lld blocks overflow int64 byte offsets (or a negative stride)",
-                     (long long)p->num_blocks);
-  int64_t row, span, out_bytes;
-  if (p->query_token_stride < 0 || pakv_mul(p->num_heads, p->head_dim, &row) ||
-      pakv_mul(row, item_size(p->elem_type), &row) ||
-      (p->num_tokens > 0 && (pakv_mul(p->num_tokens - 1, p->query_token_stride, &span) || pakv_add(span, row, &span))))
-    return pakv_fail(err, "attention plan: the query's %lld rows overflow int64 byte offsets", (long long)p->num_tokens);
-  if (pakv_mul(p->num_tokens, p->num_heads, &out_bytes) || pakv_mul(out_bytes, p->value_head_dim, &out_bytes) ||
-      pakv_mul(out_bytes, item_size(p->elem_type), &out_bytes))
-    return pakv_fail(err, "attention plan: the output of %lld rows overflows int64 byte offsets",
-                     (long long)p->num_tokens);
-  int64_t rows_extent, cols_extent;
-  if (p->table_row_stride < 0 || p->table_col_stride < 0 ||
-      (p->num_seqs > 0 && p->table_cols > 0 &&
-       (pakv_mul(p->num_seqs - 1, p->table_row_stride, &rows_extent) ||
-        pakv_mul(p->table_cols - 1, p->table_col_stride, &cols_extent) ||
-        pakv_add(rows_extent, cols_extent, &rows_extent))))
-    return pakv_fail(err, "attention plan: a block table of %lld x %lld entries overflows int64 offsets",
-                     (long long)p->num_seqs, (long long)p->table_cols);
-  if (p->num_seqs > 0 && (!p->query_starts || !p->query_counts || !p->context_lens))
-    return pakv_fail(err, "attention plan: a NULL per-sequence array for %lld sequences", (long long)p->num_seqs);
-  int any = 0;
-  for (int64_t b = 0; b < p->num_seqs; b++) {
-    int64_t start = p->query_starts[b], n = p->query_counts[b], length = p->context_lens[b];
-    if (n < 0 || start < 0 || start > p->num_tokens || n > p->num_tokens - start || length < n)
-      return pakv_fail(err, "attention plan: sequence %lld has query rows [%lld, +%lld) of %lld and a context of %lld",
-                       (long long)b, (long long)start, (long long)n, (long long)p->num_tokens, (long long)length);
-    if (n == 0) continue;
-    any = 1;
-    int64_t need = length / p->block_size + (length % p->block_size != 0);
-    if (need > p->table_cols || !p->block_tables)
-      return pakv_fail(err, "attention plan: sequence %lld reads %lld block-table columns of %lld", (long long)b,
-                       (long long)need, (long long)p->table_cols);
-    for (int64_t c = 0; c < need; c++) {
-      int64_t block = table_entry(p, b, c);
-      if (block < 0 || block >= p->num_blocks)
-        return pakv_fail(err,
-                         "attention plan: block_tables changed after validation (or the plan is not the "
-                         "validator's): entry (%lld, %lld) = %lld is outside [0, %lld)",
-                         (long long)b, (long long)c, (long long)block, (long long)p->num_blocks);
-    }
-  }
-  if (any && p->num_heads > 0 && (!p->query || !p->key_cache || !p->value_cache))
-    return pakv_fail(err, "attention plan: a NULL input pointer for a non-empty attention");
-  return 0;
-}
-
-/* ------------------------------------------------------------------------------------------- */
-/* One part: (sequence b, kv head, query tokens [j0, j1) of the sequence)                      */
-/* ------------------------------------------------------------------------------------------- */
-typedef struct {
-  int64_t group, queries, chunk_floats; /* heads per kv head; queries of a full tile; floats below */
-  size_t floats;                        /* scratch per part */
-} part_shape;
-
-static int shape_of(const pakv_attention_plan* p, int64_t tile_tokens, part_shape* s) {
-  int64_t d = p->head_dim, dv = p->value_head_dim, per_query, per_row, total;
-  s->group = p->num_heads / p->num_kv_heads;
-  s->queries = tile_tokens * s->group;
-  /* qf [Q x D], acc [Q x Dv], max and sum [Q], scores [Q x C]; weights [C], widened rows [C x (D + Dv)]. */
-  if (pakv_add(d, dv, &per_row) || pakv_add(per_row, 2 + PAKV_ATTN_CHUNK, &per_query) ||
-      pakv_mul(per_query, s->queries, &total) || pakv_add(per_row, 1, &per_row) ||
-      pakv_mul(per_row, PAKV_ATTN_CHUNK, &per_row) ||
-      pakv_add(total, per_row, &total) || (uint64_t)total > SIZE_MAX / sizeof(float))
-    return -1;
-  s->chunk_floats = per_row;
-  s->floats = (size_t)total;
-  return 0;
-}
-
-/* On x86-64 with glibc the part is compiled twice, for AVX2 + FMA (x86-64-v3) and for the baseline,
- * and the loader picks one per machine (an ifunc): the plain C loops above vectorize 8 floats wide
- * where the CPU has it, and the library still runs on any x86-64. */
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__gnu_linux__) && !defined(PAKV_NO_TARGET_CLONES)
-#define PAKV_ATTN_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#else
-#define PAKV_ATTN_CLONES
-#endif
-
-/* Returns 0, or 1 when a block id read here is outside [0, num_blocks) (the table changed). */
-PAKV_ATTN_CLONES static int attend_part(const pakv_attention_plan* p, const part_shape* shape, float* scratch, int64_t b, int64_t kv_head,
-                       int64_t j0, int64_t j1) {
-  const int64_t d = p->head_dim, dv = p->value_head_dim, bs = p->block_size, group = shape->group;
-  const int64_t isz = item_size(p->elem_type), n = p->query_counts[b], length = p->context_lens[b];
-  const int64_t past = length - n, queries = (j1 - j0) * group, first_head = kv_head * group;
-  const int64_t key_row = p->num_kv_heads * d * isz, value_row = p->num_kv_heads * dv * isz;
-  const int fp32 = p->elem_type == ONNX_FLOAT;
-  float* qf = scratch;
-  float* acc = qf + queries * d;
-  float* run_max = acc + queries * dv;
-  float* run_sum = run_max + queries;
-  float* scores = run_sum + queries; /* [queries][CHUNK] */
-  float* weights = scores + queries * PAKV_ATTN_CHUNK;
-  float* kf = weights + PAKV_ATTN_CHUNK;
-  float* vf = kf + PAKV_ATTN_CHUNK * d;
-  const float* key_rows[PAKV_ATTN_CHUNK];
-  const float* value_rows[PAKV_ATTN_CHUNK];
-
-  for (int64_t q = 0; q < queries; q++) {
-    int64_t token = p->query_starts[b] + j0 + q / group, head = first_head + q % group;
-    widen(qf + q * d, (const char*)p->query + token * p->query_token_stride + head * d * isz, d, p->elem_type);
-    run_max[q] = 0.0f; /* set by the first chunk (run_sum 0 marks "no chunk yet") */
-    run_sum[q] = 0.0f;
-  }
-  memset(acc, 0, (size_t)(queries * dv) * sizeof(float));
-
-  const int64_t end = past + j1; /* positions [0, end) serve the tile's last token */
-  for (int64_t c0 = 0; c0 < end; c0 += PAKV_ATTN_CHUNK) {
-    const int64_t c1 = end - c0 < PAKV_ATTN_CHUNK ? end : c0 + PAKV_ATTN_CHUNK;
-    /* The chunk's K/V rows of this kv head: pointers into the caches (fp32) or widened copies. */
-    for (int64_t pos = c0; pos < c1;) {
-      int64_t slot = pos % bs, run = bs - slot < c1 - pos ? bs - slot : c1 - pos;
-      int64_t block = table_entry(p, b, pos / bs);
-      if (block < 0 || block >= p->num_blocks) return 1;
-      const char* k = (const char*)p->key_cache + block * p->key_block_stride + slot * key_row + kv_head * d * isz;
-      const char* v = (const char*)p->value_cache + block * p->value_block_stride + slot * value_row + kv_head * dv * isz;
-      for (int64_t r = 0; r < run; r++, pos++, k += key_row, v += value_row) {
-        int64_t i = pos - c0;
-        if (fp32) {
-          key_rows[i] = (const float*)k;
-          value_rows[i] = (const float*)v;
-        } else {
-          widen(kf + i * d, k, d, p->elem_type);
-          widen(vf + i * dv, v, dv, p->elem_type);
-          key_rows[i] = kf + i * d;
-          value_rows[i] = vf + i * dv;
-        }
-      }
-    }
-    /* Every query's scores of the chunk's rows (a tile's later tokens see a little more than its
-     * earlier ones: masked below), two queries per key row read. */
-    for (int64_t r = 0; r < c1 - c0; r++) {
-      int64_t q = 0;
-      for (; q + 1 < queries; q += 2)
-        dot2(qf + q * d, qf + (q + 1) * d, key_rows[r], d, &scores[q * PAKV_ATTN_CHUNK + r],
-             &scores[(q + 1) * PAKV_ATTN_CHUNK + r]);
-      if (q < queries) scores[q * PAKV_ATTN_CHUNK + r] = dot(qf + q * d, key_rows[r], d);
-    }
-    for (int64_t q = 0; q < queries; q++) {
-      const int64_t limit = past + j0 + q / group + 1; /* positions [0, limit) are visible */
-      if (limit <= c0 || run_sum[q] != run_sum[q]) continue; /* nothing visible here, or poisoned */
-      const int64_t rows = (limit < c1 ? limit : c1) - c0;
-      float* row_scores = scores + q * PAKV_ATTN_CHUNK;
-      float chunk_max = -3.0e38f;
-      int finite = 1;
-      for (int64_t r = 0; r < rows; r++) {
-        float s = row_scores[r] * p->scale;
-        row_scores[r] = s;
-        chunk_max = s > chunk_max ? s : chunk_max;
-        finite &= s < 3.0e38f && s > -3.0e38f; /* false for inf and NaN */
-      }
-      if (!finite) { /* a non-finite score (inf or NaN in the query or keys): the row is NaN */
-        run_sum[q] = bits_to_float(0x7FC00000u);
-        continue;
-      }
-      float* out = acc + q * dv;
-      float top = run_sum[q] > 0.0f && run_max[q] > chunk_max ? run_max[q] : chunk_max;
-      if (run_sum[q] > 0.0f && top > run_max[q]) { /* a new max: rescale what was summed so far */
-        v8f gap = splat8(run_max[q] - top);
-        float correction = exp8_nonpositive(&gap)[0];
-        run_sum[q] *= correction;
-        scale_row(out, correction, dv);
-      }
-      run_max[q] = top;
-      for (int64_t r = rows; r < PAKV_ATTN_CHUNK && (r & 7); r++) row_scores[r] = top; /* exp_rows reads 8 at a time */
-      exp_rows(weights, row_scores, top, rows);
-      float sum = 0.0f;
-      for (int64_t r = 0; r < rows; r++) sum += weights[r];
-      weighted_rows(out, weights, value_rows, rows, dv);
-      run_sum[q] += sum;
-    }
-  }
-  for (int64_t q = 0; q < queries; q++) {
-    int64_t token = p->query_starts[b] + j0 + q / group, head = first_head + q % group;
-    float* row = acc + q * dv;
-    scale_row(row, 1.0f / run_sum[q], dv); /* run_sum >= 1 (the max's own weight), or NaN */
-    narrow((char*)p->out + (token * p->num_heads + head) * dv * isz, row, dv, p->elem_type);
-  }
-  return 0;
-}
-
-/* ------------------------------------------------------------------------------------------- */
 /* The run                                                                                     */
 /* ------------------------------------------------------------------------------------------- */
 /* Calls smaller than this many multiply-adds (sum over queries of context x (D + Dv)) never enter
@@ -500,82 +63,155 @@ static void read_config(void) {
   if (s && *s) g_attention_parallel_min = strtoll(s, NULL, 10);
 }
 
+/* Rows (tokens x the heads of a group) a tile of new tokens gives each kv head, and the most rows a
+ * part holds (its kv heads x the tile's rows: a decode token takes every kv head, so each block is
+ * read once, contiguously, for all heads that share it). */
+#define PAKV_ATTN_TILE_ROWS 64
+#define PAKV_ATTN_PART_ROWS 256
+/* A sequence of one tile (decode) is split over its context in shares of at least this many
+ * positions (whole chunks), at most PAKV_ATTN_MAX_SPLITS, merged afterwards: threads share even one
+ * long sequence. The split depends on the plan alone, so every thread count gives the same bytes. */
+#define PAKV_ATTN_SPLIT_MIN 256
+#define PAKV_ATTN_MAX_SPLITS 16
+
+/* How one sequence is cut: tiles of tile_tokens tokens, kv heads in groups of kv_span, and (one
+ * tile only) its positions [begin, end) in `splits` shares of split_len. */
+typedef struct {
+  int64_t tile_tokens, tiles, kv_span, kv_groups, splits, split_len, begin, end;
+} seq_cut;
+
+static seq_cut cut_of(const pakv_attention_plan* p, int64_t b) {
+  const int64_t n = p->query_counts[b], group = p->num_heads / p->num_kv_heads;
+  seq_cut cut;
+  int64_t lo, hi;
+  cut.tile_tokens = group >= PAKV_ATTN_TILE_ROWS ? 1 : PAKV_ATTN_TILE_ROWS / group;
+  if (cut.tile_tokens > n) cut.tile_tokens = n;
+  cut.tiles = n / cut.tile_tokens + (n % cut.tile_tokens != 0);
+  cut.kv_span = PAKV_ATTN_PART_ROWS / (cut.tile_tokens * group);
+  cut.kv_span = cut.kv_span < 1 ? 1 : cut.kv_span > p->num_kv_heads ? p->num_kv_heads : cut.kv_span;
+  cut.kv_groups = p->num_kv_heads / cut.kv_span + (p->num_kv_heads % cut.kv_span != 0);
+  pakv_visible(p, b, 0, &cut.begin, &hi);
+  pakv_visible(p, b, n - 1, &lo, &cut.end);
+  cut.end += 1;
+  const int64_t span = cut.end - cut.begin, chunk = PAKV_ATTN_CHUNK;
+  cut.splits = cut.tiles == 1 ? span / PAKV_ATTN_SPLIT_MIN : 1;
+  cut.splits = cut.splits < 1 ? 1 : cut.splits > PAKV_ATTN_MAX_SPLITS ? PAKV_ATTN_MAX_SPLITS : cut.splits;
+  cut.split_len = (span / cut.splits + (span % cut.splits != 0) + chunk - 1) / chunk * chunk;
+  cut.splits = span / cut.split_len + (span % cut.split_len != 0); /* rounding up may leave fewer */
+  return cut;
+}
+
+typedef struct {
+  pakv_attention_part part;
+  float* partial; /* NULL: the part finishes its rows; else where its share's states go */
+} planned_part;
+
+typedef struct {
+  pakv_attention_part shape; /* the rows the shares have in common */
+  float* partials;
+  int64_t count, stride;
+} planned_merge;
+
 typedef struct {
   const pakv_attention_plan* plan;
-  part_shape shape;
-  int64_t tile_tokens;
-  const int64_t* first_part; /* [B+1]: index of each sequence's first part */
+  size_t floats; /* scratch per part */
+  planned_part* parts;
+  int64_t count, merges, partial_floats;
+  planned_merge* merge;
   atomic_int bad, no_memory;
-} parallel_run;
+} attention_run;
 
-static int64_t tiles_of(int64_t n, int64_t tile_tokens) { return n / tile_tokens + (n % tile_tokens != 0); }
+/* The plan's parts (with `fill`, written into run->parts / run->merge, partials from `partials`;
+ * without, counted): sequence by sequence, a sequence's tiles last first (a causal prefill's
+ * heaviest), so a pool that hands out parts in order finishes evenly. Returns -1 when a part's
+ * scratch overflows the address space. */
+static int plan_parts(attention_run* run, int fill, float* partials) {
+  const pakv_attention_plan* p = run->plan;
+  const int64_t group = p->num_heads / p->num_kv_heads, dv = p->value_head_dim;
+  int64_t count = 0, merges = 0, floats = 0, used = 0;
+  for (int64_t b = 0; b < p->num_seqs; b++) {
+    if (p->query_counts[b] == 0) continue;
+    const seq_cut cut = cut_of(p, b);
+    const int64_t need = pakv_attention_part_floats(p, cut.tile_tokens, cut.kv_span);
+    if (need < 0) return -1;
+    floats = need > floats ? need : floats;
+    for (int64_t tile = cut.tiles - 1; tile >= 0; tile--)
+      for (int64_t kv = 0; kv < cut.kv_groups; kv++) {
+        pakv_attention_part part = {b, tile * cut.tile_tokens, 0, kv * cut.kv_span, 0, 0, 0};
+        part.token_end = p->query_counts[b] - part.token_begin < cut.tile_tokens ? p->query_counts[b]
+                                                                                 : part.token_begin + cut.tile_tokens;
+        part.kv_end = p->num_kv_heads - part.kv_begin < cut.kv_span ? p->num_kv_heads : part.kv_begin + cut.kv_span;
+        const int64_t stride = (part.kv_end - part.kv_begin) * (part.token_end - part.token_begin) * group * (dv + 2);
+        if (fill && cut.splits > 1)
+          run->merge[merges] = (planned_merge){part, partials + used, cut.splits, stride};
+        merges += cut.splits > 1;
+        for (int64_t share = 0; share < cut.splits; share++, count++) {
+          part.pos_begin = cut.begin + share * cut.split_len;
+          part.pos_end = cut.end - part.pos_begin < cut.split_len ? cut.end : part.pos_begin + cut.split_len;
+          if (fill) run->parts[count] = (planned_part){part, cut.splits > 1 ? partials + used : NULL};
+          used += cut.splits > 1 ? stride : 0;
+        }
+      }
+  }
+  run->count = count;
+  run->merges = merges;
+  run->partial_floats = used;
+  run->floats = (size_t)floats;
+  return 0;
+}
 
 static void run_part(void* data, size_t index) {
-  parallel_run* run = (parallel_run*)data;
-  const pakv_attention_plan* p = run->plan;
-  /* The sequence: the last b with first_part[b] <= part (then part < first_part[b+1]; sequences
-   * without parts share their successor's first_part and are passed over). */
-  int64_t part = (int64_t)index, lo = 0, hi = p->num_seqs;
-  while (hi - lo > 1) {
-    int64_t mid = lo + (hi - lo) / 2;
-    if (run->first_part[mid] <= part) lo = mid; else hi = mid;
-  }
-  int64_t tiles = tiles_of(p->query_counts[lo], run->tile_tokens), local = part - run->first_part[lo];
-  int64_t kv_head = local / tiles, tile = local % tiles;
-  int64_t j0 = tile * run->tile_tokens, j1 = j0 + run->tile_tokens;
-  if (j1 > p->query_counts[lo]) j1 = p->query_counts[lo];
-  float* scratch = thread_scratch(run->shape.floats);
+  attention_run* run = (attention_run*)data;
+  float* scratch = thread_scratch(run->floats);
   if (!scratch) {
     atomic_store(&run->no_memory, 1);
     return;
   }
-  if (attend_part(p, &run->shape, scratch, lo, kv_head, j0, j1)) atomic_store(&run->bad, 1);
+  const planned_part* one = &run->parts[index];
+  if (pakv_attention_run_part(run->plan, &one->part, scratch, one->partial)) atomic_store(&run->bad, 1);
+}
+
+/* Multiply-adds of the call (sum over sequences of new tokens x context x heads x (D + Dv + 1)),
+ * saturating at INT64_MAX. */
+static int64_t work_of(const pakv_attention_plan* p) {
+  int64_t work = 0, term;
+  for (int64_t b = 0; b < p->num_seqs && work < INT64_MAX; b++)
+    if (pakv_mul(p->query_counts[b], p->context_lens[b], &term) || pakv_mul(term, p->num_heads, &term) ||
+        pakv_mul(term, p->head_dim + p->value_head_dim + 1, &term) || pakv_add(work, term, &work))
+      work = INT64_MAX;
+  return work;
 }
 
 int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par, pakv_err* err) {
   if (p->num_tokens == 0 || p->num_heads == 0 || p->value_head_dim == 0) return 0; /* an empty output */
   if (!p->out) return pakv_fail(err, "attention: a NULL output pointer for a non-empty attention");
   pthread_once(&g_config_once, read_config);
-  const int64_t group = p->num_heads / p->num_kv_heads;
-  parallel_run run;
+  attention_run run;
   memset(&run, 0, sizeof(run));
   run.plan = p;
-  run.tile_tokens = group >= PAKV_ATTN_TILE_QUERIES ? 1 : PAKV_ATTN_TILE_QUERIES / group;
-  if (shape_of(p, run.tile_tokens, &run.shape))
+  if (plan_parts(&run, 0, NULL))
     return pakv_fail(err, "attention: a scratch for head_dim %lld / %lld overflows the address space",
                      (long long)p->head_dim, (long long)p->value_head_dim);
-  int64_t parts = 0, work = 0, term;
-  for (int64_t b = 0; b < p->num_seqs; b++) {
-    parts += p->num_kv_heads * tiles_of(p->query_counts[b], run.tile_tokens); /* <= N x Hk x Hq: fits */
-    if (work < g_attention_parallel_min &&
-        (pakv_mul(p->query_counts[b], p->context_lens[b], &term) || pakv_mul(term, p->num_heads, &term) ||
-         pakv_mul(term, p->head_dim + p->value_head_dim + 1, &term) || pakv_add(work, term, &work)))
-      work = INT64_MAX;
-  }
-  int64_t* first_part = NULL;
-  if (par && parts >= 2 && work >= g_attention_parallel_min && (size_t)p->num_seqs < SIZE_MAX / sizeof(int64_t) - 1)
-    first_part = (int64_t*)malloc(((size_t)p->num_seqs + 1) * sizeof(int64_t));
-  if (first_part) {
-    first_part[0] = 0;
-    for (int64_t b = 0; b < p->num_seqs; b++)
-      first_part[b + 1] = first_part[b] + p->num_kv_heads * tiles_of(p->query_counts[b], run.tile_tokens);
-    run.first_part = first_part;
-    if (par->run(par->host, run_part, (size_t)parts, &run)) {
-      for (int64_t i = 0; i < parts; i++) run_part(&run, (size_t)i); /* the pool ran none: here */
-    }
-    free(first_part);
+  if (run.count == 0) return 0;
+  const size_t bytes = (size_t)run.count * sizeof(planned_part) + (size_t)run.merges * sizeof(planned_merge) +
+                       (size_t)run.partial_floats * sizeof(float); /* all fit: bounded by the plan's extents */
+  char* memory = (char*)malloc(bytes);
+  if (!memory) return pakv_fail(err, "attention: out of memory for the run's %zu bytes of parts", bytes);
+  run.parts = (planned_part*)memory;
+  run.merge = (planned_merge*)(run.parts + run.count);
+  plan_parts(&run, 1, (float*)(run.merge + run.merges));
+  if (par && run.count >= 2 && work_of(p) >= g_attention_parallel_min) {
+    if (par->run(par->host, run_part, (size_t)run.count, &run))
+      for (int64_t i = 0; i < run.count; i++) run_part(&run, (size_t)i); /* the pool ran none: here */
   } else {
-    float* scratch = thread_scratch(run.shape.floats);
-    if (!scratch) return pakv_fail(err, "attention: out of memory for a scratch of %zu floats", run.shape.floats);
-    for (int64_t b = 0; b < p->num_seqs; b++)
-      for (int64_t h = 0; h < p->num_kv_heads; h++)
-        for (int64_t j0 = 0; j0 < p->query_counts[b]; j0 += run.tile_tokens) {
-          int64_t j1 = p->query_counts[b] - j0 < run.tile_tokens ? p->query_counts[b] : j0 + run.tile_tokens;
-          if (attend_part(p, &run.shape, scratch, b, h, j0, j1)) atomic_store(&run.bad, 1);
-        }
+    for (int64_t i = 0; i < run.count; i++) run_part(&run, (size_t)i);
   }
+  if (!atomic_load(&run.bad) && !atomic_load(&run.no_memory))
+    for (int64_t m = 0; m < run.merges; m++)
+      pakv_attention_merge(p, &run.merge[m].shape, run.merge[m].partials, run.merge[m].count, run.merge[m].stride);
+  free(memory);
   if (atomic_load(&run.no_memory))
-    return pakv_fail(err, "attention: out of memory for a thread's scratch of %zu floats", run.shape.floats);
+    return pakv_fail(err, "attention: out of memory for a thread's scratch of %zu floats", run.floats);
   if (atomic_load(&run.bad))
     return pakv_fail(err,
                      "block_tables changed while the attention ran: an entry read during the run is outside [0, "
@@ -589,16 +225,63 @@ int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par
 /* ------------------------------------------------------------------------------------------- */
 PAKV_EXPORT size_t pakv_attention_plan_size(void) { return sizeof(pakv_attention_plan); }
 
-PAKV_EXPORT int pakv_attention(const pakv_attention_plan* plan, char* err_out, size_t err_len) {
-  pakv_err err;
-  err.msg[0] = 0;
-  int rc = pakv_check_attention_plan(plan, &err);
-  if (!rc) rc = pakv_run_attention_on(plan, NULL, &err);
+/* The library's own parallel-for for callers without a pool (the Python native backend, tests):
+ * `threads` threads (the calling one among them) take parts in turn from a shared counter. */
+#define PAKV_ATTN_MAX_THREADS 16
+
+typedef struct {
+  void (*fn)(void*, size_t);
+  void* data;
+  size_t parts;
+  atomic_size_t next;
+} own_job;
+
+static void* own_worker(void* arg) {
+  own_job* job = (own_job*)arg;
+  for (size_t i; (i = atomic_fetch_add(&job->next, 1)) < job->parts;) job->fn(job->data, i);
+  return NULL;
+}
+
+static int own_threads_run(void* host, void (*fn)(void*, size_t), size_t parts, void* data) {
+  const int threads = *(const int*)host;
+  pthread_t tid[PAKV_ATTN_MAX_THREADS];
+  int started[PAKV_ATTN_MAX_THREADS] = {0};
+  own_job job = {fn, data, parts, 0};
+  for (int i = 1; i < threads; i++) started[i] = pthread_create(&tid[i], NULL, own_worker, &job) == 0;
+  own_worker(&job); /* threads that did not start leave their parts to the others */
+  for (int i = 1; i < threads; i++)
+    if (started[i]) pthread_join(tid[i], NULL);
+  return 0;
+}
+
+static int report(int rc, const pakv_err* err, char* err_out, size_t err_len) {
   if (rc && err_out && err_len) {
-    size_t n = strlen(err.msg);
+    size_t n = strlen(err->msg);
     if (n >= err_len) n = err_len - 1;
-    memcpy(err_out, err.msg, n);
+    memcpy(err_out, err->msg, n);
     err_out[n] = 0;
   }
-  return rc;
+  return rc ? err->kind : 0;
+}
+
+/* Check and run a plan on the calling thread: 0, or the error's kind (PAKV_ERR_VALUE,
+ * PAKV_ERR_TYPE) with its message in err_out. */
+PAKV_EXPORT int pakv_attention(const pakv_attention_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  int rc = pakv_check_attention_plan(plan, &err);
+  if (!rc) rc = pakv_run_attention_on(plan, NULL, &err);
+  return report(rc, &err, err_out, err_len);
+}
+
+/* pakv_attention on `threads` of the library's threads (1..16; the parts and so the answer are
+ * those of any other run of the plan). */
+PAKV_EXPORT int pakv_attention_threads(const pakv_attention_plan* plan, int threads, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  if (threads < 1 || threads > PAKV_ATTN_MAX_THREADS)
+    return report(pakv_fail(&err, "attention: threads must be in [1, %d], got %d", PAKV_ATTN_MAX_THREADS, threads),
+                  &err, err_out, err_len);
+  pakv_parallel own = {own_threads_run, &threads};
+  int rc = pakv_check_attention_plan(plan, &err);
+  if (!rc) rc = pakv_run_attention_on(plan, threads > 1 ? &own : NULL, &err);
+  return report(rc, &err, err_out, err_len);
 }

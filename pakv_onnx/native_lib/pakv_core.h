@@ -25,7 +25,7 @@
 #define PAKV_EXPORT
 #endif
 
-#define PAKV_ABI_VERSION 5
+#define PAKV_ABI_VERSION 6
 #define PAKV_ERR_LEN 1024
 #define PAKV_NZ_FRACTAL_BYTES 32
 #define PAKV_LAYOUT_NORM 0
@@ -76,7 +76,7 @@ typedef struct pakv_plan {
 /* One ScatterPaKvCache in bytes: token t of `key` / `value` (rows of key_row_bytes / value_row_bytes
  * at t * token stride) goes to slot s = slot_mapping[t] of its cache: block s / block_size, row
  * s % block_size (PA_NZ: its 32-byte fractals f at block*stride + (f*bs + row)*32). A negative slot
- * is padding and skipped. Made by pakv_validate_scatter (pakv_contract.c). */
+ * is padding and skipped. Made by pakv_validate_scatter (pakv_contract_scatter.c). */
 typedef struct pakv_scatter_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_scatter_plan) */
@@ -99,31 +99,63 @@ typedef struct pakv_scatter_plan {
   int64_t slot_stride;      /* bytes */
 } pakv_scatter_plan;
 
-/* One PagedAttention in bytes (pakv_attention.c runs it): sequence b's n = query_counts[b] new tokens
- * are query rows [query_starts[b], +n) of `query` ([N, Hq, D]: token t at query + t *
- * query_token_stride, its heads dense), at positions L - n .. L - 1 of its context (L =
- * context_lens[b]); token j attends causally to positions 0 .. L - n + j, read from the caches in
- * place: position p is row p % block_size of block block_tables[b, p / block_size], head h's row
- * at block * stride + (p % bs) * Hk * D * itemsize + h * D * itemsize (Norm). Query head h reads
- * kv head h / (Hq / Hk) (GQA). fp32 accumulation; `out` is [N, Hq, Dv] dense in the query's type.
- * Made by pakv_validate_attention (pakv_contract.c). */
+/* How a cache's stored elements become the values attention uses: element x scale (symmetric). */
+#define PAKV_QUANT_NONE 0        /* the element is the value (float32, float16, bfloat16 caches) */
+#define PAKV_QUANT_PER_TENSOR 1  /* one scale: scale[0] */
+#define PAKV_QUANT_PER_CHANNEL 2 /* one scale per (kv head, channel): scale[h * head_dim + d] */
+
+/* One paged attention in bytes (pakv_attention.c runs it), for pakv::PagedAttention and for
+ * com.microsoft::PagedAttention (whose rotary, norms and cache write run before it, so its query is
+ * the prepared fp32 rows). Sequence b's n = query_counts[b] new tokens are query rows
+ * [query_starts[b], +n) at positions L - n .. L - 1 of its context (L = context_lens[b]).
+ *
+ * What new token j (position p = L - n + j) of sequence b, query head h, attends to: positions
+ * [lo, hi] with hi = p when causal (else L - 1) and lo = max(0, p - window) when window >= 0 (else 0),
+ * read in place: kv head g = h / (Hq / Hk) (GQA) of position q is head_dim elements at
+ *   key_cache + block_tables[b, q / bs] * key_block_stride + (q % bs) * key_row_stride + g * key_head_stride
+ * (value_cache likewise, value_head_dim elements; LATENT: value_cache is key_cache, its rows and
+ * strides, and V is each row's leading value_head_dim channels). A stored element e of a quantized
+ * cache is the value e x scale (PAKV_QUANT_*). Scores s = scale * q . k, then softcap * tanh(s /
+ * softcap) when softcap > 0; softmax over the visible positions plus, with head_sink, one more logit
+ * head_sink[h] that has no value; out[token, h] = sum of weights x v, fp32 throughout, written as
+ * out_type into `out`, [N, Hq, value_head_dim] dense. Made by a contract unit's validator
+ * (pakv_contract_attention.c for pakv::PagedAttention).
+ *
+ * Non-finite scores (after softcap, which maps +-inf to +-softcap): positions a token does not see
+ * are never read (nor their block-table entries: a window leaves the columns before the first new
+ * token's window unread); a -inf score weighs exactly 0 and its value row is not multiplied in; a
+ * NaN or +inf score, or sink, makes the row NaN; a row whose every score is -inf is NaN, or 0 when
+ * a finite sink gives the denominator (a -inf sink is no sink). */
 typedef struct pakv_attention_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_attention_plan) */
-  int32_t elem_type;    /* ONNX type of query, caches and out: 1 float32, 10 float16, 16 bfloat16 */
+  int32_t query_type;   /* ONNX type of query rows: 1 float32, 10 float16, 16 bfloat16 */
+  int32_t out_type;     /* ONNX type of out: 1 float32, 10 float16, 16 bfloat16 */
   int32_t tables64;     /* block_tables elements: 1 = int64, 0 = int32 */
+  int32_t causal;       /* 1: position p sees up to p; 0: every position of its context */
   int64_t num_blocks;
   int64_t block_size;
   const void* key_cache;
   const void* value_cache;
+  int32_t key_type;   /* ONNX type of key_cache's elements: 1, 10, 16, 3 int8, 17 float8e4m3fn */
+  int32_t value_type; /* value_cache's, likewise */
+  int32_t key_quant;  /* PAKV_QUANT_*: NONE for the float types, PER_TENSOR or PER_CHANNEL for int8 / fp8 */
+  int32_t value_quant;
+  const float* key_scale; /* [1] (PER_TENSOR) or [num_kv_heads * head_dim] (PER_CHANNEL); NULL for NONE */
+  const float* value_scale; /* [1] or [num_kv_heads * value_head_dim]; NULL for NONE */
   int64_t key_block_stride; /* bytes, >= 0 */
   int64_t value_block_stride;
+  int64_t key_row_stride;   /* bytes from one position of a block to the next */
+  int64_t value_row_stride;
+  int64_t key_head_stride;  /* bytes from one kv head of a position to the next */
+  int64_t value_head_stride;
   int64_t num_heads;      /* Hq */
   int64_t num_kv_heads;   /* Hk: Hq is a multiple of it */
   int64_t head_dim;       /* D of query and key_cache */
   int64_t value_head_dim; /* Dv of value_cache and out */
   const void* query;
   int64_t query_token_stride; /* bytes */
+  int64_t query_head_stride;  /* bytes */
   void* out;
   int64_t num_tokens; /* N */
   int64_t num_seqs;   /* B */
@@ -135,7 +167,9 @@ typedef struct pakv_attention_plan {
   const int64_t* query_counts; /* [B] */
   const int64_t* context_lens; /* [B] past + new */
   float scale;                 /* the scores' scale (the validator resolved 0 to 1 / sqrt(D)) */
-  int32_t reserved;
+  float softcap;               /* > 0: scores capped by softcap * tanh(s / softcap); 0: off */
+  int64_t window;              /* >= 0: position p sees positions >= p - window only; -1: off */
+  const float* head_sink;      /* [num_heads] fp32 logits with no value, or NULL */
 } pakv_attention_plan;
 
 /* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */
@@ -151,9 +185,31 @@ int pakv_check_plan(const pakv_plan* p, pakv_err* err);
 
 /* What keeps a scatter memory-safe (the extents it writes and reads), and the scatter itself:
  * slots are bounds-checked again where they are read (a caller may change slot_mapping while
- * it runs); a slot that became invalid is an error, never a wild write. */
+ * it runs); a slot that became invalid is an error, never a wild write. The scatter first asks
+ * whether its caches can be written (pakv_check_scatter_writable): a read-only pool is an error
+ * with nothing written, never a signal. */
 int pakv_check_scatter_plan(const pakv_scatter_plan* p, pakv_err* err);
 int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err);
+
+/* Entry t of a scatter plan's slot_mapping, read once (volatile: a caller may be writing it). */
+static inline int64_t pakv_slot_entry(const pakv_scatter_plan* p, int64_t t) {
+  const char* at = (const char*)p->slot_mapping + t * p->slot_stride;
+  if (p->slots64) return *(const volatile int64_t*)at;
+  return (int64_t) * (const volatile int32_t*)at;
+}
+
+/* Writability, asked of the kernel (pakv_writable.c): never a signal. pakv_first_unwritable: the first of
+ * addrs[0..n) whose byte cannot be written (n: all can; -1: the kernel would not say). The checks: 0, or -1
+ * with err naming the buffer; "would not say" passes. A checked scatter plan: the lowest and highest byte it
+ * writes in each cache (key_name / value_name in the message). A buffer: its first and last byte. */
+int64_t pakv_first_unwritable(void* const* addrs, int64_t n);
+/* The spans [lo[i], hi[i]] (lo[i] NULL: none) a write op writes, n <= PAKV_MAX_SPANS: each span's first and
+ * last byte probed (one probe when both share a page); the message names names[i] of the first that fails. */
+#define PAKV_MAX_SPANS 4
+int pakv_check_spans_writable(char* const* lo, char* const* hi, const char* const* names, int n, pakv_err* err);
+int pakv_check_scatter_writable(const pakv_scatter_plan* p, const char* key_name, const char* value_name,
+                                pakv_err* err);
+int pakv_check_buffer_writable(void* data, int64_t bytes, const char* name, pakv_err* err);
 
 /* Run a checked plan. Block ids are bounds-checked again where they are read (a caller may change
  * block_tables while the copy runs); an id that became invalid is an error, never a wild read.

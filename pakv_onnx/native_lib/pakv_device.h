@@ -9,7 +9,7 @@
  *          is fewer.
  *   The scatter writes the same way the other way round, one token row at a time.
  *
- * The plan is the validator's (pakv_contract.c): cache and output addresses are device addresses,
+ * The plan is the validator's (pakv_contract_*.c): cache and output addresses are device addresses,
  * index arrays are host memory. The copies are queued on `stream` and not waited for: ORT orders
  * its stream's later work after them.
  */

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "pakv_device.h"
+#include "pakv_fused.h"
 
 typedef struct {
   const char* name;   /* OrtCustomOp.GetExecutionProviderType */
@@ -25,12 +26,13 @@ typedef struct {
   uint32_t host_inputs;
 } pakv_ep_op;
 
-#define PAKV_OP_ROWS (PAKV_OP_ATTENTION + 1)
+#define PAKV_OP_ROWS (PAKV_OP_FUSED + 1)
 static const pakv_ep_op OPS[PAKV_OP_ROWS] = {
     {"GatherPaKvCache", (1u << PAKV_GATHER_BLOCK_TABLES) | (1u << PAKV_GATHER_SEQ_LENS) | (1u << PAKV_GATHER_SEQ_OFFSET)},
     {"ScatterPaKvCache", 1u << PAKV_SCATTER_SLOT_MAPPING},
     {"PagedAttention",
      (1u << PAKV_ATTENTION_BLOCK_TABLE) | (1u << PAKV_ATTENTION_CU_SEQ_LENS) | (1u << PAKV_ATTENTION_PAST_LENS)},
+    {"PagedAttention", 0}, /* com.microsoft's: no device entry (ORT's own CUDA kernel serves it there) */
 };
 
 const char* pakv_op_type(int op_kind) {
@@ -106,6 +108,14 @@ int pakv_ep_run_attention(const OrtApi* api, OrtKernelContext* ctx, int ep, int 
   ort_pool pool = {api, ctx};
   pakv_parallel par = {ort_parallel_for, &pool};
   return pakv_run_attention_on(plan, parallel_for ? &par : NULL, err);
+}
+
+int pakv_ep_run_fused(const OrtApi* api, OrtKernelContext* ctx, int ep, int parallel_for, const pakv_fused_plan* plan,
+                      pakv_err* err) {
+  if (ep != PAKV_EP_CPU) return pakv_fail(err, "com.microsoft::PagedAttention has no %s kernel here", pakv_ep_name(ep));
+  ort_pool pool = {api, ctx};
+  pakv_parallel par = {ort_parallel_for, &pool};
+  return pakv_run_fused_on(plan, parallel_for ? &par : NULL, err);
 }
 
 int pakv_ep_run_scatter(const OrtApi* api, OrtKernelContext* ctx, int ep, const pakv_scatter_plan* plan, pakv_err* err) {

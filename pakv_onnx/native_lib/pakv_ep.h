@@ -25,7 +25,13 @@ enum { PAKV_EP_CPU = 0, PAKV_EP_CUDA = 1, PAKV_EP_CANN = 2, PAKV_NUM_EPS };
  * inputs a device entry takes in host memory). The cache ops (the first PAKV_NUM_OP_KINDS) are
  * registered on every EP for every (key, value) dtype pair; PagedAttention only on the CPU, for its
  * three dtypes (PAKV_NUM_ATTENTION_DTYPES, after every cache op). */
-enum { PAKV_OP_GATHER = 0, PAKV_OP_SCATTER = 1, PAKV_NUM_OP_KINDS, PAKV_OP_ATTENTION = PAKV_NUM_OP_KINDS };
+enum {
+  PAKV_OP_GATHER = 0,
+  PAKV_OP_SCATTER = 1,
+  PAKV_NUM_OP_KINDS,
+  PAKV_OP_ATTENTION = PAKV_NUM_OP_KINDS,
+  PAKV_OP_FUSED /* com.microsoft::PagedAttention (pakv_fused.h): CPU only, in its own domain */
+};
 #define PAKV_NUM_ATTENTION_DTYPES 3
 
 /* "GatherPaKvCache", "ScatterPaKvCache", "PagedAttention". */
@@ -60,6 +66,12 @@ int pakv_ep_run_scatter(const OrtApi* api, OrtKernelContext* ctx, int ep, const 
  * (`parallel_for`), else on this thread. (PagedAttention has no device entry.) */
 int pakv_ep_run_attention(const OrtApi* api, OrtKernelContext* ctx, int ep, int parallel_for,
                           const pakv_attention_plan* plan, pakv_err* err);
+
+/* Run a validated and bound com.microsoft::PagedAttention on the CPU (prologue, then attention), on
+ * ORT's intra-op pool when the runtime has one. */
+struct pakv_fused_plan;
+int pakv_ep_run_fused(const OrtApi* api, OrtKernelContext* ctx, int ep, int parallel_for,
+                      const struct pakv_fused_plan* plan, pakv_err* err);
 
 /* Copy `bytes` from src to dst where the entry's data is (a scatter's pool into a separate output). */
 int pakv_ep_copy(const OrtApi* api, OrtKernelContext* ctx, int ep, void* dst, const void* src, int64_t bytes,

@@ -6,7 +6,7 @@
  * struct.pack of ~100 values) and called through ctypes, that was half the front's time; here
  * each record is written where the validator reads it, and the library's functions are called
  * through their addresses (taken from the ctypes handle once), with the GIL released as ctypes
- * does. This file holds no contract rule: the validator (pakv_contract.c) judges the records.
+ * does. This file holds no contract rule: the validator (pakv_contract_*.c) judges the records.
  *
  * Only exact torch.Tensor objects on the CPU are read here. Anything else (None for a required
  * input, a non-tensor, a tensor subclass, a tensor on a device) goes to the Python function given

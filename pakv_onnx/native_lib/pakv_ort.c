@@ -3,7 +3,7 @@
  * No ORT header, no libonnxruntime, no Python: see ort_abi.h for the ABI subset used.
  *
  * ORT glue only: strict attributes, and compute: ORT's tensors become the validator's records
- * (pakv_contract.c: every rule of the contract, with its message), the outputs ORT hands back are
+ * (pakv_contract_*.c: every rule of the contract, with its message), the outputs ORT hands back are
  * validated too, and the copy core (pakv_core.c) or the attention core (pakv_attention.c) runs the
  * plan. Python backends are reached through pakv_bridge.c.
  *
@@ -40,7 +40,7 @@ OrtStatus* pakv_ort_status(const OrtApi* api, int code, const char* msg) {
 }
 
 /* Turn an ORT status into our error (with context) and release it. */
-static int take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what) {
+int pakv_ort_take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what) {
   if (!st) return 0;
   snprintf(err->msg, sizeof(err->msg), "%s: %s", what, PAKV_API(api, GetErrorMessage)(st));
   PAKV_API(api, ReleaseStatus)(st);
@@ -50,21 +50,23 @@ static int take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const ch
 /* ------------------------------------------------------------------------------------------- */
 /* Attributes: absent means the default; present with another type or value is an error      */
 /* ------------------------------------------------------------------------------------------- */
-typedef enum { ATTR_ABSENT, ATTR_INT, ATTR_FLOAT, ATTR_STRING, ATTR_INTS, ATTR_FLOATS, ATTR_OTHER } attr_kind;
-static const char* const ATTR_KIND_NAMES[] = {"absent", "INT", "FLOAT", "STRING", "INTS", "FLOATS",
+const char* const PAKV_ATTR_KIND_NAMES[] = {"absent", "INT", "FLOAT", "STRING", "INTS", "FLOATS",
                                               "STRINGS or another non-scalar type (or an empty list)"};
 
 /* Which type attribute `name` has. ORT has no "attribute type" query in API 16, so each typed
  * getter is tried. The array getters succeed (with 0 elements) for any attribute that is present
  * but holds no ints/floats (STRINGS, TENSOR, GRAPH, an empty list): that tells present from absent
  * without reading ORT's messages; the message ("... type don't match") is the fallback. */
-static attr_kind attribute_kind(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
+pakv_attr_kind pakv_ort_attribute_kind(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
   int64_t i;
   float f;
   size_t n = 0, ints = 0, floats = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_int64)(info, name, &i);
   if (!st) return ATTR_INT;
-  int type_mismatch = strstr(PAKV_API(api, GetErrorMessage)(st), "type") != NULL;
+  /* "Attribute name and type don't match" (an absent one: "No attribute with name:'...'is defined.",
+   * and a name may itself hold "type", as k_quant_type does). */
+  const char* message = PAKV_API(api, GetErrorMessage)(st);
+  int type_mismatch = strstr(message, "don't match") != NULL || (strstr(message, "type") && !strstr(message, name));
   PAKV_API(api, ReleaseStatus)(st);
   if (!(st = PAKV_API(api, KernelInfoGetAttribute_float)(info, name, &f))) return ATTR_FLOAT;
   PAKV_API(api, ReleaseStatus)(st);
@@ -84,8 +86,7 @@ static attr_kind attribute_kind(const OrtApi* api, const OrtKernelInfo* info, co
   return present || type_mismatch ? ATTR_OTHER : ATTR_ABSENT;
 }
 
-static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
-static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) {
+OrtStatus* pakv_ort_attribute_error(const OrtApi* api, const char* fmt, ...) {
   char msg[512];
   va_list ap;
   va_start(ap, fmt);
@@ -97,55 +98,55 @@ static OrtStatus* attribute_error(const OrtApi* api, const char* fmt, ...) {
 /* cache_mode: a STRING, exactly "Norm" or "PA_NZ" (default "Norm"). */
 static OrtStatus* read_cache_mode(const OrtApi* api, const OrtKernelInfo* info, const char* op, int* nz) {
   static const char* allowed = "'Norm' or 'PA_NZ'";
-  attr_kind kind = attribute_kind(api, info, "cache_mode");
+  pakv_attr_kind kind = pakv_ort_attribute_kind(api, info, "cache_mode");
   *nz = 0;
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_STRING)
-    return attribute_error(api, "%s attribute cache_mode must be a STRING attribute (%s), got attribute "
-                           "type %s", op, allowed, ATTR_KIND_NAMES[kind]);
+    return pakv_ort_attribute_error(api, "%s attribute cache_mode must be a STRING attribute (%s), got attribute "
+                           "type %s", op, allowed, PAKV_ATTR_KIND_NAMES[kind]);
   char mode[PAKV_MAX_MODE_LEN];
   size_t size = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_string)(info, "cache_mode", NULL, &size);
   if (st) return st;
   if (size > sizeof(mode))
-    return attribute_error(api, "cache_mode must be %s, got a string of %zu bytes", allowed, size - 1);
+    return pakv_ort_attribute_error(api, "cache_mode must be %s, got a string of %zu bytes", allowed, size - 1);
   size = sizeof(mode);
   if ((st = PAKV_API(api, KernelInfoGetAttribute_string)(info, "cache_mode", mode, &size))) return st;
   mode[sizeof(mode) - 1] = 0;
   if (size == 0 || strlen(mode) + 1 != size)
-    return attribute_error(api, "%s attribute cache_mode must be %s, got '%s' followed by a NUL byte "
+    return pakv_ort_attribute_error(api, "%s attribute cache_mode must be %s, got '%s' followed by a NUL byte "
                            "and more bytes", op, allowed, mode);
   if (strcmp(mode, "Norm") == 0) return NULL;
   if (strcmp(mode, "PA_NZ") == 0) {
     *nz = 1;
     return NULL;
   }
-  return attribute_error(api, "cache_mode must be %s, got '%s'", allowed, mode);
+  return pakv_ort_attribute_error(api, "cache_mode must be %s, got '%s'", allowed, mode);
 }
 
 /* is_seq_lens_cumsum: an INT, 0 or 1 (default 1). */
 static OrtStatus* read_cumsum(const OrtApi* api, const OrtKernelInfo* info, int64_t* cumsum) {
-  attr_kind kind = attribute_kind(api, info, "is_seq_lens_cumsum");
+  pakv_attr_kind kind = pakv_ort_attribute_kind(api, info, "is_seq_lens_cumsum");
   *cumsum = 1;
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_INT)
-    return attribute_error(api, "GatherPaKvCache attribute is_seq_lens_cumsum must be an INT attribute (0 or 1), got "
-                           "attribute type %s", ATTR_KIND_NAMES[kind]);
+    return pakv_ort_attribute_error(api, "GatherPaKvCache attribute is_seq_lens_cumsum must be an INT attribute (0 or 1), got "
+                           "attribute type %s", PAKV_ATTR_KIND_NAMES[kind]);
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_int64)(info, "is_seq_lens_cumsum", cumsum);
   if (st) return st;
   if (*cumsum != 0 && *cumsum != 1)
-    return attribute_error(api, "is_seq_lens_cumsum must be 0/1 (an INT attribute), got %lld", (long long)*cumsum);
+    return pakv_ort_attribute_error(api, "is_seq_lens_cumsum must be 0/1 (an INT attribute), got %lld", (long long)*cumsum);
   return NULL;
 }
 
 /* scale: a FLOAT (default 0: 1 / sqrt(head_dim); the validator resolves it and checks it is finite). */
 static OrtStatus* read_scale(const OrtApi* api, const OrtKernelInfo* info, float* scale) {
-  attr_kind kind = attribute_kind(api, info, "scale");
+  pakv_attr_kind kind = pakv_ort_attribute_kind(api, info, "scale");
   *scale = 0.0f;
   if (kind == ATTR_ABSENT) return NULL;
   if (kind != ATTR_FLOAT)
-    return attribute_error(api, "PagedAttention attribute scale must be a FLOAT attribute, got attribute type %s",
-                           ATTR_KIND_NAMES[kind]);
+    return pakv_ort_attribute_error(api, "PagedAttention attribute scale must be a FLOAT attribute, got attribute type %s",
+                           PAKV_ATTR_KIND_NAMES[kind]);
   return PAKV_API(api, KernelInfoGetAttribute_float)(info, "scale", scale);
 }
 
@@ -160,12 +161,41 @@ typedef struct {
   float scale; /* PagedAttention's */
 } pakv_kernel;
 
+/* The alias route writes the pools in place, graph inputs included: a pool that is a constant of the model
+ * (an initializer) would change under every later reader, the next run included. Refused at session
+ * creation, naming the node and the input. (Other readers of a pool input are the opted-in host's to rule
+ * out: ORT shows a kernel no graph; Python's make_session checks the graph before it opts in.) */
+OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
+                                          size_t first_cache) {
+  static const char* const names[2] = {"key_cache", "value_cache"};
+  for (size_t i = first_cache; i <= first_cache + 1; i++) {
+    int constant = 0;
+    const OrtValue* value = NULL;
+    OrtStatus* st = PAKV_API(api, KernelInfoGetConstantInput_tensor)(info, i, &constant, &value);
+    if (st) return st;
+    if (!constant) continue;
+    char node[128] = "?", input[128] = "?";
+    size_t size = sizeof(node);
+    if ((st = PAKV_API(api, KernelInfo_GetNodeName)(info, node, &size))) PAKV_API(api, ReleaseStatus)(st);
+    size = sizeof(input);
+    if ((st = PAKV_API(api, KernelInfo_GetInputName)(info, i, input, &size))) PAKV_API(api, ReleaseStatus)(st);
+    node[sizeof(node) - 1] = input[sizeof(input) - 1] = 0;
+    return pakv_ort_attribute_error(api,
+                           "%s node '%s': %s '%s' is an initializer (a constant of the model), and these "
+                           "SessionOptions opted into the alias route (pakv_onnx.alias_caches = 1), which writes the "
+                           "pool in place: feed the pool as a graph input, or leave the alias route off",
+                           op, node, names[i - first_cache], input);
+  }
+  return NULL;
+}
+
 OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   int nz = 0, kind = ((const pakv_op*)op)->kind;
   int64_t cumsum = 1;
   float scale = 0.0f;
   OrtStatus* st = kind == PAKV_OP_ATTENTION ? read_scale(api, info, &scale) : read_cache_mode(api, info, pakv_op_type(kind), &nz);
   if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
+  if (!st && ((const pakv_op*)op)->alias) st = pakv_ort_refuse_constant_pools(api, info, "ScatterPaKvCache", 2);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
@@ -189,32 +219,31 @@ void pakv_ort_kernel_destroy(void* kernel) { free(kernel); }
 /* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
  * are dense; on the CPU execution provider every input is host memory, on a device EP its memory
  * info says where it is. */
-static int read_input(const OrtApi* api, OrtKernelContext* ctx, const pakv_kernel* k, size_t count, size_t i,
-                      pakv_tensor* t,
-                      pakv_err* err) {
+int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const char* name, size_t count, size_t i,
+                        pakv_tensor* t, pakv_err* err) {
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
   char what[64];
-  snprintf(what, sizeof(what), "reading input %s", INPUT_NAMES[k->kind][i]);
-  if (take_status(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what)) return -1;
+  snprintf(what, sizeof(what), "reading input %s", name);
+  if (pakv_ort_take_status(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what)) return -1;
   if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
-  if (take_status(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what)) return -1;
+  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what)) return -1;
   int type = 0;
   size_t nd = 0;
   int64_t dims[PAKV_MAX_RANK] = {0};
-  int rc = take_status(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what);
-  if (!rc) rc = take_status(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what);
+  int rc = pakv_ort_take_status(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what);
+  if (!rc) rc = pakv_ort_take_status(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what);
   /* A rank past the record's is kept as a rank alone: the validator refuses it by name. */
-  if (!rc && nd <= PAKV_MAX_RANK) rc = take_status(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what);
+  if (!rc && nd <= PAKV_MAX_RANK) rc = pakv_ort_take_status(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what);
   PAKV_API(api, ReleaseTensorTypeAndShapeInfo)(info);
   if (rc) return -1;
   void* data = NULL;
-  if (take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
+  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
   pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
   t->host_data = data;
-  return k->ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, k->ep, v, t, err);
+  return ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, ep, v, t, err);
 }
 
 void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
@@ -222,10 +251,10 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
   OrtValue* out = NULL;
   void* data = NULL;
   const char* what = index == 0 ? "allocating output 0" : "allocating output 1";
-  if (take_status(api, PAKV_API(api, KernelContext_GetOutput)(ctx, (size_t)index, dims, (size_t)ndim, &out), err,
+  if (pakv_ort_take_status(api, PAKV_API(api, KernelContext_GetOutput)(ctx, (size_t)index, dims, (size_t)ndim, &out), err,
                   what))
     return NULL;
-  if (take_status(api, PAKV_API(api, GetTensorMutableData)(out, &data), err, what)) return NULL;
+  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorMutableData)(out, &data), err, what)) return NULL;
   if (!data) {
     /* An empty output may have no buffer; callers never write through it. */
     static char empty;
@@ -237,7 +266,7 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
 /* int64 scratch of `len` entries, or NULL (then len becomes -1): when it cannot be had the
  * validator still checks the call's shapes first and then says there is no room, so every
  * refusal keeps its order. */
-static int64_t* alloc_scratch(int64_t* len) {
+int64_t* pakv_ort_alloc_scratch(int64_t* len) {
   int64_t bytes = 0;
   int64_t* scratch = NULL;
   if (*len >= 0 && !pakv_mul(*len > 0 ? *len : 1, (int64_t)sizeof(int64_t), &bytes)) scratch = (int64_t*)malloc((size_t)bytes);
@@ -259,7 +288,7 @@ static int output_record_of(const pakv_kernel* k, OrtKernelContext* ctx, int i, 
 static int run_gather(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
   pakv_plan plan;
   int64_t len = pakv_gather_scratch_len(records);
-  int64_t* scratch = alloc_scratch(&len);
+  int64_t* scratch = pakv_ort_alloc_scratch(&len);
   int rc = pakv_validate_gather(records, k->nz, (int)k->cumsum, &plan, scratch, len, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++)
     rc = output_record_of(k, ctx, i, records[i].elem_type, i == 0 ? plan.key_out_dims : plan.value_out_dims,
@@ -288,7 +317,7 @@ static int64_t dense_bytes(const pakv_tensor* t) {
 static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
   pakv_scatter_plan plan;
   int64_t len = pakv_scatter_scratch_len(records);
-  int64_t* scratch = alloc_scratch(&len);
+  int64_t* scratch = pakv_ort_alloc_scratch(&len);
   int rc = pakv_validate_scatter(records, k->nz, &plan, scratch, len, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
     const pakv_tensor* cache = &records[PAKV_SCATTER_KEY_CACHE + i];
@@ -298,7 +327,9 @@ static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor*
   if (!rc) rc = pakv_validate_scatter_outputs(records, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
     const pakv_tensor *cache = &records[PAKV_SCATTER_KEY_CACHE + i], *out = &records[PAKV_SCATTER_KEY_CACHE_OUT + i];
-    if (out->data != cache->data)
+    if (out->data != cache->data && k->ep == PAKV_EP_CPU) /* a host may have bound it to read-only memory */
+      rc = pakv_check_buffer_writable((void*)out->data, dense_bytes(cache), i ? "value_cache_out" : "key_cache_out", err);
+    if (!rc && out->data != cache->data)
       rc = pakv_ep_copy(k->api, ctx, k->ep, (void*)out->data, cache->data, dense_bytes(cache), err);
     if (i == 0)
       plan.key_cache = (void*)out->data;
@@ -314,7 +345,7 @@ static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor*
 static int run_attention(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor* records, pakv_err* err) {
   pakv_attention_plan plan;
   int64_t len = pakv_attention_scratch_len(records);
-  int64_t* scratch = alloc_scratch(&len);
+  int64_t* scratch = pakv_ort_alloc_scratch(&len);
   int rc = pakv_validate_attention(records, k->scale, &plan, scratch, len, err);
   if (!rc) {
     int64_t dims[3] = {plan.num_tokens, plan.num_heads, plan.value_head_dim};
@@ -331,7 +362,7 @@ static int run_attention(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tenso
 }
 
 /* The status of a failed call: the validator's kind leads the message, as the Python front raises it. */
-static OrtStatus* call_error(const OrtApi* api, const pakv_err* err) {
+OrtStatus* pakv_ort_call_error(const OrtApi* api, const pakv_err* err) {
   char msg[PAKV_ERR_LEN + 16];
   snprintf(msg, sizeof(msg), "%s: %s", err->kind == PAKV_ERR_TYPE ? "TypeError" : "ValueError", err->msg);
   return pakv_ort_status(api, PAKV_ORT_INVALID_ARGUMENT, msg);
@@ -347,9 +378,9 @@ OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx) {
   size_t count = 0;
   int rc = !req || !records ? pakv_fail(&err, "pakv: out of memory") : 0;
   if (!rc)
-    rc = take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
+    rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_ORT_INPUT_COUNT[k->kind]; i++) rc = read_input(api, ctx, k, count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_ORT_INPUT_COUNT[k->kind]; i++) rc = pakv_ort_read_input(api, ctx, k->ep, INPUT_NAMES[k->kind][i], count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));
@@ -366,7 +397,7 @@ OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx) {
          : k->kind == PAKV_OP_ATTENTION ? run_attention(k, ctx, records, &err)
                                         : run_gather(k, ctx, records, &err);
   }
-  if (rc) result = call_error(api, &err);
+  if (rc) result = pakv_ort_call_error(api, &err);
   free(records);
   free(req);
   return result;

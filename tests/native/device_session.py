@@ -127,8 +127,11 @@ ATTENTION_ENTRIES = 3
 
 def entries() -> str:
     pairs = len(CACHE_DTYPES) ** 2
-    assert len(ops) == pairs * len(OPS) * len(EPS) + ATTENTION_ENTRIES, len(ops)
-    cache_ops, attention = ops[:-ATTENTION_ENTRIES], ops[-ATTENTION_ENTRIES:]
+    pakv = [a for a in ops if runtime.op_domains[a] == "pakv"]  # com.microsoft's PagedAttention: CPU only
+    microsoft = [a for a in ops if runtime.op_domains[a] == "com.microsoft"]
+    assert all(runtime.op(a).GetExecutionProviderType(a).decode() == EPS[0] for a in microsoft), "a device entry"
+    assert len(pakv) == pairs * len(OPS) * len(EPS) + ATTENTION_ENTRIES, len(pakv)
+    cache_ops, attention = pakv[:-ATTENTION_ENTRIES], pakv[-ATTENTION_ENTRIES:]
     for address in attention:
         a = runtime.op(address)
         assert a.GetName(address) == b"PagedAttention" and a.GetExecutionProviderType(address).decode() == EPS[0]

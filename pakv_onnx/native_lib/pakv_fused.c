@@ -1,0 +1,304 @@
+/* The prologue core of com.microsoft::PagedAttention (pakv_fused.h): each new token's key and value
+ * written into its slot, the query rows prepared, then the attention core (pakv_attention.c) over the
+ * updated caches. No ONNX Runtime, no Python, no libm.
+ *
+ * A key or query head goes through what ORT's CUDA prologue does (QkNormRotaryTNH, ReshapeAndCache in
+ * paged_attention_impl.cu), in this order, rounding where it rounds:
+ *   RMSNorm   n_c = T(x_c / sqrt(mean(x^2) + eps) * w_c)                     (when norm weights are given)
+ *   rotary    r_c = T(n_c cos_i - n_partner sin_i) or T(n_c cos_i + n_partner sin_i) at the token's
+ *             position, over channels [rotary_offset, rotary_offset + rotary_dim); the others pass
+ *   store     T rows as they are; int8: clamp(round-half-even(r x (1 / scale)), -128, 127), NaN -> 0;
+ *             float8e4m3fn: clamp(r x (1 / scale), -448, 448) (NaN -> 448, as fminf / fmaxf give),
+ *             rounded to nearest even; a zero scale stores 0
+ * The norm and rotary arithmetic is double (products of two T values are exact there), rounded to
+ * fp32 and then to T (round to nearest even each time); quantization is fp32, as ORT's. Values are
+ * read from the rows the plan names and never from the caches, so a token's rows may be written in
+ * any order (slots are distinct: the validator checked). */
+#include <stdlib.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "pakv_float.h"
+#include "pakv_fused.h"
+
+/* Tokens of a call below this many written elements (N x (Hq + 2 Hk) x D) run on the calling thread. */
+#define PAKV_FUSED_PARALLEL_MIN (1 << 16)
+/* Elements per part of a parallel prologue. */
+#define PAKV_FUSED_PART_ELEMENTS (1 << 14)
+
+/* ------------------------------------------------------------------------------------------- */
+/* Elements                                                                                    */
+/* ------------------------------------------------------------------------------------------- */
+/* f rounded to the query type T (fp32: itself). */
+static inline float round_to(float f, int32_t type) {
+  if (type == ONNX_BFLOAT16) return bf16_to_float(float_to_bf16(f));
+  if (type == ONNX_FLOAT16) return f16_to_float(float_to_f16(f));
+  return f;
+}
+
+static inline float element_at(const void* base, int64_t i, int32_t type) {
+  if (type == ONNX_FLOAT) {
+    float f;
+    memcpy(&f, (const char*)base + i * 4, 4);
+    return f;
+  }
+  uint16_t h;
+  memcpy(&h, (const char*)base + i * 2, 2);
+  return type == ONNX_BFLOAT16 ? bf16_to_float(h) : f16_to_float(h);
+}
+
+/* Round half to even of |v| < 2^22 (fp32 addition rounds to nearest even). */
+static inline float round_half_even(float v) {
+  const float magic = 12582912.0f; /* 1.5 x 2^23 */
+  return v >= 0.0f ? (v + magic) - magic : -((-v + magic) - magic);
+}
+
+static inline int8_t quantize_int8(float v) {
+  if (v != v) return 0; /* NaN: what CUDA's float-to-int conversion gives */
+  if (v >= 127.0f) return 127;
+  if (v <= -128.0f) return -128;
+  return (int8_t)(int)round_half_even(v);
+}
+
+/* A finite |v| <= 448 as float8e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no inf),
+ * rounded to nearest even; subnormals are m x 2^-9. */
+static inline uint8_t to_e4m3fn(float v) {
+  uint32_t bits = float_to_bits(v), sign = (bits >> 24) & 0x80u, magnitude = bits & 0x7FFFFFFFu;
+  int exponent = (int)(magnitude >> 23) - 127;
+  if (magnitude == 0) return (uint8_t)sign;
+  if (exponent < -6) { /* below 2^-6: m = |v| x 2^9, rounded to an integer 0 .. 8 (8 is 2^-6 itself) */
+    uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u;
+    int shift = 14 - exponent; /* |v| x 2^9 = mantissa x 2^(exponent + 9 - 23) */
+    if (shift >= 32) return (uint8_t)sign;
+    uint32_t q = mantissa >> shift, rest = mantissa & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    q += rest > half || (rest == half && (q & 1u));
+    return (uint8_t)(sign | q);
+  }
+  magnitude += 0x7FFFFu + ((magnitude >> 20) & 1u); /* round the 20 dropped mantissa bits to nearest even */
+  uint32_t e = (magnitude >> 23) - 127 + 7, m = (magnitude >> 20) & 7u;
+  return (uint8_t)(sign | (e << 3) | m);
+}
+
+static inline uint8_t quantize_e4m3fn(float v) {
+  v = v < 448.0f ? v : 448.0f;    /* fminf(448, v): NaN -> 448 */
+  v = v > -448.0f ? v : -448.0f;  /* fmaxf(-448, v) */
+  return to_e4m3fn(v);
+}
+
+/* Store n values (exactly representable in T) at dst as the cache's type: T itself, or quantized
+ * with scale[c] (PER_CHANNEL: scale + the head's first channel) / scale[0] (PER_TENSOR). */
+static void store_row(void* dst, const float* values, int64_t n, int32_t cache_type, int32_t quant, const float* scale) {
+  if (cache_type != PAKV_ONNX_INT8 && cache_type != PAKV_ONNX_FLOAT8E4M3FN) {
+    narrow(dst, values, n, cache_type);
+    return;
+  }
+  for (int64_t c = 0; c < n; c++) {
+    float s = quant == PAKV_QUANT_PER_CHANNEL ? scale[c] : scale[0];
+    float v = values[c] * (s == 0.0f ? 0.0f : 1.0f / s);
+    if (cache_type == PAKV_ONNX_INT8) ((int8_t*)dst)[c] = quantize_int8(v);
+    else ((uint8_t*)dst)[c] = quantize_e4m3fn(v);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* One head: norm, rotary                                                                      */
+/* ------------------------------------------------------------------------------------------- */
+/* The head at src (D elements of T) through the norm (weight may be NULL) and rotary at `position`,
+ * into out (D floats, each a T value); `normed` is D floats of scratch. */
+static void prepare_head(const pakv_fused_plan* p, const void* src, const void* weight, int64_t position, float* normed,
+                         float* out) {
+  const int64_t d = p->head_dim;
+  const int32_t type = p->query_type;
+  for (int64_t c = 0; c < d; c++) normed[c] = element_at(src, c, type);
+  if (weight) {
+    double sum = 0.0;
+    for (int64_t c = 0; c < d; c++) sum += (double)normed[c] * (double)normed[c]; /* exact products */
+    double inverse = 1.0 / __builtin_sqrt(sum / (double)d + (double)p->epsilon);
+    for (int64_t c = 0; c < d; c++)
+      normed[c] = round_to((float)((double)normed[c] * inverse * (double)element_at(weight, c, type)), type);
+  }
+  memcpy(out, normed, (size_t)d * sizeof(float));
+  if (p->rotary_dim == 0) return;
+  const int64_t half = p->rotary_dim / 2, offset = p->rotary_offset;
+  const int64_t row = position * half; /* cos / sin row of this position */
+  for (int64_t r = 0; r < p->rotary_dim; r++) {
+    int64_t i, partner;
+    double sign;
+    if (p->rotary_interleaved) {
+      i = r / 2;
+      partner = r % 2 ? r - 1 : r + 1;
+      sign = r % 2 ? 1.0 : -1.0;
+    } else {
+      i = r % half;
+      partner = r < half ? r + half : r - half;
+      sign = r < half ? -1.0 : 1.0;
+    }
+    double c = element_at(p->cos_cache, row + i, type), s = element_at(p->sin_cache, row + i, type);
+    double rotated = (double)normed[offset + r] * c + sign * ((double)normed[offset + partner] * s);
+    out[offset + r] = round_to((float)rotated, type);
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Tokens                                                                                      */
+/* ------------------------------------------------------------------------------------------- */
+/* The scales of kv head g: PER_CHANNEL its D channels' (scale + g x D), PER_TENSOR the one scale. */
+static const float* head_scale(const float* scale, int32_t quant, int64_t g, int64_t d) {
+  return quant == PAKV_QUANT_PER_CHANNEL ? scale + g * d : scale;
+}
+
+/* Tokens [t0, t1): their query rows (when prepared) and their key / value rows (when they have a slot). */
+static void prologue_tokens(const pakv_fused_plan* p, int64_t t0, int64_t t1, float* scratch) {
+  const int64_t d = p->head_dim, item = p->query_type == ONNX_FLOAT ? 4 : 2;
+  const int64_t cache_item = p->cache_type == PAKV_ONNX_INT8 || p->cache_type == PAKV_ONNX_FLOAT8E4M3FN ? 1 : item;
+  float *normed = scratch, *row = scratch + d;
+  for (int64_t t = t0; t < t1; t++) {
+    int64_t position = p->positions[t], slot = p->slots[t];
+    if (p->prepare_query)
+      for (int64_t h = 0; h < p->num_heads; h++) {
+        prepare_head(p, (const char*)p->query + t * p->query_token_stride + h * d * item, p->q_norm_weight, position,
+                     normed, row);
+        narrow((char*)p->query_rows + (t * p->num_heads + h) * d * item, row, d, p->query_type);
+      }
+    if (slot < 0) continue;
+    int64_t block = slot / p->block_size, at = slot % p->block_size;
+    char* key_row = (char*)p->key_cache + block * p->key_block_stride + at * p->key_row_bytes;
+    char* value_row = p->latent ? NULL : (char*)p->value_cache + block * p->value_block_stride + at * p->value_row_bytes;
+    for (int64_t g = 0; g < p->num_kv_heads; g++) {
+      prepare_head(p, (const char*)p->key + t * p->key_token_stride + g * d * item, p->k_norm_weight, position, normed,
+                   row);
+      store_row(key_row + g * d * cache_item, row, d, p->cache_type, p->key_quant, head_scale(p->key_scale, p->key_quant, g, d));
+      if (p->latent) continue;
+      for (int64_t c = 0; c < d; c++) row[c] = element_at((const char*)p->value + t * p->value_token_stride + g * d * item, c, p->query_type);
+      store_row(value_row + g * d * cache_item, row, d, p->cache_type, p->value_quant,
+                head_scale(p->value_scale, p->value_quant, g, d));
+    }
+  }
+}
+
+typedef struct {
+  const pakv_fused_plan* plan;
+  int64_t tokens_per_part;
+  int no_memory;
+} prologue_run;
+
+static void run_part(void* data, size_t index) {
+  prologue_run* run = (prologue_run*)data;
+  const pakv_fused_plan* p = run->plan;
+  int64_t t0 = (int64_t)index * run->tokens_per_part, t1 = t0 + run->tokens_per_part;
+  float* scratch = (float*)malloc((size_t)(2 * p->head_dim) * sizeof(float));
+  if (!scratch) {
+    __atomic_store_n(&run->no_memory, 1, __ATOMIC_RELAXED);
+    return;
+  }
+  prologue_tokens(p, t0, t1 < p->num_tokens ? t1 : p->num_tokens, scratch);
+  free(scratch);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Checks and the run                                                                          */
+/* ------------------------------------------------------------------------------------------- */
+static int is_float(int32_t t) { return t == ONNX_FLOAT || t == ONNX_FLOAT16 || t == ONNX_BFLOAT16; }
+
+int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
+  if (!p) return pakv_fail(err, "NULL fused attention plan");
+  if (p->abi_version != PAKV_ABI_VERSION || p->struct_size != sizeof(pakv_fused_plan))
+    return pakv_fail(err, "fused attention plan ABI mismatch: caller has version %u / %u bytes, library has %d / %zu bytes",
+                     p->abi_version, p->struct_size, PAKV_ABI_VERSION, sizeof(pakv_fused_plan));
+  int quantized = p->cache_type == PAKV_ONNX_INT8 || p->cache_type == PAKV_ONNX_FLOAT8E4M3FN;
+  if (!is_float(p->query_type) || (p->cache_type != p->query_type && !quantized) ||
+      (quantized && (p->key_quant == PAKV_QUANT_NONE || !p->key_scale ||
+                     (!p->latent && (p->value_quant == PAKV_QUANT_NONE || !p->value_scale)))))
+    return pakv_fail(err, "fused attention plan: types %d / %d and quantization %d / %d do not go together",
+                     p->query_type, p->cache_type, p->key_quant, p->value_quant);
+  if (p->num_tokens < 0 || p->num_heads < 1 || p->num_kv_heads < 1 || p->num_heads % p->num_kv_heads ||
+      p->head_dim < 1 || p->block_size < 1 || p->num_blocks < 0 || p->rotary_dim < 0 || p->rotary_dim % 2 ||
+      p->rotary_offset < 0 || p->rotary_offset + p->rotary_dim > p->head_dim || p->rotary_rows < 0)
+    return pakv_fail(err, "fused attention plan: sizes out of range (tokens %lld, heads %lld / %lld, head_dim %lld, "
+                     "rotary %lld + %lld)", (long long)p->num_tokens, (long long)p->num_heads, (long long)p->num_kv_heads,
+                     (long long)p->head_dim, (long long)p->rotary_offset, (long long)p->rotary_dim);
+  if (p->num_tokens && (!p->slots || !p->positions || !p->query || !p->key || (!p->latent && !p->value) ||
+                        (p->normalize && (!p->q_norm_weight || !p->k_norm_weight)) ||
+                        (p->rotary_dim && (!p->cos_cache || !p->sin_cache))))
+    return pakv_fail(err, "fused attention plan: a NULL input pointer for %lld tokens", (long long)p->num_tokens);
+  int64_t capacity;
+  if (pakv_mul(p->num_blocks, p->block_size, &capacity)) return pakv_fail(err, "fused attention plan: capacity overflows");
+  for (int64_t t = 0; t < p->num_tokens; t++) {
+    if (p->slots[t] >= capacity || p->slots[t] < -1 || p->positions[t] < 0 ||
+        (p->rotary_dim && p->positions[t] >= p->rotary_rows))
+      return pakv_fail(err, "fused attention plan: token %lld has slot %lld of %lld and position %lld of %lld",
+                       (long long)t, (long long)p->slots[t], (long long)capacity, (long long)p->positions[t],
+                       (long long)p->rotary_rows);
+  }
+  pakv_attention_plan attention = p->attention; /* checked as it will run: the query rows bound later */
+  if (p->prepare_query && !attention.query) attention.query = p->query;
+  return pakv_check_attention_plan(&attention, err);
+}
+
+/* [lo, hi]: the lowest and highest byte the prologue writes in one cache (Norm rows at each token's slot);
+ * lo NULL when it writes none there. */
+static void written_span(const pakv_fused_plan* p, char* cache, int64_t stride, int64_t row, char** lo, char** hi) {
+  *lo = *hi = NULL;
+  for (int64_t t = 0; cache && row > 0 && t < p->num_tokens; t++) {
+    if (p->slots[t] < 0) continue;
+    char* first = cache + (p->slots[t] / p->block_size) * stride + (p->slots[t] % p->block_size) * row;
+    if (!*lo || first < *lo) *lo = first;
+    if (!*hi || first + row - 1 > *hi) *hi = first + row - 1;
+  }
+}
+
+/* A read-only or unmapped cache is an error before anything is written (pakv_writable.c), never a signal. */
+static int check_caches_writable(const pakv_fused_plan* p, pakv_err* err) {
+  char *lo[2], *hi[2];
+  const char* names[2] = {"key_cache", "value_cache"};
+  written_span(p, (char*)p->key_cache, p->key_block_stride, p->key_row_bytes, &lo[0], &hi[0]);
+  written_span(p, p->latent ? NULL : (char*)p->value_cache, p->value_block_stride, p->value_row_bytes, &lo[1], &hi[1]);
+  return pakv_check_spans_writable(lo, hi, names, 2, err);
+}
+
+int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_err* err) {
+  if (pakv_check_fused_plan(p, err)) return -1;
+  if (p->num_tokens && (!p->key_cache || (!p->latent && !p->value_cache) ||
+                        (p->prepare_query && (!p->query_rows || p->attention.query != p->query_rows))))
+    return pakv_fail(err, "fused attention: the plan is not bound to its caches and query rows (pakv_fused_bind)");
+  if (check_caches_writable(p, err)) return -1;
+  int64_t elements = p->num_tokens * (p->num_heads + 2 * p->num_kv_heads) * p->head_dim; /* fits: checked */
+  prologue_run run = {p, p->num_tokens, 0};
+  int64_t per_token = (p->num_heads + 2 * p->num_kv_heads) * p->head_dim;
+  run.tokens_per_part = PAKV_FUSED_PART_ELEMENTS / per_token > 0 ? PAKV_FUSED_PART_ELEMENTS / per_token : 1;
+  int64_t parts = p->num_tokens / run.tokens_per_part + (p->num_tokens % run.tokens_per_part != 0);
+  if (par && parts >= 2 && elements >= PAKV_FUSED_PARALLEL_MIN) {
+    if (par->run(par->host, run_part, (size_t)parts, &run))
+      for (int64_t i = 0; i < parts; i++) run_part(&run, (size_t)i); /* the pool ran none: here */
+  } else if (p->num_tokens) {
+    run.tokens_per_part = p->num_tokens;
+    run_part(&run, 0);
+  }
+  if (run.no_memory)
+    return pakv_fail(err, "fused attention: out of memory for a scratch of %lld floats", (long long)(2 * p->head_dim));
+  return pakv_run_attention_on(&p->attention, par, err);
+}
+
+/* Exported: whether a checked plan's caches can be written where its prologue writes (what a Python backend
+ * asks before it writes host caches; the C run asks itself). 0, or nonzero with the message at err_out. */
+PAKV_EXPORT int pakv_fused_writable(const pakv_fused_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err;
+  err.msg[0] = 0;
+  int rc = pakv_check_fused_plan(plan, &err) || check_caches_writable(plan, &err);
+  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+  return rc;
+}
+
+/* Exported entry point (the native Python backend): check and run on the calling thread. */
+PAKV_EXPORT int pakv_fused_attention(const pakv_fused_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err;
+  err.msg[0] = 0;
+  int rc = pakv_run_fused_on(plan, NULL, &err);
+  if (rc && err_out && err_len) {
+    size_t n = strlen(err.msg);
+    if (n >= err_len) n = err_len - 1;
+    memcpy(err_out, err.msg, n);
+    err_out[n] = 0;
+  }
+  return rc;
+}
