@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
-import json
 import random
 from collections.abc import Sequence
-from importlib import resources
 from typing import Any
 
 import torch
 
+from pakv_onnx import seed_sweep
 from pakv_onnx.spec import (
     CACHE_DTYPES,
     CacheMode,
@@ -91,16 +89,8 @@ class SeedCaseSpec:
         return _build_seed_case(self)
 
 
-@functools.cache
-def _seed_sweep() -> dict[str, Any]:
-    text = resources.files("pakv_onnx").joinpath("data/seed_sweep.json").read_text()
-    return json.loads(text)
-
-
 def seed_cases() -> tuple[SeedCaseSpec, ...]:
     """The seed's network sweep (``level0`` ... ``level9``) then its two manual shapes."""
-    sweep = _seed_sweep()
-    entries = [(c, False) for c in sweep["cases"]] + [(c, True) for c in sweep["manual"]]
     return tuple(
         SeedCaseSpec(
             case_id=c["id"],
@@ -113,17 +103,14 @@ def seed_cases() -> tuple[SeedCaseSpec, ...]:
             total_tokens=c["total_tokens"],
             manual=manual,
         )
-        for c, manual in entries
+        for c, manual in seed_sweep.entries()
     )
 
 
 def seed_case(case_id: str) -> SeedCaseSpec:
     """The seed case called ``case_id``; ``ValueError`` listing the ids otherwise."""
-    for spec in seed_cases():
-        if spec.case_id == case_id:
-            return spec
-    ids = ", ".join(s.case_id for s in seed_cases())
-    raise ValueError(f"unknown case id {case_id!r} (known: {ids})")
+    seed_sweep.check_case_id(case_id)
+    return next(spec for spec in seed_cases() if spec.case_id == case_id)
 
 
 def even_split(total: int, parts: int) -> list[int]:

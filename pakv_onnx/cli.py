@@ -6,7 +6,8 @@ Each subcommand is one module of :mod:`pakv_onnx.commands` with ``add_parser(sub
 Exit codes, the same in every command: 0 success; 1 a check failed; 2 a usage error (argparse's
 code: bad arguments, unknown case ids, a backend that cannot run here) or an environment problem
 this run cannot get past (an unwritable directory, no place for the cache), printed as one line;
-130 interrupted (Ctrl-C), also one line, never a traceback.
+130 interrupted (Ctrl-C), also one line, never a traceback, within seconds wherever the command was
+(:mod:`pakv_onnx.commands._interrupt`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from pakv_onnx import __version__
+from pakv_onnx.commands import _args, _interrupt
 
 # One line per subcommand, in --help order.
 COMMAND_MODULES = (
@@ -31,8 +33,8 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.cache",
 )
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+EXIT_USAGE = _args.EXIT_USAGE
+EXIT_INTERRUPTED = _interrupt.EXIT_INTERRUPTED
 
 # OSErrors that mean "this machine's files are not as the run needs" rather than a bug.
 ENVIRONMENT_ERRNOS = frozenset(
@@ -74,26 +76,42 @@ def _cache_hint(filename: str) -> str:
     return f" (in the pakv-onnx cache: set {CACHE_DIR_ENV} to a writable directory)" if inside else ""
 
 
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    """argparse's parse, except that an unknown option before the command is named as such (argparse
+    alone says only that COMMAND is missing). Raises SystemExit as argparse does."""
+    parser = build_parser()
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized arguments: {argv[0]} (a command comes first: pakv-onnx COMMAND [options])")
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code (see the module docstring)."""
-    if list(sys.argv[1:] if argv is None else argv) == ["--version"]:
-        print(f"pakv-onnx {__version__}")  # without loading the subcommands (and torch)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:
+        print(f"pakv-onnx {__version__}")  # without loading the subcommands
         return 0
-    try:
+    with _interrupt.handling() as interrupt:
+        command = None
         try:
-            args = build_parser().parse_args(argv)
-        except SystemExit as done:  # --help, --version, or argparse's usage error (2)
-            return 0 if done.code is None else int(done.code)
-        return args.run(args)
-    except KeyboardInterrupt:
-        print("pakv-onnx: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as err:
-        message = environment_message(err)
-        if message is None:
-            raise
-        print(f"pakv-onnx: error: {message}", file=sys.stderr)
-        return EXIT_USAGE
+            try:
+                args = parse(argv)
+            except SystemExit as done:  # --help, --version, or argparse's usage error (2)
+                if not interrupt.requested:
+                    return 0 if done.code is None else int(done.code)
+                raise
+            command = args.command
+            return args.run(args)
+        except BaseException as err:
+            # Plain attribute reads and a store first: nothing here lets a pending SIGINT run its handler.
+            if interrupt.requested:  # whatever Ctrl-C turned into on its way here (see _interrupt)
+                interrupt.acknowledged = True
+                print(_interrupt.MESSAGE, file=sys.stderr)
+                return EXIT_INTERRUPTED
+            message = environment_message(err) if isinstance(err, OSError) else None
+            if message is None:
+                raise
+            return _args.usage_error(command, message)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.models import GqaPagedAttention, MlaContextAttention, PagedAttentionModel
 from pakv_onnx.models.batch import ragged_lengths
-from pakv_onnx.models.hf.check import PYPTO_CPU, pypto_cpu_refusal
+from pakv_onnx.models.hf.check import PYPTO_CPU, pakv_ops, pypto_cpu_refusal
 from pakv_onnx.models.paged_model import MODEL_INPUT_NAMES, MODEL_OUTPUT_NAMES
 from pakv_onnx.spec import bitwise_equal
 from pakv_onnx.validator import plan_gather
@@ -140,11 +140,14 @@ def run_graph(
     repeats: int,
     progress: Callable[[str], None],
     on_data: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], None] | None = None,
+    add_pypto_cpu: bool = False,
 ) -> list[RunResult]:
     """Export ``graph`` into ``out_dir`` and run it every requested way; one result per way.
 
     ``on_data(inputs, expected)``, if given, receives the graph's input feeds and the torch
     reference outputs by graph name (``pakv-onnx demo --out`` saves them next to the model).
+    ``add_pypto_cpu``: also run ``plugin:pypto-cpu`` where pypto is installed (a skipped row, with
+    why, where it refuses the graph); the demo's default, not when the caller names the backends.
     """
     model = graph.build(seed).eval()
     batch = model.random_batch(num_tokens, graph.num_seqs, seed)
@@ -167,12 +170,12 @@ def run_graph(
     with torch.no_grad():
         eager_outputs, eager_ms = _timed_runs(lambda: dict(zip(MODEL_OUTPUT_NAMES, model(*inputs))), repeats)
     results = [compare("torch eager", eager_outputs, reference, eager_ms)]
-    # plugin:pypto-cpu joins every graph where pypto can run (listed as skipped, with why, for a
-    # graph it refuses; left out altogether where pypto is not installed, as before).
+    # With add_pypto_cpu, plugin:pypto-cpu joins every graph where pypto can run (listed as skipped,
+    # with why, for a graph it refuses; left out altogether where pypto is not installed).
     names, skipped = list(backends), []
-    if PYPTO_CPU not in backends and pypto_cpu_refusal() is None:
+    if add_pypto_cpu and PYPTO_CPU not in backends and pypto_cpu_refusal() is None:
         plan = plan_gather(*batch.gather_inputs(), cache_mode="Norm", is_seq_lens_cumsum=True)  # as forward calls it
-        refusal = pypto_cpu_refusal((plan, batch.key_cache))
+        refusal = pypto_cpu_refusal((plan, batch.key_cache), pakv_ops(path))
         if refusal is None:
             names.append(PYPTO_CPU)
         else:
@@ -181,7 +184,7 @@ def run_graph(
         (
             f"plugin:{name}",
             lambda name=name: runtime_plugin.make_session(path, backend=name),
-            1 if name == PYPTO_CPU else repeats,  # about a second per call: one timed run
+            1 if name == PYPTO_CPU else repeats,  # seconds per call: one timed run
         )
         for name in names
     ]

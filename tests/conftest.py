@@ -11,6 +11,10 @@
   module (PyPTO runs, tuned tiles, the pypto-cpu worker), PyPTO's helper build kept shared.
 * :data:`ORT_ERRORS` — what onnxruntime raises for a refused model or a failed run.
 * :func:`run_python` — a script in a fresh interpreter (crash-prone scenarios; exit behaviour).
+* Temporary files: every test (and every process it starts) writes its temporary files, pip's cache
+  and torch's compile cache under pytest's base temporary directory (:data:`CONTAINED_ENV`), which
+  a green run removes (pyproject.toml's ``tmp_path_retention_policy``): a run leaves nothing in
+  /tmp or ~/.cache/pip.
 
 One-node models for the runtime plugin are in ``onnx_graphs.py``.
 """
@@ -22,6 +26,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 
@@ -45,6 +50,33 @@ ORT_ERRORS = (
     ort.capi.onnxruntime_pybind11_state.InvalidGraph,
 )
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Where temporary files go, and the two caches a test run would otherwise fill outside it:
+# variable -> folder under the session's temporary root (set from pytest_sessionstart to the end).
+CONTAINED_ENV = {"TMPDIR": ".", "TORCHINDUCTOR_CACHE_DIR": "torchinductor", "PIP_CACHE_DIR": "pip"}
+_saved_temp_settings: list = []
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Point temporary files, torch's compile cache and pip's cache under pytest's base temp dir."""
+    root = session.config._tmp_path_factory.getbasetemp() / "tmp"
+    root.mkdir(exist_ok=True)
+    _saved_temp_settings.append((tempfile.tempdir, {name: os.environ.get(name) for name in CONTAINED_ENV}))
+    for name, sub in CONTAINED_ENV.items():
+        os.environ[name] = str((root / sub).resolve())
+    tempfile.tempdir = None  # tempfile reads TMPDIR again on next use
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not _saved_temp_settings:
+        return
+    tempdir, saved = _saved_temp_settings.pop()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    tempfile.tempdir = tempdir
 
 
 def run_python(

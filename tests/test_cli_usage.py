@@ -15,6 +15,7 @@ import torch
 
 import pakv_onnx
 from pakv_onnx import cli, kernels, paths
+from pakv_onnx.commands import _interrupt
 from pakv_onnx.cases import seeded_randn
 
 
@@ -52,6 +53,48 @@ def test_a_backend_that_cannot_run_here_is_refused_with_its_reason(
     assert time.perf_counter() - start < 5  # refused before any model or case is built
     err = _err(capsys)
     assert f"backend 'pypto' cannot run here: {reason}" in err and "backends that can: native" in err
+
+
+# --help of every command, and usage errors argparse or a command finds before any work.
+TORCH_FREE_ARGVS = [
+    ["--help"],
+    *([m.rsplit(".", 1)[1].replace("_", "-"), "--help"] for m in cli.COMMAND_MODULES),
+    ["--bogus"],
+    [],
+    ["demo", "--repeats", "0"],
+    ["demo", "--model", "vit"],
+    ["cases", "level0", "nope"],
+    ["cases", "--backend", "fastest"],
+    ["generate"],
+    ["generate", "--arch", "llama", "--batch", "99"],
+    ["export", "no-such-folder", "out"],
+    ["tune", "--dtype", "float64"],
+    ["verify-kernel", "--device", "gpu"],
+]
+
+
+def test_help_and_usage_errors_do_not_import_torch() -> None:
+    """``--help`` and a usage error answer at once: the parsers need neither torch nor any model."""
+    script = f"""
+import contextlib, io, sys
+from pakv_onnx import cli
+heavy = ("torch", "transformers", "onnx", "onnxruntime", "numpy")
+for argv in {TORCH_FREE_ARGVS!r}:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+        code = cli.main(argv)
+    assert code in (0, 2), (argv, code, err.getvalue())
+    assert code == 0 or "error:" in err.getvalue(), (argv, err.getvalue())
+    loaded = [name for name in heavy if name in sys.modules]
+    assert not loaded, (argv, "imported", loaded)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+def test_an_unknown_option_before_the_command_is_named(capsys: pytest.CaptureFixture) -> None:
+    assert cli.main(["--bogus"]) == 2
+    assert "pakv-onnx: error: unrecognized arguments: --bogus" in _err(capsys)
 
 
 def test_version(capsys: pytest.CaptureFixture) -> None:
@@ -102,6 +145,95 @@ def _run_cli(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = N
     )
 
 
+# --------------------------------------------------------------------------- #
+# export: HF_DIR and OUT_DIR checked before torch or any weight is loaded
+# --------------------------------------------------------------------------- #
+def _model_folder(path: Path, *, weights: bool = True) -> Path:
+    """A folder with a Llama config.json and (``weights``) an empty weights file: enough for the checks."""
+    from pakv_onnx.models.hf import make_config
+
+    make_config("llama").save_pretrained(path)
+    if weights:
+        (path / "model.safetensors").write_bytes(b"")
+    return path
+
+
+def test_export_refuses_a_folder_without_weights_in_one_line(tmp_path: Path) -> None:
+    hf = _model_folder(tmp_path / "hf", weights=False)
+    result = _run_cli("export", str(hf), str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"pakv-onnx export: error: {hf}: no weights (none of model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin, pytorch_model.bin.index.json; nothing is downloaded)"
+    ]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("out", "message"),
+    [
+        ("full", "full: exists and is not empty; pass --force to write into it"),
+        ("a-file", "a-file: exists and is not a folder"),
+        ("a-file/out", "a-file/out: {tmp}/a-file is not a folder"),
+        ("hf", "hf: OUT_DIR is HF_DIR"),
+    ],
+)
+def test_export_refuses_an_out_dir_it_must_not_write(
+    out: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pakv_onnx.models.hf import genai
+
+    monkeypatch.setattr(genai, "load_hf_config", lambda hf_dir: pytest.fail("read the model before refusing OUT_DIR"))
+    _model_folder(tmp_path / "hf")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("mine")
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["export", "hf", out]) == 2
+    err = _err(capsys).strip()
+    assert err.startswith(f"pakv-onnx export: error: {message.format(tmp=tmp_path)}") and "\n" not in err
+    assert (tmp_path / "full" / "notes.txt").read_text() == "mine"
+
+
+def test_export_writes_into_an_empty_or_forced_out_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pakv_onnx.models.hf import genai
+
+    reached = []
+
+    def fake_export(hf_dir, out_dir, **options):
+        reached.append(Path(out_dir).name)
+        raise genai.UnsupportedModelError("stop here")
+
+    monkeypatch.setattr(genai, "export_genai", fake_export)
+    hf = _model_folder(tmp_path / "hf")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "model.onnx").write_text("an earlier export")
+    for argv in (["empty"], ["new/nested"], ["full", "--force"]):
+        assert cli.main(["export", str(hf), str(tmp_path / argv[0]), *argv[1:]]) == 2
+        assert _err(capsys).strip() == "pakv-onnx export: error: stop here"
+    assert reached == ["empty", "nested", "full"]
+
+
+def test_export_refuses_a_model_without_a_kv_geometry_before_its_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import GPT2Config
+
+    from pakv_onnx.models.hf import genai
+
+    monkeypatch.setattr(genai, "load_hf_model", lambda hf_dir: pytest.fail("loaded the weights before refusing"))
+    GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64).save_pretrained(tmp_path / "gpt2")
+    (tmp_path / "gpt2" / "model.safetensors").write_bytes(b"")
+    assert cli.main(["export", str(tmp_path / "gpt2"), str(tmp_path / "out")]) == 2
+    err = _err(capsys)
+    assert "pakv-onnx export: error: gpt2 (GPT2Config): its config has no num_key_value_heads;" in err
+    assert "AttributeError" not in err and "object has no attribute" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_cache_command_with_empty_home_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     env = {"HOME": "", "XDG_CACHE_HOME": ""}
     result = subprocess.run(
@@ -114,8 +246,8 @@ def test_cache_command_with_empty_home_is_one_line_not_a_traceback(tmp_path: Pat
     )
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        "pakv-onnx: error: cannot place the pakv-onnx cache: HOME is empty; set PAKV_ONNX_CACHE_DIR to a writable "
-        "directory"
+        "pakv-onnx cache: error: cannot place the pakv-onnx cache: HOME is empty; set PAKV_ONNX_CACHE_DIR to a "
+        "writable directory"
     ]
 
 
@@ -231,6 +363,73 @@ def test_ctrl_c_in_demo_leaves_no_partial_output(tmp_path: Path) -> None:
     )
     assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "pakv-onnx: interrupted"
     assert list(out_dir.iterdir()) == []  # the staging directory is gone, no half-written model
+
+
+# A command whose body does what libraries do to a KeyboardInterrupt (commands/_interrupt.py), run
+# through cli.main in a child: `swallow` drops every one (a weakref callback, forever), `once` drops
+# the first and works on, `convert` turns it into another exception, `stuck` sits in a call that
+# ignores it. Each prints "started" (and creates the folder argv[2] names, registered for a hard exit).
+_MISBEHAVING = r"""
+import os, shutil, sys, time, types
+from pakv_onnx import cli
+from pakv_onnx.commands import _args, _interrupt
+
+def run(args):
+    os.makedirs(args.folder)
+    _interrupt.on_hard_exit(lambda: shutil.rmtree(args.folder, ignore_errors=True))
+    announced, dropped = [], 0
+
+    def work():  # "started" from inside the try blocks below: every Ctrl-C after it meets the handlers
+        if not announced:
+            announced.append(print("started", flush=True))
+        time.sleep(0.01)
+
+    while True:
+        try:
+            while args.how == "stuck":
+                try:
+                    work()
+                except KeyboardInterrupt:
+                    pass
+            work()
+        except KeyboardInterrupt:
+            dropped += 1
+            if args.how == "convert":
+                raise AttributeError("module 'torch._dynamo' has no attribute 'exc'")
+            if args.how == "once" and dropped > 1:
+                raise
+            print(f"dropped {dropped}", file=sys.stderr, flush=True)
+
+def add_parser(commands):
+    parser = _args.add_command(commands, "misbehave", help="test", description="test", examples=[""])
+    parser.add_argument("how")
+    parser.add_argument("folder")
+    parser.set_defaults(run=run)
+
+sys.modules["misbehaving"] = types.SimpleNamespace(add_parser=add_parser)
+cli.COMMAND_MODULES += ("misbehaving",)
+sys.exit(cli.main(["misbehave", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("how", ["once", "convert", "swallow", "stuck"])
+def test_ctrl_c_ends_a_command_whatever_a_library_does_with_it(how: str, tmp_path: Path) -> None:
+    folder = tmp_path / "work"
+    process = subprocess.Popen(
+        [sys.executable, "-c", _MISBEHAVING, how, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == "started\n"
+    process.send_signal(signal.SIGINT)
+    start = time.perf_counter()
+    _out, err = process.communicate(timeout=60)
+    seconds = time.perf_counter() - start
+    assert process.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "pakv-onnx: interrupted" and "Traceback" not in err, err
+    if how in ("swallow", "stuck"):  # never caught: the hard exit, with its cleanups
+        assert _interrupt.HARD_EXIT_SECONDS <= seconds < 30 and not folder.exists(), (seconds, err)
+    else:  # re-raised (once) or any exception after Ctrl-C (convert): ends through cli.main
+        assert seconds < 30 and folder.exists()
+    assert ("dropped 1" in err) == (how in ("once", "swallow"))
 
 
 def test_seed_caches_are_generated_in_chunks_bit_for_bit() -> None:

@@ -80,11 +80,23 @@ def test_demo_skips_a_pypto_cpu_that_refuses_the_graph(
     )
     real = kernels.get_backend
     monkeypatch.setattr(kernels, "get_backend", lambda name: refusing if name == "pypto-cpu" else real(name))
-    assert cli.main(["demo", "--model", "gqa", "--tokens", "64", "--repeats", "1", "--backend", "native"]) == 0
+    assert cli.main(["demo", "--model", "gqa", "--tokens", "64", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     skips = [line.split() for line in out.splitlines() if "plugin:pypto-cpu" in line]
     assert skips == [["plugin:pypto-cpu", "skipped:", "too", "big", "here"]] * 2, out
     assert out.rstrip().endswith("PASS")
+
+
+def test_demo_runs_the_backends_given_and_adds_pypto_cpu_only_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pakv_onnx import demo
+
+    calls = []
+    monkeypatch.setattr(demo, "run_graph", lambda graph, **options: calls.append(options) or [])
+    assert cli.main(["demo", "--model", "mla", "--backend", "native,golden"]) == 0
+    assert cli.main(["demo", "--model", "mla"]) == 0
+    given, default = ((list(c["backends"]), c["add_pypto_cpu"]) for c in calls)
+    assert given == (["native", "golden"], False)  # exactly what was asked for: no slow pypto-cpu rows
+    assert default == (["native", "golden"], True)
 
 
 def test_demo_rejects_unknown_backend(capsys: pytest.CaptureFixture) -> None:

@@ -6,7 +6,6 @@ a pakv node or a model-local function. The exported models' counts are in test_h
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -215,7 +214,7 @@ def test_a_rotation_split_off_the_middle_is_left_alone() -> None:
     assert op_counts(fused) == op_counts(model)
 
 
-def test_a_bare_rms_norm_becomes_the_division_ort_fuses_at_load() -> None:
+def test_a_bare_rms_norm_becomes_the_division_ort_fuses_at_load(tmp_path: Path) -> None:
     model = norm_model()
     fused, report = fuse_step(model)
     assert report.applied["rms_norm_div"] == 1
@@ -223,7 +222,7 @@ def test_a_bare_rms_norm_becomes_the_division_ort_fuses_at_load() -> None:
     onnx.checker.check_model(fused, full_check=True)
     assert_same_outputs(model, fused, {"x": RNG.standard_normal((1, 5, D), np.float32)})
     options = ort.SessionOptions()
-    options.optimized_model_filepath = str(Path(tempfile.mkdtemp()) / "loaded.onnx")
+    options.optimized_model_filepath = str(tmp_path / "loaded.onnx")
     ort.InferenceSession(fused.SerializeToString(), options, providers=["CPUExecutionProvider"])
     assert [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node] == [
         "SimplifiedLayerNormalization"
@@ -330,7 +329,8 @@ def test_no_fuse_reaches_the_step_export(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     monkeypatch.setattr(genai, "export_step", fake_export_step)
     monkeypatch.setattr(genai, "load_hf_model", lambda hf_dir: build_model("llama"))
-    (tmp_path / "config.json").write_text("{}")
+    build_model("llama").config.save_pretrained(tmp_path)  # the export reads the config before the weights
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: load_hf_model is the fake above
     for extra in ([], ["--no-fuse"]):
         with pytest.raises(Stop):
             cli.main(["export", str(tmp_path), str(tmp_path / "out"), *extra])

@@ -108,7 +108,7 @@ def test_export_refuses_a_model_og_engine_cannot_serve(tmp_path: Path, capsys: p
     with pytest.raises(genai.UnsupportedModelError, match="deepseek_v3: the latent is kv_lora_rank 511 .* odd"):
         genai.genai_config(odd, block_size=8, num_blocks=8, max_batch_size=2)
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
-    assert "no config.json" in capsys.readouterr().err
+    assert "nothing: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     AutoModelForCausalLM.from_config(odd).save_pretrained(tmp_path / "odd")
     assert cli.main(["export", str(tmp_path / "odd"), str(tmp_path / "out")]) == 2  # refused before any export

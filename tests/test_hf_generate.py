@@ -9,6 +9,7 @@ weights and prompts; the exported step has one GatherPaKvCache per layer; a wron
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 from pathlib import Path
@@ -67,6 +68,7 @@ def test_export_writes_then_reads_every_layer_inside_the_graph(exported) -> None
     mla = arch == "deepseek"  # Llama (GQA) attends with one PagedAttention per layer over the pools
     reader = "GatherPaKvCache" if mla else "PagedAttention"
     assert [n.op_type for n in pakv] == ["ScatterPaKvCache", reader] * layers
+    assert check.pakv_ops(path) == {"ScatterPaKvCache", reader}  # what decides whether pypto-cpu can join
     outputs = [o.name for o in model.graph.output]
     for layer, (scatter, read) in enumerate(zip(pakv[::2], pakv[1::2])):
         # the layer's pools in, the updated pools are the present outputs and feed the read
@@ -173,6 +175,45 @@ def test_compare_sees_one_wrong_token() -> None:
     altered = Generation([list(t) for t in reference.tokens], [x.clone() for x in reference.logits])
     altered.tokens[1][-1] = (altered.tokens[1][-1] + 1) % 256
     assert compare(altered, reference) == (False, 0.0)
+
+
+def test_pypto_cpu_runner_is_skipped_where_it_has_no_kernel_for_the_graphs_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama's step attends with PagedAttention: a pypto-cpu without that kernel is skipped, saying so
+    (it joined, and failed, before); with the kernel, the count names the op the step calls."""
+    small = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=0)
+    big = make_workload(batch=2, new_tokens=30, vocab_size=256, seed=0)
+    llama_ops = {"ScatterPaKvCache", "PagedAttention"}
+    noop = lambda plan, tensors: None  # noqa: E731 (never called: only whether a kernel exists matters)
+    without = kernels.Backend(name="pypto-cpu", description="test", gather=noop, scatter=noop)
+    monkeypatch.setattr(kernels, "get_backend", lambda name: without)
+    names, skipped = check.runner_names(["native"], small, num_layers=2, ops=llama_ops)
+    assert "plugin:pypto-cpu" not in names
+    assert skipped["plugin:pypto-cpu"] == "it has no PagedAttention kernel, and this model's step runs PagedAttention"
+    names, skipped = check.runner_names(["native"], small, num_layers=2, ops={"ScatterPaKvCache", "GatherPaKvCache"})
+    assert "plugin:pypto-cpu" in names and not skipped  # the MLA step's ops: it has both kernels
+    with_attention = dataclasses.replace(without, attention=noop)
+    monkeypatch.setattr(kernels, "get_backend", lambda name: with_attention)
+    names, skipped = check.runner_names(["native"], big, num_layers=2, ops=llama_ops)
+    assert skipped["plugin:pypto-cpu"].startswith("60 PagedAttention calls at seconds each")
+
+
+def test_generate_runs_the_backends_given_and_adds_pypto_cpu_only_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pakv_onnx import cli
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def fake_run_check(**options):
+        calls.append((list(options["backends"]), options["add_pypto_cpu"]))
+        raise Stop
+
+    monkeypatch.setattr(check, "run_check", fake_run_check)
+    for argv in (["--backend", "native,golden"], []):
+        with pytest.raises(Stop):
+            cli.main(["generate", "--arch", "llama", *argv])
+    assert calls == [(["native", "golden"], False), (["native", "golden"], True)]
 
 
 def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.MonkeyPatch) -> None:

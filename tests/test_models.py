@@ -189,7 +189,8 @@ import onnxruntime, torch
 from pakv_onnx import runtime_plugin
 from pakv_onnx.models import MODEL_INPUT_NAMES, GqaPagedAttention
 model = GqaPagedAttention(num_heads=8, num_kv_heads=2, head_dim=32, hidden_size=128, block_size=16).eval()
-path = os.path.join(tempfile.mkdtemp(), "gqa.onnx")
+folder = tempfile.TemporaryDirectory()  # removed when this process ends
+path = os.path.join(folder.name, "gqa.onnx")
 model.export_onnx(model.example_inputs(64, 3, 0), path)
 cap = 4 << 30
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))

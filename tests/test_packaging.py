@@ -22,7 +22,9 @@ import pytest
 import pakv_onnx
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD_OUTPUT = (".git", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".pytest_cache", ".hypothesis")
+BUILD_OUTPUT = (
+    ".git", "build", "dist", "*.egg-info", "*.so", "__pycache__", ".pytest_cache", ".hypothesis", ".venv", "venv"
+)  # fmt: skip
 # Files the tests import or compile besides the test modules (the sdist must ship them).
 TEST_HELPERS = (
     "tests/per_token_reference.py",
@@ -35,13 +37,62 @@ TEST_HELPERS = (
 )
 
 
+def source_files(root: Path) -> list[str] | None:
+    """The files git would ship from ``root`` (tracked, plus new ones not ignored), relative paths;
+    ``None`` when ``root`` is not a git checkout (an unpacked sdist)."""
+    try:
+        listed = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            capture_output=True,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return [name for name in listed.decode().split("\0") if name and (root / name).is_file()]
+
+
+def copy_source_tree(root: Path, dest: Path) -> None:
+    """Copy the source tree at ``root`` to ``dest`` without build output or local files.
+
+    In a git checkout only what git would ship is copied, so a virtual environment or anything else
+    .gitignore names (a ``.venv`` of 900 MB, say) never is; elsewhere the BUILD_OUTPUT patterns are
+    left out."""
+    names = source_files(root)
+    if names is None:
+        shutil.copytree(root, dest, ignore=shutil.ignore_patterns(*BUILD_OUTPUT))
+        return
+    for name in names:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(root / name, dest / name)
+
+
 @pytest.fixture(scope="module")
 def clean_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the source tree with no build output in it."""
     dest = tmp_path_factory.mktemp("src") / "pakv-onnx"
-    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(*BUILD_OUTPUT))
+    copy_source_tree(ROOT, dest)
     assert not list(dest.rglob("*.so"))
     return dest
+
+
+def test_the_source_copy_leaves_out_ignored_local_files(tmp_path: Path) -> None:
+    """A .venv (the README's) or other ignored folder in the checkout is not copied; new files are."""
+    if source_files(ROOT) is None:
+        pytest.skip("not a git checkout (an unpacked sdist): the copy falls back to BUILD_OUTPUT patterns")
+    checkout = tmp_path / "checkout"
+    for name in ("pakv_onnx/__init__.py", ".gitignore"):
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, checkout / name)
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    subprocess.run(["git", "-C", str(checkout), "add", "."], check=True)
+    (checkout / ".venv" / "lib").mkdir(parents=True)
+    (checkout / ".venv" / "lib" / "big.py").write_text("x = 1\n")
+    (checkout / "build" / "lib").mkdir(parents=True)
+    (checkout / "build" / "lib" / "libpakv_ort.so").write_bytes(b"\x7fELF")
+    (checkout / "new_module.py").write_text("")  # not added yet: still part of the source
+    copy_source_tree(checkout, tmp_path / "copy")
+    copied = sorted(str(p.relative_to(tmp_path / "copy")) for p in (tmp_path / "copy").rglob("*") if p.is_file())
+    assert copied == [".gitignore", "new_module.py", "pakv_onnx/__init__.py"]
 
 
 def _platform_tag() -> str:
@@ -50,7 +101,8 @@ def _platform_tag() -> str:
 
 def test_wheel_is_abi3_platform_and_carries_the_built_library_and_extension(clean_tree: Path, tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(clean_tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)],
+        [sys.executable, "-m", "pip", "wheel", str(clean_tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+         "--no-cache-dir"],  # fmt: skip (pip would keep the wheel in ~/.cache/pip)
         check=True,
         capture_output=True,
         text=True,

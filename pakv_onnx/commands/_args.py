@@ -9,9 +9,11 @@ examples, notes) and records the examples so a test parses each one. The argumen
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 PROG = "pakv-onnx"
+EXIT_USAGE = 2  # a usage or environment error (argparse's code)
 # Command name -> the argument lines of its --help examples (tests parse every one).
 EXAMPLES: dict[str, tuple[str, ...]] = {}
 
@@ -44,6 +46,18 @@ def add_command(
     return commands.add_parser(
         name, help=help, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+
+
+def error_prefix(command: str | None = None) -> str:
+    """``pakv-onnx CMD: error:`` (``pakv-onnx: error:`` with no command): argparse's own form, so every
+    refusal of the command line reads alike."""
+    return f"{PROG} {command}: error:" if command else f"{PROG}: error:"
+
+
+def usage_error(command: str | None, message: str) -> int:
+    """Print ``message`` as one ``pakv-onnx CMD: error: ...`` line on stderr; returns the exit code, 2."""
+    print(f"{error_prefix(command)} {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _example_lines(name: str, examples: Sequence[str]) -> list[str]:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-from pakv_onnx import kernels
-from pakv_onnx.cases import GatherCase, random_case, seed_case, seed_cases
-from pakv_onnx.commands import _args
+from pakv_onnx import kernels, seed_sweep  # neither imports torch: --help and usage errors stay quick
+from pakv_onnx.commands import _args, _interrupt
 from pakv_onnx.commands._report import case_line, totals_line
-from pakv_onnx.ops import gather_pa_kv_cache
-from pakv_onnx.spec import bitwise_equal
-from pakv_onnx.validator import plan_gather
+
+if TYPE_CHECKING:
+    from pakv_onnx.cases import GatherCase
 
 PRECISION_PASS = "[PRECISION_PASS]"
 PRECISION_FAIL = "[PRECISION_FAIL]"
@@ -22,6 +22,10 @@ def check_case(case: GatherCase, backend: str) -> tuple[bool, str, str]:
 
     The backend run is what ``auto`` resolved to for this case; the detail names it too.
     """
+    from pakv_onnx.ops import gather_pa_kv_cache
+    from pakv_onnx.spec import bitwise_equal
+    from pakv_onnx.validator import plan_gather
+
     plan = plan_gather(*case.inputs(), **case.attributes())
     chosen = kernels.resolve_backend(backend, plan, case.key_cache).name
     key, value = gather_pa_kv_cache(*case.inputs(), **case.attributes(), backend=chosen)
@@ -54,12 +58,14 @@ def describe_backend(name: str) -> str:
 def known_case_id(text: str) -> str:
     """A seed case id (argparse type: an unknown id is a usage error listing the known ones)."""
     try:
-        return seed_case(text).case_id
+        return seed_sweep.check_case_id(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def run(args: argparse.Namespace) -> int:
+    from pakv_onnx.cases import random_case, seed_case, seed_cases  # imports torch
+
     specs = seed_cases()
     if args.list:
         for spec in specs:
@@ -77,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
     builders += [(f"random-{args.seed + i}", lambda s=args.seed + i: random_case(s)) for i in range(args.random)]
     failures, ran = 0, []
     for index, (case_id, build) in enumerate(builders, 1):
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run before the next case
         start = time.perf_counter()
         case = build()
         try:

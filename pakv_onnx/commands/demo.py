@@ -19,9 +19,11 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 STAGING_PREFIX = ".pakv-onnx-partial-"
+# Without --backend: these, and pypto-cpu where pypto is installed (demo.run_graph's add_pypto_cpu).
+DEFAULT_BACKENDS = ("native", "golden")
 
 
 def writable_dir(text: str) -> Path:
@@ -72,15 +74,14 @@ def run(args: argparse.Namespace) -> int:
     graphs = demo.MODEL_CHOICES[args.model]
     need, have = demo.estimated_peak_bytes(graphs, args.tokens, seed=args.seed), _physical_memory_bytes()
     if have and need > have:
-        print(
-            f"pakv-onnx demo: error: --tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs "
-            f"attend per sequence: memory grows with the longest sequence squared) but this machine has "
-            f"{have / 2**30:.0f} GiB",
-            file=sys.stderr,
+        return _args.usage_error(
+            "demo",
+            f"--tokens {args.tokens} needs about {need / 2**30:.0f} GiB (the sample graphs attend per sequence: "
+            f"memory grows with the longest sequence squared) but this machine has {have / 2**30:.0f} GiB",
         )
-        return 2
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     try:
@@ -88,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX if args.out else "pakv-onnx-demo-", dir=args.out))
     except OSError as err:
         where = args.out or "the temporary directory (TMPDIR)"
-        print(f"pakv-onnx demo: error: cannot write to {where}: {err.strerror or err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("demo", f"cannot write to {where}: {err.strerror or err}")
+    _interrupt.on_hard_exit(lambda: shutil.rmtree(staging, ignore_errors=True))
     try:
         all_passed = True
         for name in graphs:
@@ -102,12 +103,13 @@ def run(args: argparse.Namespace) -> int:
             results = demo.run_graph(
                 graph,
                 out_dir=staging,
-                backends=args.backend,
+                backends=args.backend or DEFAULT_BACKENDS,
                 num_tokens=args.tokens,
                 seed=args.seed,
                 repeats=args.repeats,
                 progress=progress,
                 on_data=keep_data if args.out else None,
+                add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
             )
             print(demo.format_table(graph, args.tokens, results), flush=True)
             all_passed &= all(r.passed for r in results)
@@ -160,9 +162,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--backend",
         type=_args.runnable_backend_list,
-        default="native,golden",
-        help="comma-separated plugin backends to run each graph on, besides stock ORT; each must be able to "
-        "run here (default: native,golden)",
+        default=None,
+        help="comma-separated plugin backends to run each graph on, besides stock ORT, exactly these; each "
+        "must be able to run here (default: native,golden, and pypto-cpu where pypto is installed: its rows "
+        "take seconds per run)",
     )
     parser.add_argument(
         "--out",

@@ -1,27 +1,69 @@
-"""``pakv-onnx export HF_DIR OUT_DIR``: a Hugging Face model folder -> an ORT GenAI paged model folder."""
+"""``pakv-onnx export HF_DIR OUT_DIR``: a Hugging Face model folder -> an ORT GenAI paged model folder.
+
+Everything the command line can check is checked before torch is imported or a weight is read:
+HF_DIR holds a config and weights, and OUT_DIR is new or empty (``--force``: a folder with files
+in it, whose files of the export's names are replaced; others are left).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 MAX_BLOCK_SIZE = 1024
+# The weight files AutoModelForCausalLM.from_pretrained reads from a local folder (one of them).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def source_problem(hf_dir: Path) -> str | None:
+    """Why ``hf_dir`` is not a model folder the export can load (``None``: it is)."""
+    if not hf_dir.is_dir():
+        return f"{hf_dir}: no such folder (want a Hugging Face model folder, as save_pretrained writes it)"
+    if not (hf_dir / "config.json").is_file():
+        return f"{hf_dir}: no config.json (want a folder as save_pretrained writes it)"
+    if not any((hf_dir / name).is_file() for name in WEIGHT_FILES):
+        return f"{hf_dir}: no weights (none of {', '.join(WEIGHT_FILES)}; nothing is downloaded)"
+    return None
+
+
+def out_dir_problem(out_dir: Path, hf_dir: Path, *, force: bool) -> str | None:
+    """Why the export must not write ``out_dir`` (``None``: it may): a file, a folder with files in it
+    (unless ``force``), HF_DIR itself, or a place this user cannot write."""
+    if out_dir.resolve() == hf_dir.resolve():
+        return f"{out_dir}: OUT_DIR is HF_DIR; give the exported model a folder of its own"
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            return f"{out_dir}: exists and is not a folder"
+        if not force and any(out_dir.iterdir()):
+            return (
+                f"{out_dir}: exists and is not empty; pass --force to write into it (files of the export's "
+                "names are replaced, others are left)"
+            )
+        writable = out_dir
+    else:
+        writable = next(parent for parent in out_dir.absolute().parents if parent.exists())
+        if not writable.is_dir():
+            return f"{out_dir}: {writable} is not a folder"
+    if not os.access(writable, os.W_OK | os.X_OK):
+        return f"{out_dir}: cannot write to {writable}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
+    problem = source_problem(args.hf_dir) or out_dir_problem(args.out_dir, args.hf_dir, force=args.force)
+    if problem:
+        return _args.usage_error("export", problem)
     try:
-        from pakv_onnx.models.hf import genai  # imports transformers: only when the command runs
+        from pakv_onnx.models.hf import genai  # imports torch and transformers: only when the command runs
     except ImportError as err:
-        print(f"error: pakv-onnx export needs transformers (pip install 'pakv-onnx[hf]'): {err}", file=sys.stderr)
-        return 2
-    if not (args.hf_dir / "config.json").is_file():
-        print(f"error: {args.hf_dir}: no config.json (want a folder as save_pretrained writes it)", file=sys.stderr)
-        return 2
+        return _args.usage_error("export", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     try:
@@ -37,8 +79,7 @@ def run(args: argparse.Namespace) -> int:
             progress=progress,
         )
     except genai.UnsupportedModelError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("export", str(err))
     batching = done.config["engine"]["dynamic_batching"]
     print(f"wrote {done.out_dir} in {done.seconds:.1f}s: {', '.join(done.files)}")
     print(
@@ -57,9 +98,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="a Hugging Face model folder -> an ORT GenAI model folder og.Engine serves (paged, continuous batching)",
         description=(
             "Load the transformers causal LM in HF_DIR (config + weights as save_pretrained writes them; "
-            "nothing is downloaded) and write an ORT GenAI model folder to OUT_DIR: model.onnx (one step "
-            "for prefill and decode; every layer writes its new K/V into its paged pools with "
-            "pakv::ScatterPaKvCache and reads past + new back with pakv::GatherPaKvCache; "
+            "nothing is downloaded) and write an ORT GenAI model folder to OUT_DIR (new or empty; --force "
+            "writes into one with files in it): model.onnx (one step for prefill and decode; every layer "
+            "writes its new K/V into its paged pools with pakv::ScatterPaKvCache and reads past + new from "
+            "the updated pools: one pakv::PagedAttention over them for grouped-query models such as Llama, "
+            "pakv::GatherPaKvCache of the latent for DeepSeek-V3; "
             "model.onnx.data beside it when the weights are large), genai_config.json "
             "(engine.dynamic_batching, the paged_kv state group, custom_ops_library), the plugin library "
             "copied in, and HF_DIR's tokenizer files when present. og.Engine then runs it on a CPU "
@@ -109,5 +152,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep RMS norms and rotary embeddings as exported (default: fused into ORT contrib ops, "
         "com.microsoft SkipSimplifiedLayerNormalization and RotaryEmbedding)",
+    )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="write into OUT_DIR even when it has files in it (those of the export's names are replaced, "
+        "others are left; default: OUT_DIR must be new or empty)",
     )
     parser.set_defaults(run=run)

@@ -8,22 +8,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 ARCH_CHOICES = ("llama", "deepseek")  # models.hf.configs.ARCHS (not imported to parse; a test ties them)
 MAX_BATCH = 32
 MAX_NEW_TOKENS = 512  # prompts are <= 40 tokens; the models know 1024 positions
 MAX_BLOCK_SIZE = 1024
+# Without --backend: these, and pypto-cpu where it can run the step and the case is small.
+DEFAULT_BACKENDS = ("native", "golden")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         from pakv_onnx.models.hf import check  # imports transformers: only when the command runs
     except ImportError as err:
-        print(f"error: pakv-onnx generate needs transformers (pip install 'pakv-onnx[hf]'): {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
 
     def progress(message: str) -> None:
+        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory(prefix="pakv-onnx-generate-") as tmp:
@@ -35,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
             new_tokens=args.new_tokens,
             block_size=args.block_size,
             seed=args.seed,
-            backends=args.backend,
+            backends=args.backend or DEFAULT_BACKENDS,
             out_dir=out_dir,
             progress=progress,
+            add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
         )
     if args.json:
         runners = {r.runner: check.json_entry(r) for r in report.results}
@@ -62,13 +65,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=(
             "Build a small transformers decoder with seeded random weights (no downloads): Llama-style "
             "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer writes the step's K/V into its "
-            "paged block pools with pakv::ScatterPaKvCache and reads past + new back through "
-            "pakv::GatherPaKvCache, inside the graph (ORT GenAI's paged inputs and outputs; the pools are "
-            "bound in place). One model step (prefill and decode share it) is "
+            "paged block pools with pakv::ScatterPaKvCache and reads past + new from the updated pools, "
+            "inside the graph (Llama: one pakv::PagedAttention over the pools; DeepSeek-V3: "
+            "pakv::GatherPaKvCache of each sequence's latent; ORT GenAI's paged inputs and outputs, the "
+            "pools bound in place). One model step (prefill and decode share it) is "
             "exported to ONNX and drives greedy generation for a batch of prompts of different lengths "
             "(sequences finish at different steps and return their blocks) on each runner: the plugin "
-            "with each --backend, plugin:pypto-cpu when that backend is registered and the case is "
-            "small, and stock ONNX Runtime through the graph's fallback function. Each runner's tokens "
+            "with each --backend (without --backend: native, golden, and pypto-cpu when that backend is "
+            "registered, has a kernel for each op of the step and the case is small), and stock ONNX "
+            "Runtime through the graph's fallback function. Each runner's tokens "
             "must equal transformers' generate(do_sample=False) with its dense cache, and its logits "
             "must be within a fp32 tolerance. Prints a table (or --json) and PASS/FAIL; exit 0/1."
         ),
@@ -99,8 +104,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--backend",
         type=_args.runnable_backend_list,
-        default=["native", "golden"],
-        help="comma-separated plugin backends to generate on, besides stock ORT (default: native,golden)",
+        default=None,
+        help="comma-separated plugin backends to generate on, besides stock ORT, exactly these (default: "
+        "native,golden, and pypto-cpu where it has a kernel for each op of the step and the case is small)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and block order (default 0)")
     parser.add_argument(

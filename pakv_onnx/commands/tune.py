@@ -128,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
     problem = adapter.unavailable_reason()
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return _args.usage_error("tune", problem)
     if args.op == "scatter":
         return run_scatter(args)
     case_id = case_id_for(args)
@@ -137,8 +136,7 @@ def run(args: argparse.Namespace) -> int:
         case, plan, shape = _prepare(case_id)
         rows, specs = _rows(shape, args.chunks)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("tune", str(err))
     say = (
         (lambda text: print(text, file=sys.stderr, flush=True)) if args.json else (lambda text: print(text, flush=True))
     )
@@ -323,18 +321,15 @@ def run_scatter(args: argparse.Namespace) -> int:
     if not args.case:
         say(f"no --case given: tuning {case_id}")
     if not scatter_cases.is_scatter_case(case_id):
-        print(
-            f"error: --op scatter takes a scatter case id (e.g. {scatter_cases.REPRESENTATIVE[0]}), got {case_id!r}",
-            file=sys.stderr,
+        return _args.usage_error(
+            "tune", f"--op scatter takes a scatter case id (e.g. {scatter_cases.REPRESENTATIVE[0]}), got {case_id!r}"
         )
-        return 2
     try:
         summary = tune_scatter(
             case_id, chunks=args.chunks, jobs=args.jobs, timeout=args.timeout, save=not args.no_save, say=say
         )
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("tune", str(err))
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0 if summary["chosen"] else 1
@@ -390,7 +385,7 @@ def _num(value, spec: str) -> str:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from pakv_onnx.pypto.cases import dtype_by_name
+    from pakv_onnx.pypto import SUPPORTED_DTYPE_NAMES  # names: --help without torch
 
     parser = _args.add_command(
         commands,
@@ -430,7 +425,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "kernel-N, shape:...; otherwise the shape options make a Norm case",
     )
     shape = parser.add_argument_group("explicit shape (when --case is not given)")
-    shape.add_argument("--dtype", default=DEFAULT_SHAPE["dtype"], choices=tuple(dtype_by_name()))
+    shape.add_argument("--dtype", default=DEFAULT_SHAPE["dtype"], choices=SUPPORTED_DTYPE_NAMES)
     shape.add_argument("--key-heads", type=_args.positive_int, default=DEFAULT_SHAPE["key_heads"])
     shape.add_argument("--key-dim", type=_args.positive_int, default=DEFAULT_SHAPE["key_dim"])
     shape.add_argument("--value-heads", type=_args.positive_int, default=DEFAULT_SHAPE["value_heads"])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 from pakv_onnx.commands import _args
@@ -47,8 +46,7 @@ def _list(args: argparse.Namespace) -> int:
     try:
         built = _build_all(_default_ids(args), args.op)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("verify-kernel", str(err))
     for case_id, (case, plan) in built.items():
         if args.op == "scatter":
             print(f"{case_id:<22} {case.summary()}")
@@ -139,23 +137,22 @@ def run(args: argparse.Namespace) -> int:
 
         problem = unavailable_reason()
         if problem:
-            print(f"error: --device npu needs an Ascend NPU with pypto and torch_npu: {problem}", file=sys.stderr)
-            return 2
+            return _args.usage_error(
+                "verify-kernel", f"--device npu needs an Ascend NPU with pypto and torch_npu: {problem}"
+            )
     else:
         problem = adapter.unavailable_reason()
         if problem:
-            print(f"error: {problem}", file=sys.stderr)
-            return 2
+            return _args.usage_error("verify-kernel", problem)
     case_ids = args.cases or _default_ids(args)
     try:
         built = _build_all(case_ids, args.op)  # an unknown id is a usage error, before anything runs
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("verify-kernel", str(err))
     refused, memory = _refusals(built, args.device, args.op)
     if memory:
-        print("error: refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory), file=sys.stderr)
-        return 2
+        fits = "refusing cases that cannot fit in memory here:\n  " + "\n  ".join(memory)
+        return _args.usage_error("verify-kernel", fits)
     runnable = [c for c in case_ids if c not in refused]
     total = len(case_ids)
     for index, case_id in enumerate((c for c in case_ids if c in refused), 1):

@@ -13,28 +13,30 @@ import dataclasses
 import importlib
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: the registry imports without torch (the CLI's --help lists it)
+    import torch
 
-from pakv_onnx.plans import (
-    AttentionPlan,
-    AttentionTensors,
-    GatherPlan,
-    GatherTensors,
-    OrtAttentionPlan,
-    OrtAttentionTensors,
-    ScatterPlan,
-    ScatterTensors,
-)
+    from pakv_onnx.plans import (
+        AttentionPlan,
+        AttentionTensors,
+        GatherPlan,
+        GatherTensors,
+        OrtAttentionPlan,
+        OrtAttentionTensors,
+        ScatterPlan,
+        ScatterTensors,
+    )
 
-# gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
-GatherFn = Callable[[GatherPlan, GatherTensors], None]
-# scatter(plan, tensors): reads tensors.key / value, writes their rows into tensors.key_cache / value_cache.
-ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
-# attention(plan, tensors): reads tensors.query and the caches, writes tensors.out.
-AttentionFn = Callable[[AttentionPlan, AttentionTensors], None]
-# ort_attention(plan, tensors): writes the new rows into tensors.key_cache / value_cache, then tensors.out.
-OrtAttentionFn = Callable[[OrtAttentionPlan, OrtAttentionTensors], None]
+    # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
+    GatherFn = Callable[[GatherPlan, GatherTensors], None]
+    # scatter(plan, tensors): reads tensors.key / value, writes their rows into tensors.key_cache / value_cache.
+    ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
+    # attention(plan, tensors): reads tensors.query and the caches, writes tensors.out.
+    AttentionFn = Callable[[AttentionPlan, AttentionTensors], None]
+    # ort_attention(plan, tensors): writes the new rows into tensors.key_cache / value_cache, then tensors.out.
+    OrtAttentionFn = Callable[[OrtAttentionPlan, OrtAttentionTensors], None]
 
 
 def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
@@ -98,11 +100,12 @@ class Backend:
         self, plan: GatherPlan | ScatterPlan | AttentionPlan | OrtAttentionPlan, caches: tuple[torch.Tensor, ...]
     ) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
-        if self.scatter is None and type(plan) is ScatterPlan:
+        plans = sys.modules["pakv_onnx.plans"]  # loaded: it made `plan`
+        if self.scatter is None and type(plan) is plans.ScatterPlan:
             return "it has no ScatterPaKvCache kernel"
-        if self.attention is None and type(plan) is AttentionPlan:
+        if self.attention is None and type(plan) is plans.AttentionPlan:
             return "it has no PagedAttention kernel"
-        if self.ort_attention is None and type(plan) is OrtAttentionPlan:
+        if self.ort_attention is None and type(plan) is plans.OrtAttentionPlan:
             return "it has no com.microsoft::PagedAttention kernel"
         reason = self.unavailable() or self.unsupported_reason(plan, caches[0])
         if reason is None and not self.mixed_dtypes and plan.key_dtype != plan.value_dtype:

@@ -18,3 +18,10 @@ Imports neither pypto nor torch_npu until a function needs them.
                ``scatter_host`` (moves, tiles, ``scatter_in_process``), ``scatter_cases``
 =============  ==============================================================================
 """
+
+# Cache dtypes the kernels move natively, by torch name: each compiles and verifies bit-exact through
+# the pypto 0.2.0 interpreter (FACTS section 8; uint16/uint32 checked by verify-kernel's list).
+# Names, so the CLI offers them without importing torch; host.SUPPORTED_DTYPES holds the dtypes.
+SUPPORTED_DTYPE_NAMES: tuple[str, ...] = (
+    "bfloat16", "float16", "float32", "int8", "uint8", "int16", "uint16", "int32", "uint32"
+)  # fmt: skip

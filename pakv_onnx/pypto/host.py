@@ -21,25 +21,15 @@ import torch
 
 from pakv_onnx.paths import cache_dir, pypto_output_env
 from pakv_onnx.plans import GatherPlan, GatherTensors
+from pakv_onnx.pypto import SUPPORTED_DTYPE_NAMES
 from pakv_onnx.pypto import tiles as tiles_mod
 from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
 from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, nz_last_dim
 
 INT32_MAX = 2**31 - 1
 
-# Cache dtypes the kernel moves natively: each compiles and verifies bit-exact through the
-# pypto 0.2.0 interpreter (FACTS section 8; uint16/uint32 checked by verify-kernel's list).
-SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.int8,
-    torch.uint8,
-    torch.int16,
-    torch.uint16,
-    torch.int32,
-    torch.uint32,
-)
+# Cache dtypes the kernel moves natively (the list: pakv_onnx.pypto.SUPPORTED_DTYPE_NAMES).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(getattr(torch, name) for name in SUPPORTED_DTYPE_NAMES)
 # Contract dtypes the kernel refuses, and why.
 REFUSED_DTYPES: dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "compiles but fails pypto 0.2.0's pass-verify (FB2002 in FlowVerifier)",

@@ -29,9 +29,11 @@ from pakv_onnx.validator import plan_gather
 LOGIT_ATOL = 1e-4
 STOCK_ORT = "stock-ort"
 PYPTO_CPU = "pypto-cpu"
-# pypto-cpu compiles and interprets the kernel on every call (about a second or more): run it only
+# pypto-cpu compiles and interprets the kernel on every call (1-5 s each on the 2-core machine): run it only
 # when the whole generation makes at most this many gather calls (steps x layers).
 PYPTO_CPU_MAX_CALLS = 12
+# What a backend needs to run a pakv op of a step's graph: Backend's attribute for that op's kernel.
+KERNEL_OF_OP = {"ScatterPaKvCache": "scatter", "PagedAttention": "attention", "GatherPaKvCache": "gather"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +82,33 @@ def probe_plan(config, block_size: int) -> tuple[GatherPlan, torch.Tensor]:
     return plan_gather(key, value, torch.zeros(1, 1, dtype=torch.int32), one, torch.zeros(1, dtype=torch.int32)), key
 
 
-def pypto_cpu_refusal(probe: tuple[GatherPlan, torch.Tensor] | None = None) -> str | None:
+def pakv_ops(path: Path) -> set[str]:
+    """The ``pakv`` ops of the ONNX graph at ``path``, Loop bodies included."""
+    import onnx
+
+    found: set[str] = set()
+
+    def walk(graph) -> None:
+        for node in graph.node:
+            if node.domain == "pakv":
+                found.add(node.op_type)
+            for attribute in node.attribute:
+                if attribute.type == onnx.AttributeProto.GRAPH:
+                    walk(attribute.g)
+
+    walk(onnx.load(str(path), load_external_data=False).graph)
+    return found
+
+
+def pypto_cpu_refusal(probe: tuple[GatherPlan, torch.Tensor] | None = None, ops: Sequence[str] = ()) -> str | None:
     """Why ``plugin:pypto-cpu`` cannot join a run here (``None``: it can): the backend is unavailable,
-    or it refuses ``probe`` (a plan and key cache like the run's; its refusals include memory).
-    Shared with :mod:`pakv_onnx.demo`, which adds the same row."""
+    has no kernel for one of ``ops`` (the graph's pakv ops), or refuses ``probe`` (a plan and key
+    cache like the run's; its refusals include memory). Shared with :mod:`pakv_onnx.demo`, which adds
+    the same row."""
     backend = kernels.get_backend(PYPTO_CPU)
+    missing = [op for op in sorted(ops) if getattr(backend, KERNEL_OF_OP.get(op, "gather"), None) is None]
+    if missing:
+        return f"it has no {missing[0]} kernel, and this model's step runs {missing[0]}"
     return backend.unavailable_reason() or (backend.unsupported_reason(*probe) if probe else None)
 
 
@@ -95,21 +119,26 @@ def runner_names(
     probe: tuple[GatherPlan, torch.Tensor] | None = None,
     *,
     per_sequence: bool = False,
+    ops: Sequence[str] = (),
+    add_pypto_cpu: bool = True,
 ) -> tuple[list[str], dict[str, str]]:
     """The runners to use (``plugin:<b>`` for each backend, ``stock-ort``, and ``plugin:pypto-cpu``
-    when that backend is registered, can run ``probe`` (a plan and key pool like the model's) and
-    the case is small: :func:`gather_calls`, ``per_sequence`` as there) and the ones skipped, with why."""
+    when that backend is registered, has a kernel for each of ``ops`` (the step graph's pakv ops),
+    can run ``probe`` (a plan and key pool like the model's) and the case is small:
+    :func:`gather_calls`, ``per_sequence`` as there; the same count of PagedAttention calls for a
+    step that attends with it; never without ``add_pypto_cpu``) and the ones skipped, with why."""
     names = [f"plugin:{b}" for b in backends]
     skipped: dict[str, str] = {}
-    if PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
+    if add_pypto_cpu and PYPTO_CPU in kernels.backend_names() and PYPTO_CPU not in backends:
         calls = gather_calls(workload, num_layers, per_sequence=per_sequence)
-        reason = pypto_cpu_refusal(probe)
+        reason = pypto_cpu_refusal(probe, ops)
         if reason is not None:
             skipped[f"plugin:{PYPTO_CPU}"] = reason
         elif calls > PYPTO_CPU_MAX_CALLS:
             counted = "steps x live sequences x layers" if per_sequence else "steps x layers"
+            what = "PagedAttention" if "PagedAttention" in ops else "gather"
             skipped[f"plugin:{PYPTO_CPU}"] = (
-                f"{calls} gather calls at about a second each (runs when {counted} <= {PYPTO_CPU_MAX_CALLS})"
+                f"{calls} {what} calls at seconds each (runs when {counted} <= {PYPTO_CPU_MAX_CALLS})"
             )
         else:
             names.append(f"plugin:{PYPTO_CPU}")
@@ -178,8 +207,10 @@ def run_check(
     backends: Sequence[str],
     out_dir: Path,
     progress: Callable[[str], None] = lambda message: None,
+    add_pypto_cpu: bool = True,
 ) -> CheckReport:
-    """Export ``arch``'s step into ``out_dir``, generate on every runner, compare with transformers."""
+    """Export ``arch``'s step into ``out_dir``, generate on every runner, compare with transformers.
+    ``add_pypto_cpu``: :func:`runner_names`'s (``pakv-onnx generate`` without ``--backend``)."""
     reference_model = build_model(arch, seed)
     config = reference_model.config
     workload = generate.make_workload(batch=batch, new_tokens=new_tokens, vocab_size=config.vocab_size, seed=seed)
@@ -196,6 +227,8 @@ def run_check(
         config.num_hidden_layers,
         probe_plan(config, block_size),
         per_sequence=mla.gathers_per_sequence(config),
+        ops=pakv_ops(path),
+        add_pypto_cpu=add_pypto_cpu,
     )
     for runner, why in skipped.items():
         progress(f"{arch}: {runner} skipped: {why}")

@@ -68,6 +68,13 @@ class GenaiExport:
     external_data: bool
 
 
+def load_hf_config(hf_dir: str | os.PathLike):
+    """``AutoConfig.from_pretrained`` of a local folder: the model's config without its weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(os.fspath(hf_dir), local_files_only=True)
+
+
 def load_hf_model(hf_dir: str | os.PathLike) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` of a local folder (config + weights), fp32, eval; never
     fetches anything (``local_files_only``)."""
@@ -92,7 +99,11 @@ def check_servable(config) -> tuple[int, int]:
     try:
         geometry = cache_geometry(config, same_shape=True)
     except AttributeError as err:
-        raise UnsupportedModelError(f"{type(config).__name__} is not a decoder with a KV cache: {err}") from None
+        raise UnsupportedModelError(
+            f"{config.model_type} ({type(config).__name__}): its config has no {err.name or err}; pakv-onnx export "
+            "serves decoders with grouped-query attention whose config names num_key_value_heads (Llama, Qwen2, "
+            "Mistral, ...) and DeepSeek-V3's latent attention (kv_lora_rank)"
+        ) from None
     except ValueError as err:
         raise UnsupportedModelError(
             f"{config.model_type}: {err}; og.Engine allocates both pools of a layer as one shape"
@@ -201,6 +212,7 @@ def export_genai(
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_servable(load_hf_config(hf_dir))  # before the weights are read
     progress(f"loading {hf_dir} ...")
     model = load_hf_model(hf_dir)
     config = genai_config(
