@@ -20,7 +20,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx_graphs import pakv_nodes
+from onnx_graphs import assert_one_ort_attention_per_layer, pakv_nodes
 
 from pakv_onnx import cli
 from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
@@ -171,35 +171,13 @@ def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
         if arch == "llama":
             assert dict(op_counts(model)) == FUSED_COUNTS  # fused (the default): every node counted
     else:
-        assert_one_ort_attention_per_layer(model, latent=arch == "deepseek")
+        assert_one_ort_attention_per_layer(model, 2, latent=arch == "deepseek")
         if arch == "llama":
             assert dict(op_counts(model)) == ORT_COUNTS
     rows = {"deepseek": [1, 288] if pakv else [1, 576]}.get(arch, [2, 32])  # [kv heads, head size] of both pools
     for name in ("past_key_values.0.key", "past_key_values.0.value"):
         pool = next(i for i in model.graph.input if i.name == name).type.tensor_type
         assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, *rows]
-
-
-def assert_one_ort_attention_per_layer(model: onnx.ModelProto, *, latent: bool) -> None:
-    """Each layer's attention is one com.microsoft::PagedAttention over the step's own inputs and its pools,
-    its cache outputs the present outputs; no pakv node, and nothing else reads the block table or the
-    past lengths (no position or slot prologue): the cumulative lengths feed only the ops and the Slice
-    of each sequence's last row."""
-    ops = [n for n in model.graph.node if n.op_type == "PagedAttention"]
-    assert len(ops) == 2 and all(n.domain == "com.microsoft" for n in ops) and not pakv_nodes(model.graph)
-    for layer, node in enumerate(ops):
-        value = "" if latent else f"past_key_values.{layer}.value"
-        assert list(node.input[3:8]) == [
-            f"past_key_values.{layer}.key", value, "cumulative_sequence_lengths", "past_sequence_lengths", "block_table",
-        ]  # fmt: skip
-        assert list(node.input[8:10]) == [ops[0].input[8], ops[0].input[9]]  # one cos/sin table for every layer
-        assert list(node.output[1:]) == [f"present.{layer}.key", *([] if latent else [f"present.{layer}.value"])]
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attributes["do_rotary"] == 1 and "slot_mapping" not in node.input
-    readers = {name: [n.op_type for n in model.graph.node if name in n.input]
-               for name in ("cumulative_sequence_lengths", "past_sequence_lengths", "block_table")}  # fmt: skip
-    assert readers["past_sequence_lengths"] == readers["block_table"] == ["PagedAttention"] * 2
-    assert sorted(readers["cumulative_sequence_lengths"]) == ["PagedAttention", "PagedAttention", "Slice"]
 
 
 def og_engine(genai_dir: Path, prefix_caching: bool):
