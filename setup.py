@@ -7,9 +7,12 @@ and editable installs (``pip install -e .`` builds it in place).
 
 Sources (pakv_onnx/native_lib/):
     pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
+    pakv_writable.c  whether the bytes a write goes to can be written, asked of the kernel (never a signal)
     pakv_attention.c the attention core's run: a checked plan cut into parts, on ORT's pool or this thread
     pakv_attention_check.c  the attention core's plan checks: types, features, every extent it reads
-    pakv_attention_part.c   one part of a paged attention: K/V rows read in place, online softmax
+    pakv_attention_part.c   one part of a paged attention: its state, queries, finished rows, merges
+    pakv_attention_walk.c, pakv_attention_walk16.c  the hot loop (pakv_attention_walk.h) in 8- and
+                     16-float vectors: K transposed per chunk, register-blocked scores and outputs
     pakv_contract_records.c  what every op's validator shares: records, caches, index tensors, output rules
     pakv_contract_gather.c, pakv_contract_scatter.c, pakv_contract_attention.c
                      the contract's validator, one unit per op: every rule and its message, records -> plan
@@ -37,7 +40,7 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_writable.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_attention_walk.c", "pakv_attention_walk16.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",
@@ -48,6 +51,8 @@ HEADERS = [
     "pakv_float.h",
     "pakv_vec.h",
     "pakv_attention_core.h",
+    "pakv_attention_walk.h",
+    "pakv_attention_decode.h",
     "pakv_bridge.h",
     "pakv_dtypes.h",
     "device_abi.h",

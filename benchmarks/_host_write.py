@@ -17,7 +17,7 @@ from pakv_onnx import runtime_plugin
 from pakv_onnx.export import export
 from pakv_onnx.models.attention import ragged_attention
 from pakv_onnx.models.hf import PagedDecoderStep, PagedKVCache, step_inputs, step_slots
-from pakv_onnx.models.hf.step import FIXED_INPUT_NAMES, QUERY_SEQ_LENS_KWARG, step_input_names
+from pakv_onnx.models.hf.step import FIXED_INPUT_NAMES, GATHER, QUERY_SEQ_LENS_KWARG, step_input_names
 
 ATTN = "pakv_host_write"
 PAST_SEQ_LENS_KWARG = "pakv_past_seq_lens"
@@ -57,7 +57,7 @@ class HostWriteStep(PagedDecoderStep):
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import AttentionInterface
 
-        super().__init__(model)
+        super().__init__(model, attention=GATHER)  # its own attention function, not the fused op
         AttentionInterface.register(ATTN, _attention)
         self.model.set_attn_implementation(ATTN)
 

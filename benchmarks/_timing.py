@@ -38,7 +38,11 @@ def median_us(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
 
 
 def blocked_medians_us(
-    fns: dict[str, Callable[[], object]], calls: int, warmup: int = 3, block: int = 30
+    fns: dict[str, Callable[[], object]],
+    calls: int,
+    warmup: int = 3,
+    block: int = 30,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """Per-call median us of each function, timed in blocks of ``block`` consecutive calls.
 
@@ -46,7 +50,9 @@ def blocked_medians_us(
     hits all alike, while each block runs one function back to back, as a serving loop calls it:
     timing single calls in turn would make every function pay the caches the others evicted
     (which flatters whatever is compared with the fastest). The figure is the median over blocks
-    of each block's median call; about ``calls`` calls of each function in all.
+    of each block's median call; about ``calls`` calls of each function in all. ``clock`` is wall
+    time; ``time.thread_time`` counts this thread's CPU time only (for functions that run on the
+    calling thread: robust to other processes' load).
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -59,8 +65,8 @@ def blocked_medians_us(
         for name, fn in fns.items():
             fn()  # one untimed call: the block starts with this function's own data in cache
             for i in range(size):
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                times[i] = time.perf_counter() - start
+                times[i] = clock() - start
             blocks[name].append(statistics.median(times))
     return {name: statistics.median(b) * 1e6 for name, b in blocks.items()}

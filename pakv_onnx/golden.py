@@ -114,8 +114,34 @@ def attention_golden(plan: AttentionPlan, tensors: AttentionTensors) -> None:
         q = query.narrow(0, start, n).float()  # [n, Hq, D]
         scores = torch.einsum("nhd,lhd->hnl", q, keys) * plan.scale
         visible = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]  # [n, L]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-        out.narrow(0, start, n).copy_(torch.einsum("hnl,lhd->nhd", probs, values))
+        out.narrow(0, start, n).copy_(attend_visible(scores, visible, values))
+
+
+def attend_visible(scores: torch.Tensor, visible: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """softmax over the visible positions, times the values, under the non-finite rules
+    (docs/reliability.md, "Non-finite values in attention"): ``[n, H, Dv]`` fp32.
+
+    A position that is not visible, or whose score is -inf, is absent: weight 0 and its value row never
+    read (0 x NaN would poison the row). A NaN or +inf score, or no position left, makes the row NaN
+    (softmax's own NaN). Every present position counts as weight > 0: a NaN in its value gives NaN in that
+    channel, +inf / -inf give +inf / -inf (whatever its fp32 weight rounds to), both NaN.
+
+    Args:
+        scores: fp32 ``[H, n, L]`` (already scaled).
+        visible: bool ``[n, L]`` (or ``[H, n, L]``): which positions each query sees.
+        values: fp32 ``[L, H, Dv]``.
+    """
+    masked = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    finite = values.isfinite()
+    if bool(finite.all()):
+        return torch.einsum("hnl,lhd->nhd", probs, values)
+    out = torch.einsum("hnl,lhd->nhd", probs, values.where(finite, 0.0))
+    present = (masked > float("-inf")).float()  # NaN scores are not present: their row is NaN already
+    kinds = (values.isnan(), values == float("inf"), values == float("-inf"))
+    nan, plus, minus = (torch.einsum("hnl,lhd->nhd", present, kind.float()) > 0 for kind in kinds)
+    out = out.masked_fill(minus, float("-inf")).masked_fill(plus, float("inf"))
+    return out.masked_fill(nan | (plus & minus) | probs.isnan().any(-1).transpose(0, 1)[..., None], float("nan"))
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -229,4 +255,5 @@ def ort_attention_golden(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -
                     scores = plan.softcap * torch.tanh(scores / plan.softcap)
                 logits = scores if plan.head_sink is None else torch.cat([scores, plan.head_sink[h : h + 1].double()])
                 weights = torch.softmax(logits, dim=0)[: len(where)]
-                out[start + j, h] = (weights @ v[:, g]).float().to(out.dtype)
+                present = scores > float("-inf")  # a -inf score is absent: its value row is never read
+                out[start + j, h] = (weights[present] @ v[present, g]).float().to(out.dtype)

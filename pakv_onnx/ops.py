@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import torch
 
-from pakv_onnx import kernels
+from pakv_onnx import kernels, native_lib
 from pakv_onnx.plans import (
     AttentionPlan,
     AttentionTensors,
     GatherPlan,
     GatherTensors,
     OrtAttentionTensors,
+    ScatterPlan,
     ScatterTensors,
 )
 from pakv_onnx.spec import DEFAULT_CACHE_MODE, DEFAULT_IS_SEQ_LENS_CUMSUM, CacheMode
@@ -174,8 +176,17 @@ def scatter_pa_kv_cache(
     """
     plan = plan_scatter(key, value, key_cache, value_cache, slot_mapping, cache_mode=cache_mode)
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    _refuse_read_only(plan, chosen, key_cache)
     chosen.scatter(plan, ScatterTensors(key, value, key_cache, value_cache))
     return key_cache, value_cache
+
+
+def _refuse_read_only(plan: ScatterPlan, chosen: kernels.Backend, cache: torch.Tensor) -> None:
+    """``ValueError`` (nothing written) when host caches cannot be written where ``plan`` writes (a
+    read-only mapping, e.g. ``np.memmap(mode="r")``): a Python backend would die of the signal. The
+    ``native`` backend's C scatter asks the same itself."""
+    if cache.is_cpu and chosen.name != "native":
+        native_lib.check_scatter_writable(plan.native[0].buffer_info()[0])
 
 
 def scatter_with(
@@ -194,10 +205,13 @@ def scatter_with(
     key_out, value_out = allocate()
     plan_scatter(*inputs, cache_mode=cache_mode, key_cache_out=key_out, value_cache_out=value_out)  # checks them
     if key_out.data_ptr() != key_cache.data_ptr() or value_out.data_ptr() != value_cache.data_ptr():
-        for out, cache in ((key_out, key_cache), (value_out, value_cache)):
+        for name, out, cache in (("key_cache_out", key_out, key_cache), ("value_cache_out", value_out, value_cache)):
             if out.data_ptr() != cache.data_ptr():
+                if out.is_cpu and out.numel():
+                    native_lib.check_buffer_writable(out.data_ptr(), out.nbytes, name)
                 out.copy_(cache)
         plan = plan_scatter(key, value, key_out, value_out, slot_mapping, cache_mode=cache_mode)
+    _refuse_read_only(plan, chosen, key_out)
     chosen.scatter(plan, ScatterTensors(key, value, key_out, value_out))
     return key_out, value_out
 
@@ -337,6 +351,8 @@ def ort_paged_attention(
     )  # fmt: skip
     plan = plan_ort_attention(inputs, {"num_heads": num_heads, "kv_num_heads": kv_num_heads, **attributes}, out=out)
     chosen = kernels.resolve_backend(backend, plan, key_cache, value_cache)
+    if key_cache.is_cpu and chosen.name != "native":  # a read-only pool: the native kernel asks itself
+        native_lib.check_fused_writable(ctypes.addressof(plan.native[0].plan))
     if out is None:
         out = _empty("output", plan.out_shape, plan.dtype, query.device)
         check_ort_attention_outputs(plan, out)

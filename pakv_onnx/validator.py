@@ -92,6 +92,8 @@ def _describe_other(name: str, value: Any, is_index: bool) -> tuple[torch.Tensor
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
     if value.is_cpu:
         return value, value.data_ptr(), value if is_index else None, "cpu"
+    if value.is_meta:  # no data anywhere: the validator refuses an index tensor there by name
+        return value, 0, None, "meta"
     if is_index:
         value, host = _on_host(value)
         return value, value.data_ptr(), host, str(value.device)
@@ -108,6 +110,23 @@ def _describer():
     front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other)
     _describe = front.describe
     return _describe
+
+
+def _call_array(call_size: int, words: int, entries: int, one_per_entry: Any) -> tuple[array.array, int]:
+    """A call's int64 array: the call (``call_size`` bytes), then the validator's scratch of ``words``
+    int64 per entry; returns it and the scratch's length in words.
+
+    The scratch never counts more entries than ``one_per_entry`` (the index tensor a valid call gives one
+    entry per entry) has: a call with more is refused by its shapes before the scratch is used, so a
+    block table of 2**63 - 1 rows is never allocated for. A scratch that cannot be had is -1 words: the
+    validator still checks the call's shapes first and then says there is no room (as the C kernels do).
+    """
+    if isinstance(one_per_entry, torch.Tensor) and one_per_entry.numel() < entries:
+        entries = one_per_entry.numel()
+    try:
+        return array.array("q", bytes(call_size + 8 * words * entries)), words * entries
+    except (OverflowError, MemoryError):
+        return array.array("q", bytes(call_size)), -1
 
 
 def _raise(kind: int) -> None:
@@ -151,12 +170,10 @@ def plan_gather(
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
     values = (key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out)
     num_seqs = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else 0
-    call = array.array("q", bytes(_CALL_SIZE + 24 * num_seqs))
+    call, scratch = _call_array(_CALL_SIZE, 3, num_seqs, seq_lens)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _RECORDS_AT, values, _GATHER_ROLES)
-    _TAIL.pack_into(
-        call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, 3 * num_seqs, base + _CALL_SIZE, _errors.address
-    )
+    _TAIL.pack_into(call, _TAIL_AT, mode is CacheMode.PA_NZ, is_cumsum, scratch, base + _CALL_SIZE, _errors.address)
     kind = native_lib.plan_gather_call(base)
     if kind:
         _raise(kind)
@@ -241,11 +258,11 @@ def plan_scatter(
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
     values = (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out)
     num_tokens = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() >= 1 else 0
-    call = array.array("q", bytes(_SCATTER_SIZE + 16 * num_tokens))
+    call, scratch = _call_array(_SCATTER_SIZE, 2, num_tokens, slot_mapping)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _SCATTER_RECORDS_AT, values, _SCATTER_ROLES)
     _SCATTER_TAIL.pack_into(
-        call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, 2 * num_tokens, base + _SCATTER_SIZE, _errors.address
+        call, _SCATTER_TAIL_AT, mode is CacheMode.PA_NZ, 0, scratch, base + _SCATTER_SIZE, _errors.address
     )
     kind = native_lib.plan_scatter_call(base)
     if kind:
@@ -319,11 +336,11 @@ def plan_attention(
     scale = parse_scale(scale)
     tensors = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, out)
     num_seqs = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
-    call = array.array("q", bytes(_ATTENTION_SIZE + 24 * num_seqs))
+    call, scratch = _call_array(_ATTENTION_SIZE, 3, num_seqs, past_sequence_lengths)
     base = call.buffer_info()[0]
     hosts = (_describe or _describer())(base + _ATTENTION_RECORDS_AT, tensors, _ATTENTION_ROLES)
     tables = hosts[3]
-    _ATTENTION_TAIL.pack_into(call, _ATTENTION_TAIL_AT, scale, 0, 3 * num_seqs, base + _ATTENTION_SIZE, _errors.address)
+    _ATTENTION_TAIL.pack_into(call, _ATTENTION_TAIL_AT, scale, 0, scratch, base + _ATTENTION_SIZE, _errors.address)
     kind = native_lib.plan_attention_call(base)
     if kind:
         _raise(kind)

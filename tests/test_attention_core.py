@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -380,6 +383,17 @@ def test_threads_split_the_work_and_give_the_same_bytes(options) -> None:
     assert_matches_reference(case, one)
 
 
+def test_the_8_float_walk_matches_the_reference_too() -> None:
+    # The core runs the widest walk the CPU has (16 floats with AVX-512); the 8-float one (AVX2 and
+    # the baseline) is the same source at another width: this file again with it forced.
+    env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
 def test_thread_counts_out_of_range_are_refused() -> None:
     for threads in (0, 17):
         with pytest.raises(ValueError, match=rf"threads must be in \[1, 16\], got {threads}"):
@@ -444,6 +458,34 @@ def test_every_score_negative_infinite(sink) -> None:
         assert bool(torch.isnan(got[0, 0]).all())
     assert bool(torch.isnan(got[0, 1]).all())  # +inf scores (and any sink)
     assert_matches_reference(case, got)
+
+
+@pytest.mark.parametrize("sink", [None, 0.25])
+def test_a_split_context_merges_by_the_same_rules(sink) -> None:
+    # A decode over 1,200 positions is cut in shares (at least 256 positions each) merged afterwards:
+    # a share whose scores are all -inf adds nothing, a NaN in one share poisons the row, and with
+    # every share -inf the sink alone gives 0.
+    case = make_case(47, sequences=((1199, 1),), heads=(2, 1), head_dim=16, block_size=16)
+    case.query[0, 0, 0], case.query[0, 1, 0] = -1.5, -1.5
+    if sink is not None:
+        case.head_sink = torch.tensor([sink, sink], dtype=torch.float32)
+
+    def set_key(positions, value):
+        for position in positions:
+            case.key_cache[int(case.block_table[0, position // 16]), position % 16, 0, 0] = value
+
+    set_key(range(0, 600), math.inf)  # the first shares: every score -inf, their values NaN
+    for position in range(0, 600):
+        case.value_cache[int(case.block_table[0, position // 16]), position % 16, 0] = math.nan
+    got = run_core(case)
+    assert bool(torch.isfinite(got).all())
+    assert_matches_reference(case, got)
+    set_key(range(600, 1200), math.inf)  # every share -inf: NaN, or 0 with the sink
+    got = run_core(case)
+    assert bool((got == 0).all()) if sink is not None else bool(torch.isnan(got).all())
+    assert_matches_reference(case, got)
+    set_key([1000], math.nan)  # one NaN score in a late share
+    assert bool(torch.isnan(run_core(case)).all())
 
 
 def test_a_nan_or_positive_infinite_sink_makes_the_row_nan() -> None:

@@ -8,7 +8,9 @@ calls against a numpy reference, every rule broken once, int64-edge shapes, a wr
 block table, outputs bound over inputs); and, in another, the attention core on plans built directly
 (every type, quantization and feature of the plan, on the calling thread and the library's threads,
 against tests/attention_reference.py, and malformed plans); and, in another, com.microsoft::PagedAttention
-inside ORT (tests/native/ort_attention_session.py). Any invalid access or undefined behaviour aborts the run.
+inside ORT (tests/native/ort_attention_session.py); and, in another, the write op's in-place routes and
+the attention's non-finite rules (tests/native/write_session.py). Any invalid access or undefined behaviour
+aborts the run.
 Threads are forced on (PAKV_ONNX_PARALLEL_MIN_BYTES=0) so the thread split and ORT's ParallelFor
 path are checked too; attention splits calls from a small size up (PAKV_ONNX_ATTENTION_PARALLEL_MIN),
 so both its loop on the calling thread and its parts on ORT's pool run."""
@@ -63,7 +65,10 @@ def sanitized_library(tmp_path_factory) -> Path:
     return out
 
 
-def _sanitized_run(library: Path, *args: str, session: Path = SESSION) -> subprocess.CompletedProcess:
+WRITE_SESSION = Path(__file__).parent / "native" / "write_session.py"
+
+
+def _sanitized_run(library: Path, *args: str, session: Path = SESSION, **env_extra: str) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
         # libstdc++ first: ASan's __cxa_throw interceptor needs it loaded (ORT throws C++ exceptions).
@@ -73,6 +78,7 @@ def _sanitized_run(library: Path, *args: str, session: Path = SESSION) -> subpro
         PAKV_ONNX_PARALLEL_MIN_BYTES="0",
         PAKV_ONNX_ATTENTION_PARALLEL_MIN="16384",  # multiply-adds: about half the random calls split
         ORT_LOGGING_LEVEL="3",
+        **env_extra,
     )
     result = subprocess.run(
         [sys.executable, str(session), str(library), str(SOURCES / "__init__.py"), *args],
@@ -100,8 +106,10 @@ def test_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_libr
     _sanitized_run(sanitized_library, "300", "--attention")
 
 
-def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
-    _sanitized_run(sanitized_library, "300", session=CORE_SESSION)
+@pytest.mark.parametrize("width", ["16", "8"])
+def test_attention_core_features_are_clean_under_asan_and_ubsan(sanitized_library: Path, width: str) -> None:
+    # Both walks: the widest the CPU runs, and the 8-float one (PAKV_ONNX_ATTENTION_WIDTH=8).
+    _sanitized_run(sanitized_library, "300", session=CORE_SESSION, PAKV_ONNX_ATTENTION_WIDTH=width)
 
 
 def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_library: Path) -> None:
@@ -109,3 +117,10 @@ def test_ort_paged_attention_is_clean_under_asan_and_ubsan_inside_ort(sanitized_
     outputs close to the reference), broken calls refused with nothing written, a writer racing the
     block table, cache outputs bound over the other cache (tests/native/ort_attention_session.py)."""
     _sanitized_run(sanitized_library, "150", session=ORT_ATTENTION_SESSION)
+
+
+def test_the_write_routes_and_attentions_non_finite_rules_are_clean_under_asan_and_ubsan(sanitized_library: Path) -> None:
+    """tests/native/write_session.py (issue 27): the write op's routes (copy, bound, fed, alias opt-in), a
+    second reader, two writes of one pool, initializer pools, read-only pools and outputs (refused by the
+    kernel's writability probe: no signal), degenerate writes, and the attention's non-finite rules."""
+    _sanitized_run(sanitized_library, str(Path(__file__).parent), session=WRITE_SESSION)

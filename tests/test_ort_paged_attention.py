@@ -330,7 +330,9 @@ from fake_ort_api import FakeRuntime
 from pakv_onnx import native_lib
 
 runtime = FakeRuntime(api_version=int(sys.argv[1]))
-ops = runtime.register(native_lib.load())
+library = native_lib.load()
+library.pakv_bind_next_alias(int(sys.argv[2]))  # the alias route: opted in (1) or not (0)
+ops = runtime.register(library)
 rows = []
 for address in ops:
     op = runtime.op(address)
@@ -346,19 +348,20 @@ print(json.dumps(rows))
 """
 
 
-@pytest.mark.parametrize("api_version", [16, 17, 18])
-def test_registered_for_the_cpu_ep_only_so_orts_cuda_kernel_keeps_the_node(api_version: int) -> None:
+@pytest.mark.parametrize(("api_version", "alias"), [(16, 0), (17, 0), (18, 0), (18, 1)])
+def test_registered_for_the_cpu_ep_only_so_orts_cuda_kernel_keeps_the_node(api_version: int, alias: int) -> None:
     """The library adds a com.microsoft domain holding PagedAttention for the CPU EP only: twelve
     (T, T_CACHE) entries, ORT's 17 inputs and 3 outputs with their characteristics. With no CUDA / CANN
     entry, a session with the CUDA EP places the node on ORT's own CUDA kernel (which ORT registers in
-    its own registry), and a CPU-only session on this kernel. From API 18 the cache inputs are
-    declared aliases of the cache outputs (the op's version says ORT reads the alias map). Each API
-    version in a fresh process: the library builds its ops once per process."""
+    its own registry), and a CPU-only session on this kernel. From API 18, on a registration that opted
+    into the alias route, the cache inputs are declared aliases of the cache outputs (the op's version
+    says ORT reads the alias map); without it they are not (docs/reliability.md). Each case in a fresh
+    process: the library builds its ops once per process."""
     import json
 
     from conftest import run_python
 
-    result = run_python(_REGISTRATION, args=[str(api_version)])
+    result = run_python(_REGISTRATION, args=[str(api_version), str(alias)])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = json.loads(result.stdout)
     ours = [r for r in rows if r["domain"] == "com.microsoft"]
@@ -369,7 +372,7 @@ def test_registered_for_the_cpu_ep_only_so_orts_cuda_kernel_keeps_the_node(api_v
         assert row["required"] == [0, 3, 5, 6, 7] and row["outputs"] == [0, 1, 1]
         assert row["inputs"][14] == row["inputs"][15] == 1  # scales: float
         assert row["inputs"][5] == row["inputs"][10] == 0  # indices: int32 or int64 (checked at run time)
-        assert row["version"] == (18 if api_version >= 18 else 17 if api_version >= 17 else 16)
+        assert row["version"] == (18 if api_version >= 18 and alias else 17 if api_version >= 17 else 16)
     pairs = {(r["inputs"][0], r["inputs"][3]) for r in ours}
     assert pairs == {(t, c) for t in (1, 10, 16) for c in (t, 3, 17, 2)}  # T x {T, int8, float8e4m3fn, uint8}
     devices = [r for r in rows if r["ep"] != "CPUExecutionProvider"]
@@ -432,10 +435,11 @@ def test_a_missing_required_attribute_is_named() -> None:
         runtime_plugin.make_session(model_for(call))
 
 
-def test_chained_steps_write_the_bound_pool_in_place() -> None:
-    """Two nodes, the second reading the first's cache outputs (not graph outputs): on ORT >= 1.18 the
-    alias map makes each cache output its input's buffer, so both steps' rows land in the pool the host
-    bound, and the second step reads the first's."""
+def test_chained_steps_read_each_others_rows_and_leave_the_fed_pool_alone() -> None:
+    """Two nodes, the second reading the first's cache outputs (not graph outputs): the second step reads
+    the first's rows. The second write's pools are made by a node, which the alias check names (the write
+    route is opt-in: docs/reliability.md), so make_session keeps ONNX's semantics: the updated caches are
+    ORT's copies and the pool fed as a graph input is left as it was."""
     import onnx
 
     first = random_ort_call(63, dtype="float32", sequences=((2, 1), (5, 1)), num_blocks=6)
@@ -476,5 +480,89 @@ def test_chained_steps_write_the_bound_pool_in_place() -> None:
     want = reference(second.numpy_call())
     expected = rounded(want.output, "float32")
     assert np.all(np.abs(got["output"].numpy() - expected) <= 2e-5 + 2e-5 * np.abs(expected))
+    hazards = runtime_plugin.alias_hazards(model)
+    assert len(hazards) == 2 and all("is not a graph input (a node makes it)" in h for h in hazards), hazards
+    np.testing.assert_array_equal(pool.inputs["key_cache"].numpy(), first.inputs["key_cache"].numpy())
+
+# ------------------------------------------------------------------------------------------------
+# Writes no reader can see, and read-only pools (issue 27's routes, on this op)
+# ------------------------------------------------------------------------------------------------
+_READ_ONLY_ORT = """
+import os, sys, tempfile
+import numpy as np
+from conftest import ORT_ERRORS
+from ort_attention_cases import model_for, random_ort_call
+from pakv_onnx import runtime_plugin
+
+call = random_ort_call(71, dtype="float32")
+folder = tempfile.mkdtemp()
+feeds = {}
+for name, tensor in call.inputs.items():
+    if tensor is None:
+        continue
+    array = tensor.numpy()
+    if name in ("key_cache", "value_cache"):
+        array.tofile(os.path.join(folder, name))
+        array = np.memmap(os.path.join(folder, name), dtype=array.dtype, mode="r", shape=array.shape)
+    feeds[name] = array
+# No cache outputs: the op writes its cache inputs in place (ORT's contract for this op).
+session = runtime_plugin.make_session(model_for(call, outputs=("output",)))
+try:
+    session.run(None, feeds)
+    print("RAN")
+except ORT_ERRORS as exc:
+    print("REFUSED", exc)
+assert np.array_equal(feeds["key_cache"], call.inputs["key_cache"].numpy())
+"""
+
+
+def test_a_read_only_pool_in_ort_is_refused_not_a_signal() -> None:
+    """np.memmap(mode="r") pools the node writes in place: an error naming key_cache, nothing written,
+    no signal (the kernel asks the kernel whether the rows it writes can be written)."""
+    from conftest import run_python
+
+    result = run_python(_READ_ONLY_ORT)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-1500:]}"
+    assert "REFUSED" in result.stdout, result.stdout
+    assert "key_cache: the rows this write goes to are not writable memory" in result.stdout
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("backend", ["native", "golden"])
+def test_a_read_only_pool_through_the_python_api_is_refused(backend: str, tmp_path) -> None:
+    import pakv_onnx
+
+    call = random_ort_call(72, dtype="float32")
+    for name in ("key_cache", "value_cache"):
+        array = call.inputs[name].numpy()
+        array.tofile(tmp_path / name)
+        call.inputs[name] = torch.from_numpy(np.memmap(tmp_path / name, dtype=array.dtype, mode="r", shape=array.shape))
+    before = call.inputs["key_cache"].clone()
+    with pytest.raises(ValueError, match=r"^key_cache: the rows this write goes to are not writable memory"):
+        pakv_onnx.ort_paged_attention(**call.inputs, **call.attributes, backend=backend)
+    assert torch.equal(call.inputs["key_cache"], before)
+
+
+def test_an_initializer_pool_on_the_alias_route_is_refused_by_name() -> None:
+    """Options registered with the alias route: a cache input that is a constant of the model would change
+    under every later run; refused at session creation naming the node and the input. Without the route,
+    the same model runs and its constant stays as it was (ORT's copy is written)."""
+    from onnx import numpy_helper
+
+    call = random_ort_call(73, dtype="float32")
+    model = model_for(call)
+    model.graph.node[0].name = "attend"
+    constant = call.inputs["key_cache"].numpy()
+    model.graph.initializer.append(numpy_helper.from_array(constant, "key_cache"))
+    del model.graph.input[[i.name for i in model.graph.input].index("key_cache")]
+    feeds = {n: t.numpy() for n, t in call.inputs.items() if t is not None and n != "key_cache"}
     if tuple(int(x) for x in ort.__version__.split(".")[:2]) >= (1, 18):
-        np.testing.assert_array_equal(pool.inputs["key_cache"].numpy(), want.key_cache)  # both steps, in place
+        options = ort.SessionOptions()
+        runtime_plugin.register(options, alias=True)
+        with pytest.raises(ORT_ERRORS, match=r"PagedAttention node 'attend': key_cache 'key_cache' is an initializer"):
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert any("is an initializer" in h for h in runtime_plugin.alias_hazards(model))
+    session = runtime_plugin.make_session(model)
+    first = session.run(None, feeds)
+    second = session.run(None, feeds)
+    np.testing.assert_array_equal(first[1], second[1])  # each run starts from the model's constant

@@ -204,16 +204,23 @@ BARE_ORT_SCRIPT = textwrap.dedent(
         binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
     one.run_with_iobinding(binding)
     assert np.array_equal(pool_k, want_k) and np.array_equal(pool_v, want_v)
-    # Feeding a later node: the alias map (ORT >= 1.18) writes the input pool in place; older copy it.
-    fed = ort.InferenceSession(scatter_model(True).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    pool_k, pool_v = kc.copy(), vc.copy()
-    lens = np.array([0, 24], np.int32)
-    all_k, _ = fed.run(None, dict(zip([*snames, "block_tables", "seq_lens"], (k, v, pool_k, pool_v, slots, np.arange(6, dtype=np.int32)[None], lens))))
-    assert np.array_equal(all_k, want_k.reshape(24, 2, 8))
-    aliased = np.array_equal(pool_k, want_k)
+    # Feeding a later node: a copy (the graph's input is left as it was), unless the host opts into the
+    # alias route (session config entry pakv_onnx.alias_caches = 1; ORT >= 1.18): then the pool in place.
     minor = int(ort.__version__.split(".")[1])
-    assert aliased == (minor >= 18), (ort.__version__, aliased)
-    print("scatter route when feeding a node:", "in place (alias map)" if aliased else "copy")
+    for opt_in in (None, "1"):
+        fed_options = ort.SessionOptions()
+        if opt_in:
+            fed_options.add_session_config_entry("pakv_onnx.alias_caches", opt_in)
+        fed_options.register_custom_ops_library(lib)
+        fed = ort.InferenceSession(scatter_model(True).SerializeToString(), fed_options, providers=["CPUExecutionProvider"])
+        pool_k, pool_v = kc.copy(), vc.copy()
+        lens = np.array([0, 24], np.int32)
+        all_k, _ = fed.run(None, dict(zip([*snames, "block_tables", "seq_lens"], (k, v, pool_k, pool_v, slots, np.arange(6, dtype=np.int32)[None], lens))))
+        assert np.array_equal(all_k, want_k.reshape(24, 2, 8))
+        aliased = np.array_equal(pool_k, want_k)
+        assert aliased == (opt_in is not None and minor >= 18), (ort.__version__, opt_in, aliased)
+        assert fed_options.get_session_config_entry("pakv_onnx.alias_caches") == ("1" if opt_in else "0")
+        print("scatter route when feeding a node, alias", opt_in, ":", "in place (alias map)" if aliased else "copy")
     print("bare onnxruntime", ort.__version__, "ok")
     """
 )

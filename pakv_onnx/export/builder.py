@@ -291,8 +291,9 @@ def make_scatter_model_for(
     ``then_gather=False``: the one node; its outputs ``key_cache_out`` / ``value_cache_out`` are the
     graph's (in place only when the host binds each to its cache's buffer). ``then_gather=True``:
     the updated caches feed a GatherPaKvCache (extra inputs ``block_tables``, ``seq_lens``; graph
-    outputs ``key_all``, ``value_all``), the decoder step's shape: with ORT >= 1.18 the plugin's alias
-    map makes the updated caches the input caches' own buffers, written in place.
+    outputs ``key_all``, ``value_all``), the decoder step's shape: with ORT >= 1.18 and a registration
+    that opted into the alias route (``runtime_plugin.make_session`` does for this graph), the updated
+    caches are the input caches' own buffers, written in place.
     """
     names = spec.SCATTER.input_names
     examples = dict(zip(names, (key, value, key_cache, value_cache, slot_mapping)))

@@ -88,17 +88,38 @@ def PagedAttention(  # noqa: N802 (the ONNX op name)
     # GQA: query [N, Hq, D] as [Hk, G, N, D] against keys [Hk, 1, D, rows]: each kv head read once.
     kv_heads = op.Shape(keys, start=1, end=2)
     group = op.Div(num_heads, kv_heads)
-    q = op.Transpose(op.Reshape(op.Cast(query, to=_F32), op.Concat(tokens, kv_heads, group, head_dim, axis=0)), perm=[1, 2, 0, 3])
+    # allowzero: a 0 in a shape (no token, head_dim 0) is that size, not "copy the input's".
+    q_shape = op.Concat(tokens, kv_heads, group, head_dim, axis=0)
+    q = op.Transpose(op.Reshape(op.Cast(query, to=_F32), q_shape, allowzero=1), perm=[1, 2, 0, 3])
     k = op.Unsqueeze(op.Transpose(op.Cast(keys, to=_F32), perm=[1, 2, 0]), one)
     v = op.Unsqueeze(op.Transpose(op.Cast(values, to=_F32), perm=[1, 0, 2]), one)  # [Hk, 1, rows, Dv]
     given = op.Constant(value_float=scale)
     resolved = op.Reciprocal(op.Sqrt(op.Cast(op.Max(head_dim, one), to=_F32)))  # 1 / sqrt(D) (1 for D = 0)
     factor = op.Where(op.Equal(given, op.Constant(value_float=0.0)), op.Squeeze(resolved, zero), given)
     scores = op.Mul(op.MatMul(q, k), factor)  # [Hk, G, N, rows]
-    masked = op.Where(visible, scores, op.Constant(value_float=float("-inf")))
-    attended = op.MatMul(op.Softmax(masked, axis=-1), v)  # [Hk, G, N, Dv]
+    minus_inf = op.Constant(value_float=float("-inf"))
+    masked = op.Where(visible, scores, minus_inf)
+    probs = op.Softmax(masked, axis=-1)  # a NaN row for a NaN or +inf score, or every score -inf
+    nonfinite = op.Or(op.IsNaN(v), op.IsInf(v))
+    if op.Greater(op.ReduceSum(op.Cast(nonfinite, to=_F32), keepdims=0), op.Constant(value_float=0.0)):
+        # The non-finite rules (docs/reliability.md): a position not visible or of score -inf is absent
+        # (its value row never read: 0 x NaN must not poison); every present one counts as weight > 0.
+        finite_part = op.MatMul(probs, op.Where(nonfinite, op.Constant(value_float=0.0), v))
+        present = op.Cast(op.Greater(masked, minus_inf), to=_F32)  # [Hk, G, N, rows]
+        none = op.Constant(value_float=0.0)
+        nan_hit = op.Greater(op.MatMul(present, op.Cast(op.IsNaN(v), to=_F32)), none)
+        plus = op.Greater(op.MatMul(present, op.Cast(op.IsInf(v, detect_negative=0), to=_F32)), none)
+        minus = op.Greater(op.MatMul(present, op.Cast(op.IsInf(v, detect_positive=0), to=_F32)), none)
+        row_nan = op.IsNaN(op.ReduceSum(probs, op.Constant(value_ints=[-1]), keepdims=1))
+        signed = op.Where(plus, op.Constant(value_float=float("inf")), op.Where(minus, minus_inf, finite_part))
+        poisoned = op.Or(op.Or(nan_hit, op.And(plus, minus)), row_nan)
+        attended = op.Where(poisoned, op.Constant(value_float=float("nan")), signed)
+    else:
+        attended = op.MatMul(probs, v)  # [Hk, G, N, Dv]
     value_dim = op.Shape(values, start=2, end=3)
-    merged = op.Reshape(op.Transpose(attended, perm=[2, 0, 1, 3]), op.Concat(tokens, num_heads, value_dim, axis=0))
+    merged = op.Reshape(
+        op.Transpose(attended, perm=[2, 0, 1, 3]), op.Concat(tokens, num_heads, value_dim, axis=0), allowzero=1
+    )
     output = op.CastLike(merged, query)
     return output
 

@@ -70,6 +70,7 @@ def ScatterPaKvCache(key, value, key_cache, value_cache, slot_mapping, cache_mod
         block_size = op.Identity(key_d1)
         value_block_size = op.Identity(value_d1)
     capacity = op.Mul(num_blocks, block_size)
+    value_capacity = op.Mul(value_blocks, value_block_size)
 
     slots = op.Cast(slot_mapping, to=_I64)
     written = op.GreaterOrEqual(slots, op.Constant(value_ints=[0]))  # a negative slot is padding
@@ -92,23 +93,35 @@ def ScatterPaKvCache(key, value, key_cache, value_cache, slot_mapping, cache_mod
 
     # Rows picked by Gather (ORT's Compress has no bf16/fp8 kernels; Gather moves any type).
     picked = op.Reshape(op.NonZero(written), minus_one)  # the written tokens, in order
-    key_rows = op.Gather(op.Reshape(key, op.Concat(tokens, minus_one, axis=0)), picked, axis=0)
-    value_rows = op.Gather(op.Reshape(value, op.Concat(value_tokens, minus_one, axis=0)), picked, axis=0)
+    # Shapes spelled out (no -1: it cannot be inferred beside a 0, e.g. T = 0 or an empty pool) and
+    # allowzero (a 0 in a shape is that size, not "copy the input's").
+    key_rows = op.Gather(
+        op.Reshape(key, op.Concat(tokens, op.Mul(key_heads, key_dim), axis=0), allowzero=1), picked, axis=0
+    )
+    value_rows = op.Gather(
+        op.Reshape(value, op.Concat(value_tokens, op.Mul(value_heads, value_dim), axis=0), allowzero=1), picked, axis=0
+    )
     if is_nz:
         # [nb, F, bs, E] -> [nb, bs, F, E]: a token's fractals side by side are its row.
-        key_pool = op.Reshape(op.Transpose(key_cache, perm=[0, 2, 1, 3]), op.Concat(capacity, minus_one, axis=0))
-        value_pool = op.Reshape(op.Transpose(value_cache, perm=[0, 2, 1, 3]), op.Concat(capacity, minus_one, axis=0))
-        key_done = op.Reshape(op.ScatterND(key_pool, at, key_rows), op.Concat(num_blocks, block_size, key_d1, key_d3, axis=0))
+        key_row = op.Concat(capacity, op.Mul(key_d1, key_d3), axis=0)
+        value_row = op.Concat(value_capacity, op.Mul(value_d1, value_d3), axis=0)
+        key_pool = op.Reshape(op.Transpose(key_cache, perm=[0, 2, 1, 3]), key_row, allowzero=1)
+        value_pool = op.Reshape(op.Transpose(value_cache, perm=[0, 2, 1, 3]), value_row, allowzero=1)
+        key_done = op.Reshape(
+            op.ScatterND(key_pool, at, key_rows), op.Concat(num_blocks, block_size, key_d1, key_d3, axis=0), allowzero=1
+        )
         value_done = op.Reshape(
-            op.ScatterND(value_pool, at, value_rows), op.Concat(value_blocks, value_block_size, value_d1, value_d3, axis=0)
+            op.ScatterND(value_pool, at, value_rows),
+            op.Concat(value_blocks, value_block_size, value_d1, value_d3, axis=0),
+            allowzero=1,
         )
         key_cache_out = op.Transpose(key_done, perm=[0, 2, 1, 3])
         value_cache_out = op.Transpose(value_done, perm=[0, 2, 1, 3])
     else:
-        key_pool = op.Reshape(key_cache, op.Concat(capacity, minus_one, axis=0))
-        value_pool = op.Reshape(value_cache, op.Concat(capacity, minus_one, axis=0))
-        key_cache_out = op.Reshape(op.ScatterND(key_pool, at, key_rows), op.Shape(key_cache))
-        value_cache_out = op.Reshape(op.ScatterND(value_pool, at, value_rows), op.Shape(value_cache))
+        key_pool = op.Reshape(key_cache, op.Concat(capacity, op.Mul(key_d2, key_d3), axis=0), allowzero=1)
+        value_pool = op.Reshape(value_cache, op.Concat(value_capacity, op.Mul(value_d2, value_d3), axis=0), allowzero=1)
+        key_cache_out = op.Reshape(op.ScatterND(key_pool, at, key_rows), op.Shape(key_cache), allowzero=1)
+        value_cache_out = op.Reshape(op.ScatterND(value_pool, at, value_rows), op.Shape(value_cache), allowzero=1)
     return key_cache_out, value_cache_out
 
 

@@ -217,7 +217,8 @@ def _op_schema(op_type: str, doc: str, *, infer, **parameters) -> onnx.defs.OpSc
 _SCATTER_DOC = (
     "Write key/value rows [T, H, D] into their slots of paged caches (see pakv_onnx.spec): token t goes to block "
     "s // bs, row s % bs of s = slot_mapping[t]; a negative slot is padding. The outputs are the updated caches "
-    "(a runtime may make them the input caches' own buffers: the plugin declares that alias)."
+    "(a runtime may make them the input caches' own buffers: bound so by the host, or aliased where the plugin's "
+    "registration opted in)."
 )
 # key and key_cache share TK, value and value_cache TV; slot_mapping TS.
 _SCATTER_T = dict(zip(SCATTER.input_names, ("TK", "TV", "TK", "TV", "TS")))

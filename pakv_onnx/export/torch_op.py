@@ -68,11 +68,26 @@ def torch_schema() -> str:
 _LIBRARY = torch.library.Library(DOMAIN, "FRAGMENT")
 
 
-def _define(name: str, schema: str, kernel, fake) -> torch._ops.OpOverloadPacket:
-    """``torch.ops.pakv.<name>``: defined with ``schema``, ``kernel`` eager, ``fake`` under tracing."""
+def _define(name: str, schema: str, kernel, fake, *, meta_needs_data: bool = False) -> torch._ops.OpOverloadPacket:
+    """``torch.ops.pakv.<name>``: defined with ``schema``, ``kernel`` eager, ``fake`` under tracing.
+
+    The dispatcher also runs the fake for an eager call whenever one tensor is on the meta device (its
+    Meta kernel), even among CPU tensors: the fake would return uninitialised memory or write nothing
+    without a word. Such a call (no fake tensor in it, and a tensor with data, or any call at all when
+    ``meta_needs_data``: an op whose output size depends on index values) runs ``kernel`` instead, whose
+    validator names the meta tensor; an all-meta call of a shape-only op keeps the fake (meta in, meta out).
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    def meta_or_fake(*args, **kwargs):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if not any(is_fake(t) for t in tensors) and (meta_needs_data or any(not t.is_meta for t in tensors)):
+            return kernel(*args, **kwargs)
+        return fake(*args, **kwargs)
+
     _LIBRARY.define(name + schema)
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{DOMAIN}::{name}", fake, lib=_LIBRARY)
+    torch.library.register_fake(f"{DOMAIN}::{name}", meta_or_fake, lib=_LIBRARY)
     return getattr(getattr(torch.ops, DOMAIN), name)
 
 
@@ -112,7 +127,7 @@ def _gather_pa_kv_cache_fake(*args, **kwargs) -> tuple[torch.Tensor, torch.Tenso
     return key, value
 
 
-gather_pa_kv_cache = _define(OP_NAME, torch_schema(), _gather_kernel, _gather_pa_kv_cache_fake)
+gather_pa_kv_cache = _define(OP_NAME, torch_schema(), _gather_kernel, _gather_pa_kv_cache_fake, meta_needs_data=True)
 
 
 def op_overload() -> torch._ops.OpOverload:

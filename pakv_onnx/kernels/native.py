@@ -79,6 +79,12 @@ def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
     native_lib.run_gather(call.buffer_info()[0], key_address, value_address)
 
 
+def _not_planned(tensors, planned: tuple[int, ...]) -> bool:
+    """A tensor with elements is not at the address its C plan holds (an empty one may be anywhere: the
+    validator gives it an address nothing reads)."""
+    return any(t.numel() and t.data_ptr() != address for t, address in zip(tensors, planned))
+
+
 _SCATTER_WORDS = tuple(
     getattr(native_lib.ScatterPlan, f).offset // 8 for f in ("key", "value", "key_cache", "value_cache")
 )
@@ -91,7 +97,7 @@ def scatter_native(plan: ScatterPlan, tensors: ScatterTensors) -> None:
         raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_scatter")
     call = plan.native[0]
     planned = tuple(call[word] for word in _SCATTER_WORDS)
-    if tuple(t.data_ptr() for t in tensors) != planned and any(t.numel() for t in tensors):
+    if _not_planned(tensors, planned):
         raise ValueError("native backend: key/value/key_cache/value_cache are not the tensors this plan was made for")
     native_lib.run_scatter(call.buffer_info()[0])
 
@@ -108,7 +114,7 @@ def attention_native(plan: AttentionPlan, tensors: AttentionTensors) -> None:
         raise ValueError("native backend: the plan holds no C plan; make it with pakv_onnx.validator.plan_attention")
     call = plan.native[0]
     planned = tuple(call[word] for word in _ATTENTION_WORDS[:3])
-    if tuple(t.data_ptr() for t in tensors[:3]) != planned and any(t.numel() for t in tensors[:3]):
+    if _not_planned(tensors[:3], planned):
         raise ValueError("native backend: query/key_cache/value_cache are not the tensors this plan was made for")
     out = tensors.out
     if out.data_ptr() != call[_ATTENTION_WORDS[3]] and out.numel():

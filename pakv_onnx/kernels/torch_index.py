@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from pakv_onnx.golden import attend_visible
 from pakv_onnx.kernels import Backend
 from pakv_onnx.plans import (
     AttentionPlan,
@@ -164,8 +165,7 @@ def attention_torch(plan: AttentionPlan, tensors: AttentionTensors) -> None:
     same = int64_tensor(q_seq).to(device)[:, None] == int64_tensor(kv_seq).to(device)[None, :]
     visible = same & (int64_tensor(kv_pos).to(device)[None, :] <= int64_tensor(q_pos).to(device)[:, None])
     scores = torch.einsum("nhd,thd->hnt", query.float(), keys) * plan.scale
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    out.copy_(torch.einsum("hnt,thd->nhd", probs, values))
+    out.copy_(attend_visible(scores, visible, values))  # the non-finite rules: the golden's
 
 
 BACKEND = Backend(

@@ -4,11 +4,11 @@ past + new back through the updated caches, then attend.
 ``forward`` calls the exportable custom ops: ``torch.ops.pakv.scatter_pa_kv_cache_functional``
 (one ``pakv::ScatterPaKvCache`` node; eager, the in-place ``scatter_pa_kv_cache`` on the caller's
 caches) and ``torch.ops.pakv.gather_pa_kv_cache`` on its outputs (one ``pakv::GatherPaKvCache``
-node). The updated caches feed only the gather, so on ONNX Runtime >= 1.18 the plugin's alias map
-makes them the caller's cache buffers: written in place, never copied. ``reference_forward`` runs
-the same attention on the golden's gather of the batch. Both return ``(output, key, value)`` so
-the gathered tensors can be compared bit-exact and the attention output within a stated fp32
-tolerance.
+node). The updated caches feed only the gather, so on ONNX Runtime >= 1.18 ``make_session`` opts into
+the plugin's alias route, which makes them the caller's cache buffers: written in place, never copied.
+``reference_forward`` runs the same attention on the golden's gather of the batch. Both return
+``(output, key, value)`` so the gathered tensors can be compared bit-exact and the attention output
+within a stated fp32 tolerance.
 """
 
 from __future__ import annotations

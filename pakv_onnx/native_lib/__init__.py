@@ -44,6 +44,9 @@ NUM_INPUTS = 6  # PAKV_NUM_INPUTS (the most inputs an op has: PagedAttention's)
 LAYOUT_NORM, LAYOUT_NZ = 0, 1  # PAKV_LAYOUT_*
 # Session config entry the library writes on the SessionOptions it is registered on (pakv_ort.c).
 CONFIG_KEY_BACKEND = "pakv_onnx.backend"
+# Session config entry opting a registration into the write op's alias route ("1"; the library writes "0" or
+# "1" when it registers: pakv_ort_register.c).
+CONFIG_KEY_ALIAS = "pakv_onnx.alias_caches"
 
 
 class LibraryNotBuiltError(FileNotFoundError):
@@ -381,6 +384,11 @@ _SIGNATURES = {
     "pakv_scatter_call_size": ([], ctypes.c_size_t),
     "pakv_plan_scatter": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_scatter": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_scatter_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_buffer_writable": (
+        [ctypes.c_void_p, ctypes.c_int64, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t],
+        ctypes.c_int,
+    ),
     "pakv_attention_plan_size": ([], ctypes.c_size_t),
     "pakv_attention_call_size": ([], ctypes.c_size_t),
     "pakv_plan_attention": ([ctypes.c_void_p], ctypes.c_int),
@@ -394,8 +402,10 @@ _SIGNATURES = {
     "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_fused_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_attention_threads": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
+    "pakv_bind_next_alias": ([ctypes.c_int], None),
     "pakv_set_python_callback": ([CALLBACK], None),
     "pakv_python_shutdown": ([ctypes.c_long, ctypes.c_long], ctypes.c_long),
     "pakv_request_output": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int], ctypes.c_void_p),
@@ -555,6 +565,24 @@ def run_scatter(plan_address: int) -> None:
         raise ValueError(scratch.error.value.decode(errors="replace"))
 
 
+def check_scatter_writable(plan_address: int) -> None:
+    """``ValueError`` (nothing written) unless the caches of the validated pakv_scatter_plan at
+    ``plan_address`` can be written where it writes (asked of the kernel: a read-only pool is never a
+    signal); what a Python backend calls before it writes host caches (the C scatter asks itself)."""
+    hot, scratch = _fast or fast(), _scratch
+    if hot.run(ctypes.cast(_function("pakv_scatter_writable"), ctypes.c_void_p).value, plan_address,
+               scratch.error_address, ERROR_LEN) != 0:  # fmt: skip
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
+def check_buffer_writable(address: int, size: int, name: str) -> None:
+    """``ValueError`` naming ``name`` unless the ``size`` bytes at ``address`` can be written (their first
+    and last byte, asked of the kernel)."""
+    scratch = _scratch
+    if _function("pakv_buffer_writable")(address, size, name.encode(), scratch.error_address, ERROR_LEN) != 0:
+        raise ValueError(scratch.error.value.decode(errors="replace"))
+
+
 def check_gather_outputs_call(call: int) -> int:
     """``pakv_check_gather_outputs`` on the GatherCall at ``call`` (see :func:`plan_gather_call`)."""
     hot = _fast or fast()
@@ -641,6 +669,14 @@ def fused_scratch_needed(call: int) -> int:
 def fused_defaults(attributes: int) -> None:
     """Fill the pakv_fused_attributes at ``attributes`` with ORT's schema defaults."""
     _function("pakv_fused_defaults")(attributes)
+
+
+def check_fused_writable(plan_address: int) -> None:
+    """``ValueError`` (nothing written) unless the caches of the validated pakv_fused_plan at ``plan_address``
+    can be written where its prologue writes (asked of the kernel): what a Python backend calls first."""
+    error = _scratch.error_address
+    if load().pakv_fused_writable(plan_address, error, ERROR_LEN) != 0:
+        raise ValueError(_scratch.error.value.decode(errors="replace"))
 
 
 def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, value_cache: int) -> None:

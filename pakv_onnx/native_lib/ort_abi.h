@@ -78,8 +78,11 @@ enum {
   PAKV_SLOT_KernelContext_GetGPUComputeStream = 193,    /* API 10 */
   PAKV_SLOT_GetTensorMemoryInfo = 194,                  /* API 10 */
   PAKV_SLOT_MemoryInfoGetDeviceType = 225,              /* API 14 */
+  PAKV_SLOT_KernelInfo_GetInputName = 232,              /* API 14 */
   PAKV_SLOT_HasSessionConfigEntry = 237,                /* API 14 */
   PAKV_SLOT_GetSessionConfigEntry = 238,                /* API 14 */
+  PAKV_SLOT_KernelInfo_GetNodeName = 244,               /* API 15 */
+  PAKV_SLOT_KernelInfoGetConstantInput_tensor = 249,    /* API 15 */
   PAKV_SLOT_KernelContext_ParallelFor = 274,            /* API 17: call only on runtimes >= 1.17 */
   PAKV_SLOT_COUNT_USED = 275,                           /* one past the highest slot used */
 };
@@ -119,6 +122,11 @@ typedef void (*pakv_MemoryInfoGetDeviceType_fn)(const OrtMemoryInfo* info, int* 
 typedef OrtStatus* (*pakv_KernelContext_ParallelFor_fn)(const OrtKernelContext* ctx, void (*fn)(void*, size_t),
                                                        size_t total, size_t num_batch, void* data);
 typedef void (*pakv_ReleaseTensorTypeAndShapeInfo_fn)(OrtTensorTypeAndShapeInfo* info);
+typedef OrtStatus* (*pakv_KernelInfo_GetInputName_fn)(const OrtKernelInfo* info, size_t index, char* out,
+                                                     size_t* size);
+typedef OrtStatus* (*pakv_KernelInfo_GetNodeName_fn)(const OrtKernelInfo* info, char* out, size_t* size);
+typedef OrtStatus* (*pakv_KernelInfoGetConstantInput_tensor_fn)(const OrtKernelInfo* info, size_t index,
+                                                               int* is_constant, const OrtValue** out);
 
 /* OrtApi is an array of function pointers; fetch slot `slot` cast to its type. */
 #define PAKV_API(api, name) ((pakv_##name##_fn)(((void* const*)(api))[PAKV_SLOT_##name]))

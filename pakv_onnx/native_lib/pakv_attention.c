@@ -2,10 +2,12 @@
  * (pakv_attention_part.c runs one), on ORT's intra-op pool or on the calling thread. No ONNX Runtime,
  * no Python, no libm. See pakv_core.h for the plan.
  *
- * Parts are (sequence, kv head, tile of query tokens): the Hq / Hk query heads that share a kv head
- * (GQA) are one part's queries, so each K/V row a part reads serves all of them. Parts run on ORT's
- * intra-op pool when the caller gives one (pakv_parallel) and the call is big enough, else on the
- * calling thread. Each thread keeps one scratch buffer (grown on demand, freed when the thread
+ * Parts are (sequence, tile of new tokens, group of kv heads, share of the context): the Hq / Hk
+ * query heads that share a kv head (GQA) are one part's queries, so each K/V row a part reads serves
+ * all of them; a decode token's part covers every kv head (each block read once, contiguously) and
+ * a long context is split in shares merged afterwards. Parts run on ORT's intra-op pool when the
+ * caller gives one (pakv_parallel) and the call is big enough, else on the calling thread: the same
+ * parts either way, so the same bytes. Each thread keeps one scratch buffer (grown on demand, freed when the thread
  * ends): no allocation per call beyond the parts' index when parallel. */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -14,9 +16,6 @@
 #include <string.h>
 
 #include "pakv_attention_core.h"
-
-/* Queries (tokens x the heads of one kv head) per part. */
-#define PAKV_ATTN_TILE_QUERIES 16
 
 /* ------------------------------------------------------------------------------------------- */
 /* Per-thread scratch                                                                          */
@@ -64,92 +63,153 @@ static void read_config(void) {
   if (s && *s) g_attention_parallel_min = strtoll(s, NULL, 10);
 }
 
+/* Rows (tokens x the heads of a group) a tile of new tokens gives each kv head, and the most rows a
+ * part holds (its kv heads x the tile's rows: a decode token takes every kv head, so each block is
+ * read once, contiguously, for all heads that share it). */
+#define PAKV_ATTN_TILE_ROWS 64
+#define PAKV_ATTN_PART_ROWS 256
+/* A sequence of one tile (decode) is split over its context in shares of at least this many
+ * positions (whole chunks), at most PAKV_ATTN_MAX_SPLITS, merged afterwards: threads share even one
+ * long sequence. The split depends on the plan alone, so every thread count gives the same bytes. */
+#define PAKV_ATTN_SPLIT_MIN 256
+#define PAKV_ATTN_MAX_SPLITS 16
+
+/* How one sequence is cut: tiles of tile_tokens tokens, kv heads in groups of kv_span, and (one
+ * tile only) its positions [begin, end) in `splits` shares of split_len. */
+typedef struct {
+  int64_t tile_tokens, tiles, kv_span, kv_groups, splits, split_len, begin, end;
+} seq_cut;
+
+static seq_cut cut_of(const pakv_attention_plan* p, int64_t b) {
+  const int64_t n = p->query_counts[b], group = p->num_heads / p->num_kv_heads;
+  seq_cut cut;
+  int64_t lo, hi;
+  cut.tile_tokens = group >= PAKV_ATTN_TILE_ROWS ? 1 : PAKV_ATTN_TILE_ROWS / group;
+  if (cut.tile_tokens > n) cut.tile_tokens = n;
+  cut.tiles = n / cut.tile_tokens + (n % cut.tile_tokens != 0);
+  cut.kv_span = PAKV_ATTN_PART_ROWS / (cut.tile_tokens * group);
+  cut.kv_span = cut.kv_span < 1 ? 1 : cut.kv_span > p->num_kv_heads ? p->num_kv_heads : cut.kv_span;
+  cut.kv_groups = p->num_kv_heads / cut.kv_span + (p->num_kv_heads % cut.kv_span != 0);
+  pakv_visible(p, b, 0, &cut.begin, &hi);
+  pakv_visible(p, b, n - 1, &lo, &cut.end);
+  cut.end += 1;
+  const int64_t span = cut.end - cut.begin, chunk = PAKV_ATTN_CHUNK;
+  cut.splits = cut.tiles == 1 ? span / PAKV_ATTN_SPLIT_MIN : 1;
+  cut.splits = cut.splits < 1 ? 1 : cut.splits > PAKV_ATTN_MAX_SPLITS ? PAKV_ATTN_MAX_SPLITS : cut.splits;
+  cut.split_len = (span / cut.splits + (span % cut.splits != 0) + chunk - 1) / chunk * chunk;
+  cut.splits = span / cut.split_len + (span % cut.split_len != 0); /* rounding up may leave fewer */
+  return cut;
+}
+
+typedef struct {
+  pakv_attention_part part;
+  float* partial; /* NULL: the part finishes its rows; else where its share's states go */
+} planned_part;
+
+typedef struct {
+  pakv_attention_part shape; /* the rows the shares have in common */
+  float* partials;
+  int64_t count, stride;
+} planned_merge;
+
 typedef struct {
   const pakv_attention_plan* plan;
   size_t floats; /* scratch per part */
-  int64_t tile_tokens;
-  const int64_t* first_part; /* [B+1]: index of each sequence's first part */
+  planned_part* parts;
+  int64_t count, merges, partial_floats;
+  planned_merge* merge;
   atomic_int bad, no_memory;
-} parallel_run;
+} attention_run;
 
-static int64_t tiles_of(int64_t n, int64_t tile_tokens) { return n / tile_tokens + (n % tile_tokens != 0); }
-
-/* Part `local` of sequence b's parts (kv head major, then token tile). */
-static pakv_attention_part part_of(const pakv_attention_plan* p, int64_t b, int64_t local, int64_t tile_tokens) {
-  const int64_t n = p->query_counts[b], tiles = tiles_of(n, tile_tokens);
-  pakv_attention_part part;
-  part.seq = b;
-  part.kv_begin = local / tiles;
-  part.kv_end = part.kv_begin + 1;
-  part.token_begin = (local % tiles) * tile_tokens;
-  part.token_end = n - part.token_begin < tile_tokens ? n : part.token_begin + tile_tokens;
-  part.pos_begin = 0;
-  part.pos_end = p->context_lens[b];
-  return part;
+/* The plan's parts (with `fill`, written into run->parts / run->merge, partials from `partials`;
+ * without, counted): sequence by sequence, a sequence's tiles last first (a causal prefill's
+ * heaviest), so a pool that hands out parts in order finishes evenly. Returns -1 when a part's
+ * scratch overflows the address space. */
+static int plan_parts(attention_run* run, int fill, float* partials) {
+  const pakv_attention_plan* p = run->plan;
+  const int64_t group = p->num_heads / p->num_kv_heads, dv = p->value_head_dim;
+  int64_t count = 0, merges = 0, floats = 0, used = 0;
+  for (int64_t b = 0; b < p->num_seqs; b++) {
+    if (p->query_counts[b] == 0) continue;
+    const seq_cut cut = cut_of(p, b);
+    const int64_t need = pakv_attention_part_floats(p, cut.tile_tokens, cut.kv_span);
+    if (need < 0) return -1;
+    floats = need > floats ? need : floats;
+    for (int64_t tile = cut.tiles - 1; tile >= 0; tile--)
+      for (int64_t kv = 0; kv < cut.kv_groups; kv++) {
+        pakv_attention_part part = {b, tile * cut.tile_tokens, 0, kv * cut.kv_span, 0, 0, 0};
+        part.token_end = p->query_counts[b] - part.token_begin < cut.tile_tokens ? p->query_counts[b]
+                                                                                 : part.token_begin + cut.tile_tokens;
+        part.kv_end = p->num_kv_heads - part.kv_begin < cut.kv_span ? p->num_kv_heads : part.kv_begin + cut.kv_span;
+        const int64_t stride = (part.kv_end - part.kv_begin) * (part.token_end - part.token_begin) * group * (dv + 2);
+        if (fill && cut.splits > 1)
+          run->merge[merges] = (planned_merge){part, partials + used, cut.splits, stride};
+        merges += cut.splits > 1;
+        for (int64_t share = 0; share < cut.splits; share++, count++) {
+          part.pos_begin = cut.begin + share * cut.split_len;
+          part.pos_end = cut.end - part.pos_begin < cut.split_len ? cut.end : part.pos_begin + cut.split_len;
+          if (fill) run->parts[count] = (planned_part){part, cut.splits > 1 ? partials + used : NULL};
+          used += cut.splits > 1 ? stride : 0;
+        }
+      }
+  }
+  run->count = count;
+  run->merges = merges;
+  run->partial_floats = used;
+  run->floats = (size_t)floats;
+  return 0;
 }
 
 static void run_part(void* data, size_t index) {
-  parallel_run* run = (parallel_run*)data;
-  const pakv_attention_plan* p = run->plan;
-  /* The sequence: the last b with first_part[b] <= part (then part < first_part[b+1]; sequences
-   * without parts share their successor's first_part and are passed over). */
-  int64_t part = (int64_t)index, lo = 0, hi = p->num_seqs;
-  while (hi - lo > 1) {
-    int64_t mid = lo + (hi - lo) / 2;
-    if (run->first_part[mid] <= part) lo = mid; else hi = mid;
-  }
-  pakv_attention_part one = part_of(p, lo, part - run->first_part[lo], run->tile_tokens);
+  attention_run* run = (attention_run*)data;
   float* scratch = thread_scratch(run->floats);
   if (!scratch) {
     atomic_store(&run->no_memory, 1);
     return;
   }
-  if (pakv_attention_run_part(p, &one, scratch, NULL)) atomic_store(&run->bad, 1);
+  const planned_part* one = &run->parts[index];
+  if (pakv_attention_run_part(run->plan, &one->part, scratch, one->partial)) atomic_store(&run->bad, 1);
+}
+
+/* Multiply-adds of the call (sum over sequences of new tokens x context x heads x (D + Dv + 1)),
+ * saturating at INT64_MAX. */
+static int64_t work_of(const pakv_attention_plan* p) {
+  int64_t work = 0, term;
+  for (int64_t b = 0; b < p->num_seqs && work < INT64_MAX; b++)
+    if (pakv_mul(p->query_counts[b], p->context_lens[b], &term) || pakv_mul(term, p->num_heads, &term) ||
+        pakv_mul(term, p->head_dim + p->value_head_dim + 1, &term) || pakv_add(work, term, &work))
+      work = INT64_MAX;
+  return work;
 }
 
 int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par, pakv_err* err) {
   if (p->num_tokens == 0 || p->num_heads == 0 || p->value_head_dim == 0) return 0; /* an empty output */
   if (!p->out) return pakv_fail(err, "attention: a NULL output pointer for a non-empty attention");
   pthread_once(&g_config_once, read_config);
-  const int64_t group = p->num_heads / p->num_kv_heads;
-  parallel_run run;
+  attention_run run;
   memset(&run, 0, sizeof(run));
   run.plan = p;
-  run.tile_tokens = group >= PAKV_ATTN_TILE_QUERIES ? 1 : PAKV_ATTN_TILE_QUERIES / group;
-  int64_t floats = pakv_attention_part_floats(p, run.tile_tokens, 1);
-  if (floats < 0)
+  if (plan_parts(&run, 0, NULL))
     return pakv_fail(err, "attention: a scratch for head_dim %lld / %lld overflows the address space",
                      (long long)p->head_dim, (long long)p->value_head_dim);
-  run.floats = (size_t)floats;
-  int64_t parts = 0, work = 0, term;
-  for (int64_t b = 0; b < p->num_seqs; b++) {
-    parts += p->num_kv_heads * tiles_of(p->query_counts[b], run.tile_tokens); /* <= N x Hk x Hq: fits */
-    if (work < g_attention_parallel_min &&
-        (pakv_mul(p->query_counts[b], p->context_lens[b], &term) || pakv_mul(term, p->num_heads, &term) ||
-         pakv_mul(term, p->head_dim + p->value_head_dim + 1, &term) || pakv_add(work, term, &work)))
-      work = INT64_MAX;
-  }
-  int64_t* first_part = NULL;
-  if (par && parts >= 2 && work >= g_attention_parallel_min && (size_t)p->num_seqs < SIZE_MAX / sizeof(int64_t) - 1)
-    first_part = (int64_t*)malloc(((size_t)p->num_seqs + 1) * sizeof(int64_t));
-  if (first_part) {
-    first_part[0] = 0;
-    for (int64_t b = 0; b < p->num_seqs; b++)
-      first_part[b + 1] = first_part[b] + p->num_kv_heads * tiles_of(p->query_counts[b], run.tile_tokens);
-    run.first_part = first_part;
-    if (par->run(par->host, run_part, (size_t)parts, &run)) {
-      for (int64_t i = 0; i < parts; i++) run_part(&run, (size_t)i); /* the pool ran none: here */
-    }
-    free(first_part);
+  if (run.count == 0) return 0;
+  const size_t bytes = (size_t)run.count * sizeof(planned_part) + (size_t)run.merges * sizeof(planned_merge) +
+                       (size_t)run.partial_floats * sizeof(float); /* all fit: bounded by the plan's extents */
+  char* memory = (char*)malloc(bytes);
+  if (!memory) return pakv_fail(err, "attention: out of memory for the run's %zu bytes of parts", bytes);
+  run.parts = (planned_part*)memory;
+  run.merge = (planned_merge*)(run.parts + run.count);
+  plan_parts(&run, 1, (float*)(run.merge + run.merges));
+  if (par && run.count >= 2 && work_of(p) >= g_attention_parallel_min) {
+    if (par->run(par->host, run_part, (size_t)run.count, &run))
+      for (int64_t i = 0; i < run.count; i++) run_part(&run, (size_t)i); /* the pool ran none: here */
   } else {
-    float* scratch = thread_scratch(run.floats);
-    if (!scratch) return pakv_fail(err, "attention: out of memory for a scratch of %zu floats", run.floats);
-    for (int64_t b = 0; b < p->num_seqs; b++)
-      for (int64_t i = 0, count = p->num_kv_heads * tiles_of(p->query_counts[b], run.tile_tokens); i < count; i++) {
-        pakv_attention_part one = part_of(p, b, i, run.tile_tokens);
-        if (pakv_attention_run_part(p, &one, scratch, NULL)) atomic_store(&run.bad, 1);
-      }
+    for (int64_t i = 0; i < run.count; i++) run_part(&run, (size_t)i);
   }
+  if (!atomic_load(&run.bad) && !atomic_load(&run.no_memory))
+    for (int64_t m = 0; m < run.merges; m++)
+      pakv_attention_merge(p, &run.merge[m].shape, run.merge[m].partials, run.merge[m].count, run.merge[m].stride);
+  free(memory);
   if (atomic_load(&run.no_memory))
     return pakv_fail(err, "attention: out of memory for a thread's scratch of %zu floats", run.floats);
   if (atomic_load(&run.bad))

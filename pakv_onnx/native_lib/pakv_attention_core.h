@@ -23,9 +23,11 @@ static inline void pakv_visible(const pakv_attention_plan* p, int64_t b, int64_t
   *lo = p->window >= 0 && position > p->window ? position - p->window : 0;
 }
 
-/* Key positions per online-softmax step of a part (their rows stay in L1 while the part's queries
- * read them). */
-#define PAKV_ATTN_CHUNK 32
+/* Key positions per online-softmax step of a part (a chunk: its K rows, transposed, and V rows stay
+ * in L1/L2 while the part's queries read them). A multiple of every walk's column block. */
+#define PAKV_ATTN_CHUNK 64
+/* Widest vector of any walk unit, in floats: K rows are widened with zero padding to a multiple. */
+#define PAKV_ATTN_MAX_W 16
 
 /* One part of a run: new tokens [token_begin, token_end) of sequence seq, the query heads of kv
  * heads [kv_begin, kv_end), over context positions [pos_begin, pos_end) (the whole of what those
@@ -34,8 +36,33 @@ typedef struct {
   int64_t seq, token_begin, token_end, kv_begin, kv_end, pos_begin, pos_end;
 } pakv_attention_part;
 
-/* A part's size in scratch floats for at most `tokens` tokens and `kv_heads` kv heads, or -1 when
- * that overflows the address space. */
+/* A part's working state, laid out in a thread's scratch by pakv_attention_part.c and advanced
+ * chunk by chunk by a walk unit (pakv_attention_walk.h, compiled once per vector width). Query rows
+ * are ordered (kv head, token, head of the group): the rows that share a kv head are contiguous. */
+typedef struct {
+  int64_t rows, tokens, group, d, dv; /* rows = kv heads x tokens x group */
+  int64_t dp;                         /* d rounded up to PAKV_ATTN_MAX_W: widened K rows' stride */
+  float* queries;                     /* [rows][d]: q x scale x key scale */
+  float* acc;                         /* [rows][dv] */
+  float* max;                         /* [rows] */
+  float* sum;                         /* [rows]: 0 until a finite score, NaN once poisoned */
+  float* scores;                      /* [tokens x group][CHUNK]: one kv head's rows, then their weights */
+  float* key_rows;                    /* [CHUNK + 1][dp]: widened K rows; the last one stays zero */
+  float* keys_t;                      /* [dp][CHUNK]: the chunk's K, transposed */
+  float* values;                      /* [CHUNK][dv]: widened V rows */
+  const float** value_rows;           /* [CHUNK] */
+} pakv_part_state;
+
+/* Advance a part's state over its positions (pakv_attention_part's rows): 0, or 1 when a block id
+ * read there is outside [0, num_blocks). One per vector width: 8 floats (pakv_attention_walk.c,
+ * AVX2 + FMA or the baseline, by ifunc), 16 (pakv_attention_walk16.c, x86-64 with AVX-512 only). */
+int pakv_attention_walk8(const pakv_attention_plan* p, const pakv_attention_part* part, pakv_part_state* s);
+int pakv_attention_walk16(const pakv_attention_plan* p, const pakv_attention_part* part, pakv_part_state* s);
+/* 1 when this build has the 16-float walk and the CPU runs it. */
+int pakv_attention_walk16_usable(void);
+
+/* A part's size in scratch floats for at most `tokens` tokens and `kv_heads` kv heads (and pointer
+ * room for its row table), or -1 when that overflows the address space. */
 int64_t pakv_attention_part_floats(const pakv_attention_plan* p, int64_t tokens, int64_t kv_heads);
 
 /* Run one part of a checked plan with `scratch` (pakv_attention_part_floats of it). Each query row

@@ -149,8 +149,8 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   plan->tables64 = bt->elem_type == PAKV_ONNX_INT64;
   plan->num_blocks = k.num_blocks;
   plan->block_size = k.block_size;
-  plan->key_cache = kc->data;
-  plan->value_cache = vc->data;
+  plan->key_cache = pakv_plan_address(kc);
+  plan->value_cache = pakv_plan_address(vc);
   plan->key_block_stride = k.block_stride;
   plan->value_block_stride = v.block_stride;
   plan->key_head_stride = k.token_dims[1] * k.itemsize; /* Norm [nb, bs, Hk, D]: heads dense in a row */
@@ -161,7 +161,7 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   plan->num_kv_heads = k.token_dims[0];
   plan->head_dim = k.token_dims[1];
   plan->value_head_dim = v.token_dims[1];
-  plan->query = q->data;
+  plan->query = pakv_plan_address(q);
   plan->query_token_stride = query_stride;
   plan->query_head_stride = plan->head_dim * k.itemsize;
   plan->num_tokens = N;

@@ -67,6 +67,11 @@ int64_t pakv_element_count(const pakv_tensor* t) {
   return count;
 }
 
+void* pakv_plan_address(const pakv_tensor* t) {
+  static max_align_t nothing;
+  return t->data || pakv_has_elements(t) ? (void*)t->data : (void*)&nothing;
+}
+
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end) {
   int64_t span = 0, term;
@@ -230,7 +235,8 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
 
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
   if (t->host_data) return 0;
-  return pakv_fail(err, "%s: its data is not readable on the host (the validator reads it there)", name);
+  return pakv_fail(err, "%s: its data is not readable on the host (the validator reads it there; it is on %.24s)",
+                   name, t->device);
 }
 
 int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,

@@ -36,6 +36,10 @@ int pakv_record_ok(const pakv_tensor* t, const char* name, pakv_err* err); /* no
 int pakv_has_elements(const pakv_tensor* t);
 /* The product of a record's dims (0 for an empty or unsizable record). */
 int64_t pakv_element_count(const pakv_tensor* t);
+/* The address a plan keeps for record t: its data, or, for a record with no elements and no address (torch's
+ * empty tensors), a static one that nothing reads or writes: plans never hold NULL for an empty tensor, so the
+ * cores' NULL checks (for non-empty ones) pass valid degenerate calls and no offset is added to NULL. */
+void* pakv_plan_address(const pakv_tensor* t);
 /* [first, end) of the bytes a record may touch; 0 when it has no elements (or cannot be sized). */
 int pakv_byte_extent(const pakv_tensor* t, int itemsize, uintptr_t* first, uintptr_t* end);
 int pakv_element_size(int onnx_type);

@@ -154,14 +154,14 @@ int pakv_validate_scatter(const pakv_tensor t[PAKV_SCATTER_RECORDS], int nz, pak
   plan->slots64 = sm->elem_type == PAKV_ONNX_INT64;
   plan->num_blocks = k.num_blocks;
   plan->block_size = k.block_size;
-  plan->key_cache = (void*)kc->data;
-  plan->value_cache = (void*)vc->data;
+  plan->key_cache = pakv_plan_address(kc);
+  plan->value_cache = pakv_plan_address(vc);
   plan->key_block_stride = k.block_stride;
   plan->value_block_stride = v.block_stride;
   plan->key_row_bytes = k.row_bytes;
   plan->value_row_bytes = v.row_bytes;
-  plan->key = t[PAKV_SCATTER_KEY].data;
-  plan->value = t[PAKV_SCATTER_VALUE].data;
+  plan->key = pakv_plan_address(&t[PAKV_SCATTER_KEY]);
+  plan->value = pakv_plan_address(&t[PAKV_SCATTER_VALUE]);
   plan->key_token_stride = key_stride;
   plan->value_token_stride = value_stride;
   plan->num_tokens = T;

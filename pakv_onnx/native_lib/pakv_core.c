@@ -292,12 +292,6 @@ int pakv_run_plan(const pakv_plan* p, pakv_err* err) { return pakv_run_plan_on(p
 /* ------------------------------------------------------------------------------------------- */
 /* The scatter (ScatterPaKvCache)                                                              */
 /* ------------------------------------------------------------------------------------------- */
-static inline int64_t slot_entry(const pakv_scatter_plan* p, int64_t t) {
-  const char* at = (const char*)p->slot_mapping + t * p->slot_stride;
-  if (p->slots64) return *(const volatile int64_t*)at;
-  return (int64_t) * (const volatile int32_t*)at;
-}
-
 /* One side (key or value) of a scatter plan: the cache it writes and the rows it reads. */
 static int check_scatter_side(const pakv_scatter_plan* p, const char* name, const void* cache, int64_t stride,
                               int64_t row, const void* src, int64_t token_stride, pakv_err* err) {
@@ -355,8 +349,9 @@ int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err) {
   const int64_t bs = p->block_size, capacity = p->num_blocks * bs; /* fits: pakv_check_scatter_plan */
   const int nz = p->layout == PAKV_LAYOUT_NZ;
   int bad = 0;
+  if (pakv_check_scatter_writable(p, "key_cache", "value_cache", err)) return -1;
   for (int64_t t = 0; t < p->num_tokens; t++) {
-    int64_t s = slot_entry(p, t);
+    int64_t s = pakv_slot_entry(p, t);
     if (s < 0) continue; /* padding */
     if (s >= capacity) {
       bad = 1; /* changed since it was validated: skip, report after */

@@ -185,9 +185,31 @@ int pakv_check_plan(const pakv_plan* p, pakv_err* err);
 
 /* What keeps a scatter memory-safe (the extents it writes and reads), and the scatter itself:
  * slots are bounds-checked again where they are read (a caller may change slot_mapping while
- * it runs); a slot that became invalid is an error, never a wild write. */
+ * it runs); a slot that became invalid is an error, never a wild write. The scatter first asks
+ * whether its caches can be written (pakv_check_scatter_writable): a read-only pool is an error
+ * with nothing written, never a signal. */
 int pakv_check_scatter_plan(const pakv_scatter_plan* p, pakv_err* err);
 int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err);
+
+/* Entry t of a scatter plan's slot_mapping, read once (volatile: a caller may be writing it). */
+static inline int64_t pakv_slot_entry(const pakv_scatter_plan* p, int64_t t) {
+  const char* at = (const char*)p->slot_mapping + t * p->slot_stride;
+  if (p->slots64) return *(const volatile int64_t*)at;
+  return (int64_t) * (const volatile int32_t*)at;
+}
+
+/* Writability, asked of the kernel (pakv_writable.c): never a signal. pakv_first_unwritable: the first of
+ * addrs[0..n) whose byte cannot be written (n: all can; -1: the kernel would not say). The checks: 0, or -1
+ * with err naming the buffer; "would not say" passes. A checked scatter plan: the lowest and highest byte it
+ * writes in each cache (key_name / value_name in the message). A buffer: its first and last byte. */
+int64_t pakv_first_unwritable(void* const* addrs, int64_t n);
+/* The spans [lo[i], hi[i]] (lo[i] NULL: none) a write op writes, n <= PAKV_MAX_SPANS: each span's first and
+ * last byte probed (one probe when both share a page); the message names names[i] of the first that fails. */
+#define PAKV_MAX_SPANS 4
+int pakv_check_spans_writable(char* const* lo, char* const* hi, const char* const* names, int n, pakv_err* err);
+int pakv_check_scatter_writable(const pakv_scatter_plan* p, const char* key_name, const char* value_name,
+                                pakv_err* err);
+int pakv_check_buffer_writable(void* data, int64_t bytes, const char* name, pakv_err* err);
 
 /* Run a checked plan. Block ids are bounds-checked again where they are read (a caller may change
  * block_tables while the copy runs); an id that became invalid is an error, never a wild read.

@@ -15,6 +15,7 @@
  * read from the rows the plan names and never from the caches, so a token's rows may be written in
  * any order (slots are distinct: the validator checked). */
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "pakv_float.h"
@@ -234,11 +235,33 @@ int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
   return pakv_check_attention_plan(&attention, err);
 }
 
+/* [lo, hi]: the lowest and highest byte the prologue writes in one cache (Norm rows at each token's slot);
+ * lo NULL when it writes none there. */
+static void written_span(const pakv_fused_plan* p, char* cache, int64_t stride, int64_t row, char** lo, char** hi) {
+  *lo = *hi = NULL;
+  for (int64_t t = 0; cache && row > 0 && t < p->num_tokens; t++) {
+    if (p->slots[t] < 0) continue;
+    char* first = cache + (p->slots[t] / p->block_size) * stride + (p->slots[t] % p->block_size) * row;
+    if (!*lo || first < *lo) *lo = first;
+    if (!*hi || first + row - 1 > *hi) *hi = first + row - 1;
+  }
+}
+
+/* A read-only or unmapped cache is an error before anything is written (pakv_writable.c), never a signal. */
+static int check_caches_writable(const pakv_fused_plan* p, pakv_err* err) {
+  char *lo[2], *hi[2];
+  const char* names[2] = {"key_cache", "value_cache"};
+  written_span(p, (char*)p->key_cache, p->key_block_stride, p->key_row_bytes, &lo[0], &hi[0]);
+  written_span(p, p->latent ? NULL : (char*)p->value_cache, p->value_block_stride, p->value_row_bytes, &lo[1], &hi[1]);
+  return pakv_check_spans_writable(lo, hi, names, 2, err);
+}
+
 int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_err* err) {
   if (pakv_check_fused_plan(p, err)) return -1;
   if (p->num_tokens && (!p->key_cache || (!p->latent && !p->value_cache) ||
                         (p->prepare_query && (!p->query_rows || p->attention.query != p->query_rows))))
     return pakv_fail(err, "fused attention: the plan is not bound to its caches and query rows (pakv_fused_bind)");
+  if (check_caches_writable(p, err)) return -1;
   int64_t elements = p->num_tokens * (p->num_heads + 2 * p->num_kv_heads) * p->head_dim; /* fits: checked */
   prologue_run run = {p, p->num_tokens, 0};
   int64_t per_token = (p->num_heads + 2 * p->num_kv_heads) * p->head_dim;
@@ -254,6 +277,16 @@ int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_e
   if (run.no_memory)
     return pakv_fail(err, "fused attention: out of memory for a scratch of %lld floats", (long long)(2 * p->head_dim));
   return pakv_run_attention_on(&p->attention, par, err);
+}
+
+/* Exported: whether a checked plan's caches can be written where its prologue writes (what a Python backend
+ * asks before it writes host caches; the C run asks itself). 0, or nonzero with the message at err_out. */
+PAKV_EXPORT int pakv_fused_writable(const pakv_fused_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err;
+  err.msg[0] = 0;
+  int rc = pakv_check_fused_plan(plan, &err) || check_caches_writable(plan, &err);
+  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+  return rc;
 }
 
 /* Exported entry point (the native Python backend): check and run on the calling thread. */

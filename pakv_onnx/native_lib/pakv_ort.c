@@ -161,12 +161,41 @@ typedef struct {
   float scale; /* PagedAttention's */
 } pakv_kernel;
 
+/* The alias route writes the pools in place, graph inputs included: a pool that is a constant of the model
+ * (an initializer) would change under every later reader, the next run included. Refused at session
+ * creation, naming the node and the input. (Other readers of a pool input are the opted-in host's to rule
+ * out: ORT shows a kernel no graph; Python's make_session checks the graph before it opts in.) */
+OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
+                                          size_t first_cache) {
+  static const char* const names[2] = {"key_cache", "value_cache"};
+  for (size_t i = first_cache; i <= first_cache + 1; i++) {
+    int constant = 0;
+    const OrtValue* value = NULL;
+    OrtStatus* st = PAKV_API(api, KernelInfoGetConstantInput_tensor)(info, i, &constant, &value);
+    if (st) return st;
+    if (!constant) continue;
+    char node[128] = "?", input[128] = "?";
+    size_t size = sizeof(node);
+    if ((st = PAKV_API(api, KernelInfo_GetNodeName)(info, node, &size))) PAKV_API(api, ReleaseStatus)(st);
+    size = sizeof(input);
+    if ((st = PAKV_API(api, KernelInfo_GetInputName)(info, i, input, &size))) PAKV_API(api, ReleaseStatus)(st);
+    node[sizeof(node) - 1] = input[sizeof(input) - 1] = 0;
+    return pakv_ort_attribute_error(api,
+                           "%s node '%s': %s '%s' is an initializer (a constant of the model), and these "
+                           "SessionOptions opted into the alias route (pakv_onnx.alias_caches = 1), which writes the "
+                           "pool in place: feed the pool as a graph input, or leave the alias route off",
+                           op, node, names[i - first_cache], input);
+  }
+  return NULL;
+}
+
 OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   int nz = 0, kind = ((const pakv_op*)op)->kind;
   int64_t cumsum = 1;
   float scale = 0.0f;
   OrtStatus* st = kind == PAKV_OP_ATTENTION ? read_scale(api, info, &scale) : read_cache_mode(api, info, pakv_op_type(kind), &nz);
   if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
+  if (!st && ((const pakv_op*)op)->alias) st = pakv_ort_refuse_constant_pools(api, info, "ScatterPaKvCache", 2);
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
@@ -298,7 +327,9 @@ static int run_scatter(const pakv_kernel* k, OrtKernelContext* ctx, pakv_tensor*
   if (!rc) rc = pakv_validate_scatter_outputs(records, err);
   for (int i = 0; !rc && i < PAKV_NUM_OUTPUTS; i++) {
     const pakv_tensor *cache = &records[PAKV_SCATTER_KEY_CACHE + i], *out = &records[PAKV_SCATTER_KEY_CACHE_OUT + i];
-    if (out->data != cache->data)
+    if (out->data != cache->data && k->ep == PAKV_EP_CPU) /* a host may have bound it to read-only memory */
+      rc = pakv_check_buffer_writable((void*)out->data, dense_bytes(cache), i ? "value_cache_out" : "key_cache_out", err);
+    if (!rc && out->data != cache->data)
       rc = pakv_ep_copy(k->api, ctx, k->ep, (void*)out->data, cache->data, dense_bytes(cache), err);
     if (i == 0)
       plan.key_cache = (void*)out->data;

@@ -19,6 +19,7 @@ typedef struct {
   int ep;               /* PAKV_EP_*: the execution provider of this entry */
   int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
   int query_dtype;      /* com.microsoft::PagedAttention: T (index into PAKV_CACHE_DTYPES); key_dtype is T_CACHE */
+  int alias;            /* the write op declares its caches aliased to its outputs (opted in: pakv_ort_register.c) */
 } pakv_op;
 
 /* Inputs and outputs of each op kind (PAKV_OP_GATHER, PAKV_OP_SCATTER, PAKV_OP_ATTENTION). */
@@ -52,5 +53,10 @@ void pakv_ort_fused_destroy(void* kernel);
 OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out);
 OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx);
 void pakv_ort_kernel_destroy(void* kernel);
+
+/* On the alias route (the op declares its caches aliased to its outputs), refuse at session creation a
+ * cache input (inputs first_cache, first_cache + 1) that is an initializer, naming `op`'s node and it. */
+OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
+                                          size_t first_cache);
 
 #endif /* PAKV_ORT_H */

@@ -94,6 +94,10 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
     if (st) return st;
   }
   if (pakv_check_fused_attributes(&a, &err)) return pakv_ort_call_error(api, &err);
+  if (((const pakv_op*)op)->alias) {
+    OrtStatus* st = pakv_ort_refuse_constant_pools(api, info, "PagedAttention", PAKV_FUSED_KEY_CACHE);
+    if (st) return st;
+  }
   fused_kernel* k = (fused_kernel*)calloc(1, sizeof(fused_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
   k->api = api;
@@ -162,7 +166,9 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     const pakv_tensor *cache = &t[PAKV_FUSED_KEY_CACHE + i], *out = &t[PAKV_FUSED_KEY_CACHE_OUT + i];
     if (!cache->present) continue;
     caches[i] = out->present ? (void*)out->data : (void*)cache->data; /* no cache output: in place, as ORT says */
-    if (caches[i] != cache->data) memcpy(caches[i], cache->data, (size_t)cache_bytes(cache));
+    if (caches[i] != cache->data) /* a host may have bound it to read-only memory */
+      rc = pakv_check_buffer_writable(caches[i], cache_bytes(cache), i ? "value_cache_out" : "key_cache_out", err);
+    if (!rc && caches[i] != cache->data) memcpy(caches[i], cache->data, (size_t)cache_bytes(cache));
   }
   int64_t rows = rc ? 0 : pakv_fused_query_rows_bytes(&plan);
   if (rows > 0 && !(query_rows = malloc((size_t)rows)))

@@ -38,6 +38,9 @@
 #define PAKV_MS_DOMAIN "com.microsoft"
 /* Session config entry naming the backend these SessionOptions were registered for. */
 #define PAKV_CONFIG_KEY "pakv_onnx.backend"
+/* Session config entry: "1" opts these SessionOptions into the write op's alias route (below); the library
+ * writes "0" or "1" there when it registers, so a host can read which ops it got. */
+#define PAKV_CONFIG_ALIAS "pakv_onnx.alias_caches"
 /* PagedAttention's dtypes, as indices into PAKV_CACHE_DTYPES: bfloat16, float16, float32. */
 static const int ATTENTION_DTYPES[PAKV_NUM_ATTENTION_DTYPES] = {0, 1, 2};
 /* com.microsoft::PagedAttention's (T, T_CACHE) pairs, as indices into PAKV_CACHE_DTYPES: T is bfloat16,
@@ -78,7 +81,13 @@ static int op_min_arity(const PakvOrtCustomOp* op) { (void)op; return 1; }
 static int op_homogeneity(const PakvOrtCustomOp* op) { (void)op; return 0; }
 static int op_opset_version(const PakvOrtCustomOp* op) { (void)op; return PAKV_OPSET_VERSION; }
 /* The scatter's alias map (ORT >= 1.18 reads it): key_cache (input 2) is key_cache_out (output 0),
- * value_cache (3) is value_cache_out (1). Static arrays: ReleaseAliasMap has nothing to free. */
+ * value_cache (3) is value_cache_out (1). Static arrays: ReleaseAliasMap has nothing to free.
+ *
+ * Declared only by the ops of a registration that opted in (PAKV_CONFIG_ALIAS, or pakv_bind_next_alias from
+ * Python's make_session after it checked the graph): ORT applies an alias whatever else reads the buffer (a
+ * second reader of the pool sees the write, two writes of one pool see each other's rows, an initializer
+ * pool changes), so only a host that knows each pool input feeds its write alone may ask for it. Without it
+ * the updated caches are the host's bound outputs (in place when bound to the pools) or ORT's (a copy). */
 static int g_alias_inputs[2] = {2, 3}, g_alias_outputs[2] = {0, 1};
 static size_t scatter_alias_map(int** inputs, int** outputs) {
   *inputs = g_alias_inputs;
@@ -123,12 +132,15 @@ static size_t fused_alias_map(int** inputs, int** outputs) {
 /* Registration                                                                                */
 /* ------------------------------------------------------------------------------------------- */
 static pthread_mutex_t g_reg_lock = PTHREAD_MUTEX_INITIALIZER;
-static pakv_op* g_ops[PAKV_MAX_BACKENDS];                /* PAKV_NUM_OPS ops per backend, never freed */
-static OrtCustomOpDomain* g_domains[PAKV_MAX_BACKENDS];  /* one domain per backend, reused (no leak per call) */
-static OrtCustomOpDomain* g_ms_domains[PAKV_MAX_BACKENDS]; /* and its com.microsoft domain (PagedAttention) */
-/* The backend the next RegisterCustomOps call on this thread binds to. Thread-local: a raw
- * registration on another thread always gets native, and cannot take a backend chosen here. */
+/* PAKV_NUM_OPS ops per (backend, alias route off / on), never freed; two domains each (pakv's ops, then
+ * com.microsoft's PagedAttention), reused (no leak per call). */
+static pakv_op* g_ops[PAKV_MAX_BACKENDS][2];
+static OrtCustomOpDomain* g_domains[PAKV_MAX_BACKENDS][2];
+static OrtCustomOpDomain* g_ms_domains[PAKV_MAX_BACKENDS][2];
+/* The backend (and alias route) the next RegisterCustomOps call on this thread binds to. Thread-local: a raw
+ * registration on another thread always gets native without the alias route, and cannot take a choice made here. */
 static _Thread_local int g_next_backend = PAKV_NATIVE_BACKEND;
+static _Thread_local int g_next_alias = 0;
 
 PAKV_EXPORT int pakv_bind_next_registration(const char* name) {
   int slot = name ? pakv_backend_slot(name) : PAKV_NATIVE_BACKEND;
@@ -136,14 +148,17 @@ PAKV_EXPORT int pakv_bind_next_registration(const char* name) {
   return slot;
 }
 
+PAKV_EXPORT void pakv_bind_next_alias(int on) { g_next_alias = on != 0; }
+
 static size_t no_inplace(int** inputs, int** outputs) {
   *inputs = *outputs = NULL;
   return 0;
 }
 
 /* com.microsoft::PagedAttention's entry `i` (of FUSED_TYPES), over what init_ops set: CPU, its own
- * types, counts and kernel; the cache inputs aliased to the cache outputs from API 18. */
-static void init_fused_op(pakv_op* o, int i, int api) {
+ * types, counts and kernel; the cache inputs aliased to the cache outputs from API 18 when the
+ * registration opted into the alias route (as the scatter's: see scatter_alias_map). */
+static void init_fused_op(pakv_op* o, int i, int api, int alias) {
   o->kind = PAKV_OP_FUSED;
   o->ep = PAKV_EP_CPU;
   o->query_dtype = FUSED_TYPES[i][0];
@@ -157,7 +172,8 @@ static void init_fused_op(pakv_op* o, int i, int api) {
   o->base.CreateKernelV2 = pakv_ort_fused_create;
   o->base.KernelComputeV2 = pakv_ort_fused_compute;
   o->base.KernelDestroy = pakv_ort_fused_destroy;
-  if (api >= PAKV_ORT_API_ALIAS_MAP) {
+  if (alias && api >= PAKV_ORT_API_ALIAS_MAP) {
+    o->alias = 1;
     o->base.version = PAKV_ORT_API_ALIAS_MAP;
     o->base.GetMayInplace = no_inplace;
     o->base.ReleaseMayInplace = release_alias_map;
@@ -168,8 +184,8 @@ static void init_fused_op(pakv_op* o, int i, int api) {
 
 /* Every op of `backend` (PAKV_NUM_OPS, ordered as PAKV_NUM_OPS says). `api` is the runtime's API
  * version: it reads the opset range and has ParallelFor from 17, reads the scatter's alias map
- * from 18. */
-static void init_ops(pakv_op* ops, int backend, int api) {
+ * from 18 (declared when `alias`). */
+static void init_ops(pakv_op* ops, int backend, int api, int alias) {
   for (int n = 0; n < PAKV_NUM_OPS; n++) {
     pakv_op* o = &ops[n];
     int ep = n / (PAKV_NUM_OP_KINDS * PAKV_NUM_PAIRS), kind = (n / PAKV_NUM_PAIRS) % PAKV_NUM_OP_KINDS;
@@ -182,7 +198,8 @@ static void init_ops(pakv_op* ops, int backend, int api) {
     }
     memset(o, 0, sizeof(*o));
     o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
-    if (kind == PAKV_OP_SCATTER && api >= PAKV_ORT_API_ALIAS_MAP) {
+    if (kind == PAKV_OP_SCATTER && alias && api >= PAKV_ORT_API_ALIAS_MAP) {
+      o->alias = 1;
       o->base.version = PAKV_ORT_API_ALIAS_MAP;
       o->base.GetMayInplace = no_inplace;
       o->base.ReleaseMayInplace = release_alias_map;
@@ -213,7 +230,7 @@ static void init_ops(pakv_op* ops, int backend, int api) {
     o->backend = backend;
     o->ep = ep;
     o->parallel_for = api >= PAKV_ORT_API_PARALLEL_FOR;
-    if (n >= PAKV_NUM_PAKV_OPS) init_fused_op(o, n - PAKV_NUM_PAKV_OPS, api);
+    if (n >= PAKV_NUM_PAKV_OPS) init_fused_op(o, n - PAKV_NUM_PAKV_OPS, api, alias);
   }
 }
 
@@ -226,29 +243,44 @@ static int runtime_api_version(const OrtApiBase* base) {
   return major > 1 ? 1000 : (int)minor;
 }
 
-/* The domains of `backend` (pakv's ops, then com.microsoft's), created on first use (caller holds
- * g_reg_lock). com.microsoft::PagedAttention runs the C kernel whatever the backend. */
-static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int backend, OrtCustomOpDomain** out) {
-  if (g_domains[backend]) {
-    out[0] = g_domains[backend];
-    out[1] = g_ms_domains[backend];
+/* The domains of `backend` with or without the alias route (pakv's ops, then com.microsoft's), created on
+ * first use (caller holds g_reg_lock). com.microsoft::PagedAttention runs the C kernel whatever the backend. */
+static OrtStatus* backend_domain(const OrtApi* api, const OrtApiBase* base, int backend, int alias,
+                                 OrtCustomOpDomain** out) {
+  if (g_domains[backend][alias]) {
+    out[0] = g_domains[backend][alias];
+    out[1] = g_ms_domains[backend][alias];
     return NULL;
   }
-  if (!g_ops[backend]) {
+  if (!g_ops[backend][alias]) {
     pakv_op* ops = (pakv_op*)calloc(PAKV_NUM_OPS, sizeof(pakv_op));
     if (!ops) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory registering the ops");
-    init_ops(ops, backend, runtime_api_version(base));
-    g_ops[backend] = ops;
+    init_ops(ops, backend, runtime_api_version(base), alias);
+    g_ops[backend][alias] = ops;
   }
   OrtCustomOpDomain *domain = NULL, *ms_domain = NULL;
   OrtStatus* st = PAKV_API(api, CreateCustomOpDomain)(PAKV_DOMAIN, &domain);
   if (!st) st = PAKV_API(api, CreateCustomOpDomain)(PAKV_MS_DOMAIN, &ms_domain);
   for (int n = 0; !st && n < PAKV_NUM_OPS; n++)
-    st = PAKV_API(api, CustomOpDomain_Add)(n < PAKV_NUM_PAKV_OPS ? domain : ms_domain, &g_ops[backend][n]);
+    st = PAKV_API(api, CustomOpDomain_Add)(n < PAKV_NUM_PAKV_OPS ? domain : ms_domain, &g_ops[backend][alias][n]);
   if (st) return st; /* a half-built domain is not kept (ORT owns nothing of it yet; it is leaked once) */
-  g_domains[backend] = out[0] = domain;
-  g_ms_domains[backend] = out[1] = ms_domain;
+  g_domains[backend][alias] = out[0] = domain;
+  g_ms_domains[backend][alias] = out[1] = ms_domain;
   return NULL;
+}
+
+/* Whether these options opted into the alias route: this thread's choice, or the host's config entry "1";
+ * written back as "0" / "1" (a host's own entry is left as it is). */
+static OrtStatus* alias_route(const OrtApi* api, OrtSessionOptions* options, int chosen, int* alias) {
+  int has = 0;
+  char value[4] = "";
+  size_t size = sizeof(value);
+  OrtStatus* st = PAKV_API(api, HasSessionConfigEntry)(options, PAKV_CONFIG_ALIAS, &has);
+  if (!st && has) st = PAKV_API(api, GetSessionConfigEntry)(options, PAKV_CONFIG_ALIAS, value, &size);
+  if (st) return st;
+  *alias = chosen || (has && strcmp(value, "1") == 0);
+  if (has && !chosen) return NULL;
+  return PAKV_API(api, AddSessionConfigEntry)(options, PAKV_CONFIG_ALIAS, *alias ? "1" : "0");
 }
 
 /* A second registration on the same SessionOptions would make ORT fail at session creation with
@@ -275,8 +307,9 @@ static OrtStatus* mark_options(const OrtApi* api, OrtSessionOptions* options, in
 }
 
 PAKV_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  int backend = g_next_backend;
+  int backend = g_next_backend, alias = 0, chosen_alias = g_next_alias;
   g_next_backend = PAKV_NATIVE_BACKEND; /* one registration per selection; hosts that never select get native */
+  g_next_alias = 0;
   const OrtApi* api = api_base->GetApi(PAKV_ORT_API_VERSION);
   if (!api) {
     /* Older runtime: find any API table to report the error with (CreateStatus is slot 0 in all). */
@@ -289,10 +322,11 @@ PAKV_EXPORT OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtAp
     return pakv_ort_status(api, PAKV_ORT_FAIL, msg);
   }
   OrtStatus* st = mark_options(api, options, backend);
+  if (!st) st = alias_route(api, options, chosen_alias, &alias);
   if (st) return st;
   OrtCustomOpDomain* domains[2] = {NULL, NULL};
   pthread_mutex_lock(&g_reg_lock);
-  st = backend_domain(api, api_base, backend, domains);
+  st = backend_domain(api, api_base, backend, alias, domains);
   pthread_mutex_unlock(&g_reg_lock);
   if (!st) st = PAKV_API(api, AddCustomOpDomain)(options, domains[0]);
   if (!st) st = PAKV_API(api, AddCustomOpDomain)(options, domains[1]);

@@ -1,173 +1,184 @@
-/* Vector pieces of the attention core: GCC/clang vector extensions, 8 floats (one AVX register where
- * the CPU has it, two SSE / NEON registers otherwise), so accumulators stay in registers. Header-only
- * (static inline), so the core's target clones compile them for each instruction set. */
+/* Vector pieces of the attention core: GCC/clang vector extensions of PAKV_W floats (define it before
+ * including: 8 is one AVX register, or two SSE / NEON ones; 16 one AVX-512 register), so a unit
+ * compiled for an instruction set keeps its accumulators in that set's registers. Header-only
+ * (static inline): each unit that includes it compiles them for its own target. No libm. */
 #ifndef PAKV_VEC_H
 #define PAKV_VEC_H
 
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi" /* 32-byte vectors by value between inlined helpers: no ABI crosses */
+#ifndef PAKV_W
+#define PAKV_W 8
 #endif
 
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* vectors by value between inlined helpers: no ABI crosses */
+#endif
 
-static inline v8f load8(const float* p) {
-  v8f v;
+typedef float vf __attribute__((vector_size(PAKV_W * 4)));
+typedef int32_t vi __attribute__((vector_size(PAKV_W * 4)));
+
+#define PAKV_VINLINE static inline __attribute__((always_inline))
+
+PAKV_VINLINE vf vload(const float* p) {
+  vf v;
   memcpy(&v, p, sizeof(v));
   return v;
 }
 
-static inline void store8(float* p, const v8f* v) { memcpy(p, v, sizeof(*v)); }
+PAKV_VINLINE void vstore(float* p, vf v) { memcpy(p, &v, sizeof(v)); }
 
-static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }
-
-static inline float hsum8(const v8f* v) {
-  return (((*v)[0] + (*v)[4]) + ((*v)[1] + (*v)[5])) + (((*v)[2] + (*v)[6]) + ((*v)[3] + (*v)[7]));
+/* PAKV_W bfloat16 at p, widened exactly (the upper half of each fp32): one zero-extension and a
+ * shift (with AVX-512 the intrinsic: GCC splits the generic conversion in 256-bit halves). */
+typedef uint16_t vh __attribute__((vector_size(PAKV_W * 2)));
+PAKV_VINLINE vf vload_bf16(const void* p) {
+#if PAKV_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+#else
+  vh h;
+  memcpy(&h, p, sizeof(h));
+  return (vf)(__builtin_convertvector(h, vi) << 16);
+#endif
 }
 
-/* a . b over n floats. */
-static inline float dot(const float* a, const float* b, int64_t n) {
-  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 += load8(a + i) * load8(b + i);
-    s1 += load8(a + i + 8) * load8(b + i + 8);
-  }
-  if (i + 8 <= n) {
-    s0 += load8(a + i) * load8(b + i);
-    i += 8;
-  }
-  float rest = 0.0f;
-  for (; i < n; i++) rest += a[i] * b[i];
-  s0 += s1;
-  return hsum8(&s0) + rest;
+PAKV_VINLINE vf vsplat(float x) { return x - (vf){0}; }
+
+PAKV_VINLINE vf vselect(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
+
+/* The high half of a vector onto its low half, op'd: log2(PAKV_W) steps to one lane. */
+#if PAKV_W == 16
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));      \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));      \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));      \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));      \
+  } while (0)
+#elif PAKV_W == 8
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));                                      \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));                                      \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));                                      \
+  } while (0)
+#else
+#define PAKV_FOLD(v, op)                                                                                   \
+  do {                                                                                                     \
+    v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1));                                                  \
+    v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2));                                                  \
+  } while (0)
+#endif
+
+PAKV_VINLINE vf vmax2(vf a, vf b) { return vselect(b > a, b, a); }
+PAKV_VINLINE vf vadd2(vf a, vf b) { return a + b; }
+PAKV_VINLINE vi vor2(vi a, vi b) { return a | b; }
+
+/* The largest lane (NaN lanes lose), the sum of the lanes, whether any lane is nonzero. */
+PAKV_VINLINE float vmax_all(vf v) {
+  PAKV_FOLD(v, vmax2);
+  return v[0];
 }
 
-/* a0 . b and a1 . b over n floats: b (a key row) is read once for two queries (GQA heads). */
-static inline void dot2(const float* a0, const float* a1, const float* b, int64_t n, float* out0, float* out1) {
-  v8f s0 = splat8(0.0f), s1 = splat8(0.0f);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    v8f x = load8(b + i);
-    s0 += load8(a0 + i) * x;
-    s1 += load8(a1 + i) * x;
-  }
-  float r0 = 0.0f, r1 = 0.0f;
-  for (; i < n; i++) {
-    r0 += a0[i] * b[i];
-    r1 += a1[i] * b[i];
-  }
-  *out0 = hsum8(&s0) + r0;
-  *out1 = hsum8(&s1) + r1;
+PAKV_VINLINE float vsum_all(vf v) {
+  PAKV_FOLD(v, vadd2);
+  return v[0];
 }
 
-/* y[0..n) += sum over rows r < count of w[r] * rows[r][0..n): the accumulators stay in registers
- * (blocks of 32 floats, then 8, then singles) while the value rows stream past. */
-static inline void weighted_rows(float* y, const float* w, const float* const* rows, int64_t count, int64_t n) {
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    v8f y0 = load8(y + i), y1 = load8(y + i + 8), y2 = load8(y + i + 16), y3 = load8(y + i + 24);
-    for (int64_t r = 0; r < count; r++) {
-      const float* x = rows[r] + i;
-      v8f a = splat8(w[r]);
-      y0 += a * load8(x);
-      y1 += a * load8(x + 8);
-      y2 += a * load8(x + 16);
-      y3 += a * load8(x + 24);
+PAKV_VINLINE int vany(vi v) {
+  PAKV_FOLD(v, vor2);
+  return v[0] != 0;
+}
+
+/* e^x for x <= 0 (a score minus a running max), relative error ~2e-7: x = k ln2 + r with |r| <=
+ * ln2 / 2 (ln2 split in two for precision), e^r by its degree-6 polynomial, 2^k through the
+ * exponent bits. Below -87 (-inf included) the result is e^-87 ~ 1.6e-38 instead of its true tinier
+ * value; NaN lanes must be masked by the caller. */
+PAKV_VINLINE vf vexp_nonpositive(vf x) {
+  const vf floor_x = vsplat(-87.0f);
+  x = vselect(x < floor_x, floor_x, x);
+  vf t = x * vsplat(1.44269504088896341f) - vsplat(0.5f);
+  vi k = __builtin_convertvector(t, vi); /* t <= -0.5: truncation rounds x / ln2 to nearest */
+  vf kf = __builtin_convertvector(k, vf);
+  vf r = (x - kf * vsplat(0.693359375f)) + kf * vsplat(2.12194440e-4f);
+  vf p = vsplat(1.9875691500e-4f);
+  p = p * r + vsplat(1.3981999507e-3f);
+  p = p * r + vsplat(8.3334519073e-3f);
+  p = p * r + vsplat(4.1665795894e-2f);
+  p = p * r + vsplat(1.6666665459e-1f);
+  p = p * r + vsplat(5.0000001201e-1f);
+  p = p * r * r + r + vsplat(1.0f);
+  return p * (vf)((k + 127) << 23);
+}
+
+PAKV_VINLINE float exp_nonpositive(float x) { return vexp_nonpositive(vsplat(x))[0]; }
+
+/* tanh(x), relative error ~3e-7 (no libm): an odd Taylor polynomial to x^15 below |x| = 0.4 (where
+ * 1 - e^(-2|x|) would cancel), else (1 - e^(-2|x|)) / (1 + e^(-2|x|)) with x's sign; tanh(+-inf) =
+ * +-1, NaN stays NaN. */
+PAKV_VINLINE vf vtanh(vf x) {
+  const vi sign_bit = (vi){0} | (int32_t)0x80000000;
+  const vf x2 = x * x;
+  const vi sign = (vi)x & sign_bit, nan = x != x;
+  const vf magnitude = (vf)((vi)x & ~sign_bit);
+  vf p = vsplat(-1.4558343870513183e-3f);
+  p = p * x2 + vsplat(3.5921280365724810e-3f);
+  p = p * x2 + vsplat(-8.8632355299021966e-3f);
+  p = p * x2 + vsplat(2.1869488536155203e-2f);
+  p = p * x2 + vsplat(-5.3968253968253968e-2f);
+  p = p * x2 + vsplat(1.3333333333333333e-1f);
+  p = p * x2 + vsplat(-3.3333333333333333e-1f);
+  const vf small = x + x * x2 * p;
+  const vf t = vexp_nonpositive(vselect(nan, vsplat(0.0f), magnitude * vsplat(-2.0f)));
+  const vf large = (vf)((vi)((vsplat(1.0f) - t) / (vsplat(1.0f) + t)) | sign);
+  return vselect(nan, x, vselect(magnitude < vsplat(0.4f), small, large));
+}
+
+/* In-register transpose of PAKV_W rows of PAKV_W floats: 8 x 8 with the in-lane unpack / shuffle /
+ * 128-bit permute sequence AVX has as single instructions (24 shuffles); 16 x 16 by four rounds of
+ * full-width interleaves (AVX-512's two-source permute, 64 shuffles); 4 x 4 by two. */
+#if PAKV_W == 8
+PAKV_VINLINE void vtranspose(vf* r) {
+  vf t[8], u[8];
+  for (int i = 0; i < 4; i++) {
+    t[2 * i] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    t[2 * i + 1] = __builtin_shufflevector(r[2 * i], r[2 * i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 2; i++)
+    for (int j = 0; j < 2; j++) {
+      u[4 * i + 2 * j] = __builtin_shufflevector(t[4 * i + j], t[4 * i + j + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+      u[4 * i + 2 * j + 1] = __builtin_shufflevector(t[4 * i + j], t[4 * i + j + 2], 2, 3, 10, 11, 6, 7, 14, 15);
     }
-    store8(y + i, &y0);
-    store8(y + i + 8, &y1);
-    store8(y + i + 16, &y2);
-    store8(y + i + 24, &y3);
-  }
-  for (; i + 8 <= n; i += 8) {
-    v8f y0 = load8(y + i);
-    for (int64_t r = 0; r < count; r++) y0 += splat8(w[r]) * load8(rows[r] + i);
-    store8(y + i, &y0);
-  }
-  for (; i < n; i++) {
-    float sum = y[i];
-    for (int64_t r = 0; r < count; r++) sum += w[r] * rows[r][i];
-    y[i] = sum;
+  for (int i = 0; i < 4; i++) {
+    r[i] = __builtin_shufflevector(u[i], u[i + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    r[i + 4] = __builtin_shufflevector(u[i], u[i + 4], 4, 5, 6, 7, 12, 13, 14, 15);
   }
 }
-
-static inline void scale_row(float* y, float a, int64_t n) {
-  for (int64_t i = 0; i < n; i++) y[i] *= a;
-}
-
-/* e^x for x <= 0 (a score minus the running max), 8 at a time, relative error ~2e-7: x = k ln2 + r
- * with |r| <= ln2 / 2 (ln2 split in two for precision), e^r by its degree-6 polynomial, 2^k through
- * the exponent bits. Below -87 the result is ~1e-38 instead of its true tinier value. */
-static inline v8f exp8_nonpositive(const v8f* arg) {
-  const v8f floor_x = splat8(-87.0f);
-  v8f x = *arg;
-  v8i low = x < floor_x; /* all ones where x is below (or NaN: never here) */
-  x = (v8f)((low & (v8i)floor_x) | (~low & (v8i)x));
-  v8f t = x * splat8(1.44269504088896341f) - splat8(0.5f);
-  v8i k = __builtin_convertvector(t, v8i); /* t <= -0.5: truncation rounds x / ln2 to nearest */
-  v8f kf = __builtin_convertvector(k, v8f);
-  v8f r = (x - kf * splat8(0.693359375f)) + kf * splat8(2.12194440e-4f);
-  v8f p = splat8(1.9875691500e-4f);
-  p = p * r + splat8(1.3981999507e-3f);
-  p = p * r + splat8(8.3334519073e-3f);
-  p = p * r + splat8(4.1665795894e-2f);
-  p = p * r + splat8(1.6666665459e-1f);
-  p = p * r + splat8(5.0000001201e-1f);
-  p = p * r * r + r + splat8(1.0f);
-  return p * (v8f)((k + 127) << 23);
-}
-
-/* weights[0..count) = e^(scores - top), count rounded up to 8 (both arrays hold that many); a score
- * of -inf gets weight exactly 0 (the exponential alone would give its floor, ~1e-38). */
-static inline void exp_rows(float* weights, const float* scores, float top, int64_t count) {
-  const v8f minus_inf = splat8(-__builtin_inff());
-  for (int64_t i = 0; i < count; i += 8) {
-    v8f x = load8(scores + i) - splat8(top);
-    v8i masked = x == minus_inf;
-    v8f e = exp8_nonpositive(&x);
-    e = (v8f)(~masked & (v8i)e);
-    store8(weights + i, &e);
+#elif PAKV_W == 16
+PAKV_VINLINE void vtranspose(vf* r) {
+  for (int round = 0; round < 4; round++) {
+    vf next[16];
+    for (int i = 0; i < 8; i++) {
+      next[2 * i] = __builtin_shufflevector(r[i], r[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      next[2 * i + 1] =
+          __builtin_shufflevector(r[i], r[i + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    }
+    memcpy(r, next, sizeof(next));
   }
 }
-
-/* tanh(x), 8 at a time, relative error ~3e-7 (no libm): an odd Taylor polynomial to x^15 below
- * |x| = 0.4 (where 1 - e^(-2|x|) would cancel), else (1 - e^(-2|x|)) / (1 + e^(-2|x|)) with x's sign;
- * tanh(+-inf) = +-1, NaN stays NaN. */
-static inline v8f tanh8(const v8f* arg) {
-  const v8i sign_bit = (v8i){0, 0, 0, 0, 0, 0, 0, 0} | (int32_t)0x80000000;
-  v8f x = *arg, x2 = x * x;
-  v8i sign = (v8i)x & sign_bit;
-  v8f magnitude = (v8f)((v8i)x & ~sign_bit);
-  v8f p = splat8(-1.4558343870513183e-3f);
-  p = p * x2 + splat8(3.5921280365724810e-3f);
-  p = p * x2 + splat8(-8.8632355299021966e-3f);
-  p = p * x2 + splat8(2.1869488536155203e-2f);
-  p = p * x2 + splat8(-5.3968253968253968e-2f);
-  p = p * x2 + splat8(1.3333333333333333e-1f);
-  p = p * x2 + splat8(-3.3333333333333333e-1f);
-  v8f small = x + x * x2 * p;
-  v8f negative = magnitude * splat8(-2.0f);
-  v8i nan = magnitude != magnitude;
-  negative = (v8f)(~nan & (v8i)negative); /* NaN lanes: exp of 0 (the select below keeps x) */
-  v8f t = exp8_nonpositive(&negative);
-  v8f large = (v8f)((v8i)((splat8(1.0f) - t) / (splat8(1.0f) + t)) | sign);
-  v8i use_small = magnitude < splat8(0.4f);
-  v8f result = (v8f)((use_small & (v8i)small) | (~use_small & (v8i)large));
-  return (v8f)((nan & (v8i)x) | (~nan & (v8i)result));
-}
-
-/* scores[0..count) = cap * tanh(scores / cap), count rounded up to 8 (the array holds that many). */
-static inline void softcap_rows(float* scores, float cap, int64_t count) {
-  const v8f inverse = splat8(1.0f / cap), times = splat8(cap);
-  for (int64_t i = 0; i < count; i += 8) {
-    v8f x = load8(scores + i) * inverse;
-    v8f t = tanh8(&x) * times;
-    store8(scores + i, &t);
+#elif PAKV_W == 4
+PAKV_VINLINE void vtranspose(vf* r) {
+  for (int round = 0; round < 2; round++) {
+    vf next[4];
+    for (int i = 0; i < 2; i++) {
+      next[2 * i] = __builtin_shufflevector(r[i], r[i + 2], 0, 4, 1, 5);
+      next[2 * i + 1] = __builtin_shufflevector(r[i], r[i + 2], 2, 6, 3, 7);
+    }
+    memcpy(r, next, sizeof(next));
   }
 }
+#else
+#error "PAKV_W must be 4, 8 or 16"
+#endif
 
 #endif /* PAKV_VEC_H */

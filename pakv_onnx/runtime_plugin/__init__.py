@@ -27,15 +27,18 @@ import torch
 from pakv_onnx import kernels, native_lib
 from pakv_onnx.native_lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin import _device
+from pakv_onnx.runtime_plugin._alias import alias_hazards
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
 __all__ = [
     "NATIVE",
     "LibraryNotBuiltError",
+    "alias_hazards",
     "bind",
     "library_path",
     "make_session",
     "register",
+    "registered_alias",
     "registered_backend",
     "run",
     "session_backend",
@@ -71,7 +74,16 @@ def registered_backend(session_options: Any) -> str | None:
         return None
 
 
-def register(session_options: Any, backend: str = NATIVE) -> None:
+def registered_alias(session_options: Any) -> bool | None:
+    """Whether ``session_options`` were registered with the write op's alias route, or ``None`` if not
+    registered by this library."""
+    try:
+        return session_options.get_session_config_entry(native_lib.CONFIG_KEY_ALIAS) == "1"
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def register(session_options: Any, backend: str = NATIVE, *, alias: bool = False) -> None:
     """Register the custom-op library on ``session_options`` for ``backend``.
 
     One registration serves every session made from ``session_options``: registering again for
@@ -83,6 +95,11 @@ def register(session_options: Any, backend: str = NATIVE) -> None:
     Args:
         session_options: an ``onnxruntime.SessionOptions``.
         backend: ``native`` (C kernel), ``auto``, or a backend of :mod:`pakv_onnx.kernels`.
+        alias: declare the write op's updated caches aliased to its pool inputs (ORT >= 1.18,
+            ORT_SEQUENTIAL): a write that feeds later nodes then updates the caller's pools in place,
+            with no copy. Only for models where each write's pools are graph inputs nothing else reads
+            (:func:`alias_hazards` says why not; :func:`make_session` decides it from the model). Also
+            what a host's session config entry ``pakv_onnx.alias_caches`` = ``1`` asks for.
     """
     chosen = session_backend(backend)
     previous = registered_backend(session_options)
@@ -102,17 +119,25 @@ def register(session_options: Any, backend: str = NATIVE) -> None:
         _python_backend.install()
     if lib.pakv_bind_next_registration(chosen.encode()) < 0:
         raise ValueError(f"backend {chosen!r}: too many distinct backends registered in this process")
+    lib.pakv_bind_next_alias(1 if alias else 0)
     try:
         session_options.register_custom_ops_library(path)
     finally:
         lib.pakv_bind_next_registration(NATIVE.encode())
+        lib.pakv_bind_next_alias(0)
     if registered_backend(session_options) is None:
         # Runtimes whose Python binding registers through a temporary SessionOptions: mark these.
         session_options.add_session_config_entry(native_lib.CONFIG_KEY_BACKEND, chosen)
+        session_options.add_session_config_entry(native_lib.CONFIG_KEY_ALIAS, "1" if alias else "0")
 
 
 def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     """An ``onnxruntime.InferenceSession`` for ``model`` with the plugin registered for ``backend``.
+
+    The write op takes the alias route (its pools updated in place when its outputs feed later nodes,
+    ORT >= 1.18) when :func:`alias_hazards` finds nothing in ``model``; otherwise ONNX's semantics (the
+    host's bound outputs, or a copy of each pool). Given options already registered with the alias
+    route, a model it is not safe for is a ``ValueError`` naming the node and the pool.
 
     Args:
         model: an ``onnx.ModelProto``, serialized model bytes, or a path.
@@ -125,17 +150,23 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
 
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    check_pakv_opset(model)
+    hazards = alias_hazards(check_pakv_opset(model))
     options = ort_kwargs.pop("sess_options", None) or ort.SessionOptions()
-    register(options, backend)
+    if hazards and registered_alias(options):
+        raise ValueError(
+            f"these SessionOptions are registered with the write op's alias route, which this model must not "
+            f"take: {hazards[0]} (a write in place would show there); use a new onnxruntime.SessionOptions()"
+        )
+    register(options, backend, alias=not hazards)
     ort_kwargs.setdefault("providers", ["CPUExecutionProvider"])
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
     return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
 
 
-def check_pakv_opset(model: Any) -> None:
-    """``ValueError`` if ``model`` imports the ``pakv`` opset at a version the library does not implement.
+def check_pakv_opset(model: Any):
+    """``ValueError`` if ``model`` imports the ``pakv`` opset at a version the library does not implement;
+    returns the model as an ``onnx.ModelProto`` (a path is read without its external data).
 
     ORT matches a custom op by name whatever the model's opset version, and its C API shows a
     kernel no opset version, so the library cannot refuse ``pakv`` opset 2 itself; this check
@@ -157,6 +188,7 @@ def check_pakv_opset(model: Any) -> None:
                 f"the model imports opset {DOMAIN!r} version {opset.version}; the GatherPaKvCache library "
                 f"implements only version {OPSET_VERSION}"
             )
+    return proto
 
 
 def bind(

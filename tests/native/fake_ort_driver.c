@@ -27,7 +27,7 @@ typedef struct { const char* mode; int64_t cumsum; } Info; /* cumsum < 0: absent
 /* Room for every cache op (pairs x kinds x EPs), PagedAttention's entries and a few more. */
 #define DOMAIN_CAPACITY (PAKV_NUM_DTYPES * PAKV_NUM_DTYPES * PAKV_NUM_OP_KINDS * PAKV_NUM_EPS + PAKV_NUM_ATTENTION_DTYPES + 8)
 typedef struct { const PakvOrtCustomOp* ops[DOMAIN_CAPACITY]; int n; char name[32]; } Domain;
-typedef struct { char key[64]; char value[64]; int set; } Options;
+typedef struct { char key[4][64]; char value[4][64]; int set; } Options; /* up to 4 config entries */
 
 static Status* CreateStatus(int code, const char* msg) {
   Status* s = calloc(1, sizeof(Status)); s->code = code; snprintf(s->msg, sizeof(s->msg), "%s", msg); return s;
@@ -95,15 +95,23 @@ static Status* ParallelFor(Ctx* c, void (*fn)(void*, size_t), size_t total, size
 }
 static void ReleaseStatus(Status* s) { free(s); }
 static void ReleaseInfo(void* p) { (void)p; }
-static Status* HasConfig(const Options* o, const char* key, int* out) { *out = o->set && !strcmp(o->key, key); return NULL; }
+static int config_at(const Options* o, const char* key) {
+  for (int i = 0; i < o->set; i++) if (!strcmp(o->key[i], key)) return i;
+  return -1;
+}
+static Status* HasConfig(const Options* o, const char* key, int* out) { *out = config_at(o, key) >= 0; return NULL; }
 static Status* GetConfig(const Options* o, const char* key, char* value, size_t* size) {
-  if (!o->set || strcmp(o->key, key)) return CreateStatus(1, "absent");
-  size_t need = strlen(o->value) + 1;
+  int i = config_at(o, key);
+  if (i < 0) return CreateStatus(1, "absent");
+  size_t need = strlen(o->value[i]) + 1;
   if (!value || *size < need) { *size = need; return value ? CreateStatus(1, "short") : NULL; }
-  memcpy(value, o->value, need); *size = need; return NULL;
+  memcpy(value, o->value[i], need); *size = need; return NULL;
 }
 static Status* AddConfig(Options* o, const char* key, const char* value) {
-  snprintf(o->key, sizeof(o->key), "%s", key); snprintf(o->value, sizeof(o->value), "%s", value); o->set = 1; return NULL;
+  int i = config_at(o, key);
+  if (i < 0 && o->set == 4) return CreateStatus(1, "fake options: full");
+  if (i < 0) i = o->set++;
+  snprintf(o->key[i], sizeof(o->key[i]), "%s", key); snprintf(o->value[i], sizeof(o->value[i]), "%s", value); return NULL;
 }
 
 static void* g_table[PAKV_SLOT_COUNT_USED];
@@ -207,7 +215,7 @@ int main(int argc, char** argv) {
   void* lib = dlopen(argv[1], RTLD_NOW);
   if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 2; }
   Status* (*reg)(void*, const OrtApiBase*) = (Status * (*)(void*, const OrtApiBase*)) dlsym(lib, "RegisterCustomOps");
-  Options options = {{0}, {0}, 0}, other = {{0}, {0}, 0};
+  Options options = {{{0}}, {{0}}, 0}, other = {{{0}}, {{0}}, 0};
   int npairs = PAKV_NUM_DTYPES * PAKV_NUM_DTYPES;
   /* Per EP: the gathers (one per dtype pair), then as many scatters; then PagedAttention's CPU entries. */
   if (reg(&options, &g_base) || !g_domain ||

@@ -1,0 +1,361 @@
+"""The write op's in-place routes (issue 27): no reader sees a write it did not ask for, and a read-only
+pool is an error, never a signal, whatever the graph and host.
+
+ORT >= 1.18 (ORT_SEQUENTIAL) applies an op's alias map whatever else reads the buffer; the library now
+declares it only for registrations that opt in, and ``make_session`` opts in only for graphs
+``alias_hazards`` clears. Each graph below used to show a write to a reader that did not ask for it: (a) a
+second node reading the pool input, (b) one pool feeding two writes, (c) an initializer pool (the constant
+changed, the next run read the last run's rows); (d) a read-only pool died of SIGSEGV in ``write_row``.
+What serving needs stays in place: a write whose outputs feed only later nodes (the demo's graphs,
+``make_session``), outputs bound to the pools (ORT GenAI, the decoder steps: any host), and a raw host that
+opts in with the session config entry.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from conftest import ORT_ERRORS
+from onnx import TensorProto
+from onnx import helper as h
+
+import pakv_onnx
+from pakv_onnx import native_lib, runtime_plugin
+from pakv_onnx.export import gather_node, make_scatter_model_for, scatter_node
+from pakv_onnx.runtime_plugin import alias_hazards
+from pakv_onnx.spec import SCATTER, bitwise_equal
+
+ORT_MINOR = int(ort.__version__.split(".")[1])
+NB, BS, H, D = 4, 4, 2, 8
+TOKENS = NB * BS
+POOL_NAMES = ("key_cache", "value_cache")
+
+
+def _value(name: str, dtype=TensorProto.FLOAT) -> onnx.ValueInfoProto:
+    return h.make_tensor_value_info(name, dtype, None)
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    graph = h.make_graph(nodes, "g", [_value(n, t) for n, t in inputs], [_value(n) for n in outputs], list(initializers))
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("pakv", 1)])
+    model.ir_version = 8
+    return model
+
+
+def _gather(prefix: str, pools=("kc", "vc")) -> onnx.NodeProto:
+    return gather_node(*pools, "tables", "lens", outputs=(f"{prefix}_k", f"{prefix}_v"), name=f"gather_{prefix}")
+
+
+INDEX = [("tables", TensorProto.INT64), ("lens", TensorProto.INT64)]
+WRITE = [("key", TensorProto.FLOAT), ("value", TensorProto.FLOAT), ("kc", TensorProto.FLOAT), ("vc", TensorProto.FLOAT)]
+
+
+def pools(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return tuple(rng.standard_normal((NB, BS, H, D)).astype(np.float32) for _ in range(2))
+
+
+def rows(seed: int, count: int = 1) -> np.ndarray:
+    return np.random.default_rng(100 + seed).standard_normal((count, H, D)).astype(np.float32)
+
+
+def index_feeds() -> dict[str, np.ndarray]:
+    return {"tables": np.arange(NB, dtype=np.int64)[None], "lens": np.array([0, TOKENS], np.int64)}
+
+
+def written(pool: np.ndarray, slots: list[int], new: np.ndarray) -> np.ndarray:
+    out = pool.copy()
+    for t, s in enumerate(slots):
+        out[s // BS, s % BS] = new[t]
+    return out
+
+
+def plugin(model, **kwargs):
+    return runtime_plugin.make_session(model, **kwargs)
+
+
+def raw(model, alias: str | None = None):
+    """A host that loads the library itself (any C host does the same), opting in or not."""
+    options = ort.SessionOptions()
+    if alias is not None:
+        options.add_session_config_entry(native_lib.CONFIG_KEY_ALIAS, alias)
+    options.register_custom_ops_library(native_lib.library_path())
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+HOSTS = {"make_session": plugin, "raw host": raw}
+
+
+# --------------------------------------------------------------------------- #
+# (a) a second reader of the pool input
+# --------------------------------------------------------------------------- #
+def second_reader_model() -> onnx.ModelProto:
+    """Write slot 5, gather through the written pools (new) and, listed after the write, from the pool
+    inputs themselves (old: the graph's inputs are immutable)."""
+    nodes = [
+        scatter_node("key", "value", "kc", "vc", "slots", outputs=("kc2", "vc2"), name="write"),
+        _gather("new", ("kc2", "vc2")),
+        _gather("old"),
+    ]
+    return _model(nodes, [*WRITE, ("slots", TensorProto.INT64), *INDEX], ["new_k", "old_k"])
+
+
+@pytest.mark.parametrize("host", list(HOSTS))
+def test_a_second_reader_of_the_pool_sees_the_old_rows(host: str) -> None:
+    kc, vc = pools()
+    new = rows(0)
+    feeds = {"key": new, "value": new, "kc": kc.copy(), "vc": vc.copy(), "slots": np.array([5]), **index_feeds()}
+    got_new, got_old = HOSTS[host](second_reader_model()).run(None, feeds)
+    assert np.array_equal(got_old, kc.reshape(TOKENS, H, D)), "the pool input's reader saw the write"
+    assert np.array_equal(got_new, written(kc, [5], new).reshape(TOKENS, H, D))
+    assert np.array_equal(feeds["kc"], kc), "the graph input was written"
+
+
+# --------------------------------------------------------------------------- #
+# (b) one pool feeding two writes
+# --------------------------------------------------------------------------- #
+def two_writes_model() -> onnx.ModelProto:
+    nodes = [
+        scatter_node("key", "value", "kc", "vc", "slots_a", outputs=("ka", "va"), name="A"),
+        scatter_node("key", "value", "kc", "vc", "slots_b", outputs=("kb", "vb"), name="B"),
+        _gather("a", ("ka", "va")),
+        _gather("b", ("kb", "vb")),
+    ]
+    slots = [("slots_a", TensorProto.INT64), ("slots_b", TensorProto.INT64)]
+    return _model(nodes, [*WRITE, *slots, *INDEX], ["a_k", "b_k"])
+
+
+@pytest.mark.parametrize("host", list(HOSTS))
+def test_two_writes_of_one_pool_each_see_their_own_rows_only(host: str) -> None:
+    kc, vc = pools(1)
+    new = rows(1)
+    feeds = {"key": new, "value": new, "kc": kc, "vc": vc, "slots_a": np.array([0]), "slots_b": np.array([5]),
+             **index_feeds()}  # fmt: skip
+    got_a, got_b = HOSTS[host](two_writes_model()).run(None, feeds)
+    assert np.array_equal(got_a, written(kc, [0], new).reshape(TOKENS, H, D)), "A's gather holds B's row"
+    assert np.array_equal(got_b, written(kc, [5], new).reshape(TOKENS, H, D)), "B's gather holds A's row"
+
+
+# --------------------------------------------------------------------------- #
+# (c) an initializer pool
+# --------------------------------------------------------------------------- #
+def initializer_model(kc: np.ndarray, vc: np.ndarray) -> onnx.ModelProto:
+    nodes = [scatter_node("key", "value", "kc", "vc", "slots", outputs=("kc2", "vc2"), name="write"), _gather("all", ("kc2", "vc2"))]
+    inits = [onnx.numpy_helper.from_array(kc, "kc"), onnx.numpy_helper.from_array(vc, "vc")]
+    return _model(nodes, [WRITE[0], WRITE[1], ("slots", TensorProto.INT64), *INDEX], ["all_k"], inits)
+
+
+@pytest.mark.parametrize("host", list(HOSTS))
+def test_an_initializer_pool_stays_the_models_constant(host: str) -> None:
+    kc, vc = pools(2)
+    session = HOSTS[host](initializer_model(kc, vc))
+    first, second = rows(2), rows(3)
+    session.run(None, {"key": first, "value": first, "slots": np.array([3]), **index_feeds()})
+    (got,) = session.run(None, {"key": second, "value": second, "slots": np.array([9]), **index_feeds()})
+    assert np.array_equal(got, written(kc, [9], second).reshape(TOKENS, H, D)), "the next run read the last run's rows"
+
+
+@pytest.mark.skipif(ORT_MINOR < 18, reason="the alias route needs ORT >= 1.18")
+def test_an_opted_in_host_with_an_initializer_pool_is_refused_at_session_creation() -> None:
+    with pytest.raises(ORT_ERRORS, match=r"ScatterPaKvCache node 'write': key_cache 'kc' is an initializer"):
+        raw(initializer_model(*pools(2)), alias="1")
+
+
+# --------------------------------------------------------------------------- #
+# What keeps the alias route, and what it is for
+# --------------------------------------------------------------------------- #
+def test_alias_hazards_names_the_node_and_the_pool() -> None:
+    assert alias_hazards(make_scatter_model_for(*_torch_case(), then_gather=True, fallback=False)) == []
+    assert alias_hazards(second_reader_model()) == [
+        "ScatterPaKvCache node 'write': key_cache 'kc' is also read by GatherPaKvCache node 'gather_old'",
+        "ScatterPaKvCache node 'write': value_cache 'vc' is also read by GatherPaKvCache node 'gather_old'",
+    ]
+    assert "ScatterPaKvCache node 'A': key_cache 'kc' is also read by ScatterPaKvCache node 'B'" in alias_hazards(two_writes_model())
+    assert alias_hazards(initializer_model(*pools()))[0] == (
+        "ScatterPaKvCache node 'write': key_cache 'kc' is an initializer (a constant of the model)"
+    )
+    # A pool that is also a graph output, or that a node makes, or a write inside a subgraph.
+    unbound = make_scatter_model_for(*_torch_case(), fallback=False)
+    unbound.graph.output.append(_value("key_cache"))
+    assert "key_cache 'key_cache' is also a graph output" in alias_hazards(unbound)[0]
+    made = _model([h.make_node("Identity", ["p"], ["kc"]), scatter_node("key", "value", "kc", "vc", "s", name="w")],
+                  [("p", TensorProto.FLOAT), *WRITE[:2], ("vc", TensorProto.FLOAT), ("s", TensorProto.INT64)], ["key_cache_out"])  # fmt: skip
+    assert "key_cache 'kc' is not a graph input" in alias_hazards(made)[0]
+    shaped = make_scatter_model_for(*_torch_case(), then_gather=True, fallback=False)
+    shaped.graph.node.append(h.make_node("Shape", ["key_cache"], ["pool_shape"]))  # reads no data: harmless
+    assert alias_hazards(shaped) == []
+    body = h.make_graph([scatter_node("key", "value", "kc", "vc", "s")], "body", [], [_value("key_cache_out")])
+    looped = _model([h.make_node("If", ["c"], ["o"], then_branch=body, else_branch=body)], [("c", TensorProto.BOOL)], ["o"])
+    assert alias_hazards(looped)[0] == "If node #0 (unnamed) has a write in its subgraph"
+
+
+def _torch_case():
+    kc, vc = (torch.from_numpy(p) for p in pools())
+    return torch.from_numpy(rows(0)), torch.from_numpy(rows(0)), kc, vc, torch.tensor([5])
+
+
+def _then_gather_feeds(kc, vc, new):
+    return {"key": new, "value": new, "key_cache": kc, "value_cache": vc, "slot_mapping": np.array([5]),
+            "block_tables": np.arange(NB, dtype=np.int64)[None], "seq_lens": np.array([0, TOKENS])}  # fmt: skip
+
+
+@pytest.mark.parametrize("host, in_place", [("make_session", True), ("raw host", False), ("raw host, opted in", True)])
+def test_a_write_feeding_only_later_nodes_takes_the_alias_route_where_asked(host: str, in_place: bool) -> None:
+    """The demo's shape (a write whose outputs feed only a gather): make_session and an opted-in host write
+    the caller's pools in place (no copy); a host that did not opt in gets a copy, its inputs untouched."""
+    model = make_scatter_model_for(*_torch_case(), then_gather=True, fallback=False, opset_version=17)
+    session = plugin(model) if host == "make_session" else raw(model, "1" if "opted" in host else None)
+    kc, vc = pools()
+    mine = kc.copy()
+    new = rows(0)
+    (got, _) = session.run(None, _then_gather_feeds(mine, vc.copy(), new))
+    assert np.array_equal(got, written(kc, [5], new).reshape(TOKENS, H, D))
+    assert np.array_equal(mine, written(kc, [5], new) if in_place and ORT_MINOR >= 18 else kc)
+
+
+def test_options_registered_with_the_alias_route_refuse_a_model_it_is_unsafe_for() -> None:
+    options = ort.SessionOptions()
+    plugin(make_scatter_model_for(*_torch_case(), then_gather=True, fallback=False), sess_options=options)
+    assert runtime_plugin.registered_alias(options) is True
+    with pytest.raises(ValueError, match=r"alias route.*'gather_old'.*new onnxruntime.SessionOptions"):
+        plugin(second_reader_model(), sess_options=options)
+    fresh = ort.SessionOptions()
+    plugin(second_reader_model(), sess_options=fresh)
+    assert runtime_plugin.registered_alias(fresh) is False
+
+
+# --------------------------------------------------------------------------- #
+# (d) read-only pools: an error, never a signal
+# --------------------------------------------------------------------------- #
+READ_ONLY = """
+import sys, os, tempfile, numpy as np, onnxruntime as ort, torch
+sys.path.insert(0, {tests!r})
+from test_write_in_place import _torch_case, _then_gather_feeds, pools, rows
+from pakv_onnx import runtime_plugin
+from pakv_onnx.export import make_scatter_model_for
+from conftest import ORT_ERRORS
+
+kc, vc = pools()
+folder = tempfile.mkdtemp()
+maps = []
+for name, pool in (("k", kc), ("v", vc)):
+    pool.tofile(os.path.join(folder, name))
+    maps.append(np.memmap(os.path.join(folder, name), dtype=np.float32, mode="r", shape=pool.shape))
+model = make_scatter_model_for(*_torch_case(), then_gather=True, fallback=False, opset_version=17)
+session = runtime_plugin.make_session(model, backend={backend!r})
+try:
+    session.run(None, _then_gather_feeds(maps[0], maps[1], rows(0)))
+    print("RAN")
+except ORT_ERRORS as exc:
+    print("REFUSED", exc)
+assert np.array_equal(maps[0], kc) and np.array_equal(maps[1], vc)
+"""
+
+
+@pytest.mark.parametrize("backend", ["native", "golden"])
+def test_a_read_only_pool_in_ort_is_refused_not_a_signal(backend: str, tmp_path) -> None:
+    """np.memmap(mode="r") pools fed to session.run of a graph that takes the alias route: the write would
+    go to the read-only mapping (ORT >= 1.18); an error naming key_cache, nothing written. Older ORT copies."""
+    script = tmp_path / "read_only.py"
+    script.write_text(READ_ONLY.format(tests=os.path.dirname(__file__), backend=backend))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-1500:]}"
+    if ORT_MINOR >= 18:
+        assert "REFUSED" in result.stdout and "key_cache: the rows this write goes to are not writable memory" in result.stdout
+
+
+def _read_only(array: np.ndarray, tmp_path, name: str) -> np.memmap:
+    path = tmp_path / name
+    array.tofile(path)
+    return np.memmap(path, dtype=array.dtype, mode="r", shape=array.shape)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("backend", ["native", "golden", "torch", "auto"])
+def test_a_read_only_pool_through_the_python_api_is_refused(backend: str, tmp_path) -> None:
+    kc, vc = pools()
+    maps = [torch.from_numpy(_read_only(p, tmp_path, n)) for p, n in ((kc, "k"), (vc, "v"))]
+    new = torch.from_numpy(rows(0))
+    with pytest.raises(ValueError, match=r"^key_cache: the rows this write goes to are not writable memory"):
+        pakv_onnx.scatter_pa_kv_cache(new, new, *maps, torch.tensor([5]), backend=backend)
+    with pytest.raises(ValueError, match=r"^key_cache: the rows this write goes to are not writable memory"):
+        torch.ops.pakv.scatter_pa_kv_cache(new, new, *maps, torch.tensor([5]))
+    assert np.array_equal(maps[0].numpy(), kc)
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable")
+@pytest.mark.parametrize("bound", ["the pools", "other read-only buffers"])
+def test_outputs_bound_to_read_only_memory_are_refused(bound: str, tmp_path) -> None:
+    """Bound to the (read-only) pools: the in-place route, refused naming key_cache; bound elsewhere to
+    read-only memory: the copy route's destination, refused naming key_cache_out. Nothing written."""
+    kc, vc = pools()
+    maps = [torch.from_numpy(_read_only(p, tmp_path, n)) for p, n in ((kc, "k"), (vc, "v"))]
+    outs = maps if bound == "the pools" else [torch.from_numpy(_read_only(p, tmp_path, n + "o")) for p, n in ((kc, "k"), (vc, "v"))]
+    session = plugin(make_scatter_model_for(*_torch_case(), fallback=False, opset_version=17))
+    new = torch.from_numpy(rows(0))
+    feeds = dict(zip(SCATTER.input_names, (new, new, *maps, torch.tensor([5]))))
+    name = "key_cache" if bound == "the pools" else "key_cache_out"
+    with pytest.raises(ORT_ERRORS, match=rf"ValueError: {name}: the (rows this write goes to are|buffer is) not writable"):
+        runtime_plugin.run(session, feeds, out=dict(zip(SCATTER.output_names, outs)))
+    assert all(bitwise_equal(m, torch.from_numpy(p)) for m, p in zip(maps, (kc, vc)))
+
+
+# --------------------------------------------------------------------------- #
+# The probe where a seccomp policy refuses process_vm_writev: the pipe fallback
+# --------------------------------------------------------------------------- #
+NO_VM_WRITEV = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
+/* What a seccomp policy that refuses the call looks like to the library (said once on stderr). */
+ssize_t process_vm_writev(pid_t pid, const struct iovec* l, unsigned long nl, const struct iovec* r, unsigned long nr,
+                          unsigned long flags) {
+  static int said;
+  (void)pid; (void)l; (void)nl; (void)r; (void)nr; (void)flags;
+  if (!said++) write(2, "process_vm_writev refused\n", 26);
+  errno = EPERM;
+  return -1;
+}
+"""
+
+PIPE_PROBE = """
+import sys, numpy as np, torch, warnings
+warnings.simplefilter("ignore")
+import pakv_onnx
+kc = np.zeros((4, 4, 2, 8), np.float32)
+kc.tofile(sys.argv[1])
+read_only = torch.from_numpy(np.memmap(sys.argv[1], dtype=np.float32, mode="r", shape=kc.shape))
+key = torch.ones(2, 2, 8)
+try:
+    pakv_onnx.scatter_pa_kv_cache(key, key, read_only, torch.zeros(4, 4, 2, 8), torch.tensor([1, 14]))
+    print("WROTE")
+except ValueError as exc:
+    print("REFUSED", exc)
+pool = torch.zeros(4, 4, 2, 8)
+pakv_onnx.scatter_pa_kv_cache(key, key, pool, torch.zeros(4, 4, 2, 8), torch.tensor([1, 14]))
+assert float(pool.sum()) == 32.0 and np.array_equal(np.asarray(read_only), kc)
+print("OK")
+"""
+
+
+def test_the_probe_falls_back_to_a_pipe_where_process_vm_writev_is_refused(tmp_path) -> None:
+    shim = tmp_path / "no_vm_writev.so"
+    source = tmp_path / "no_vm_writev.c"
+    source.write_text(NO_VM_WRITEV)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
+    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
+                            timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert "process_vm_writev refused" in result.stderr  # the library asked it, then took the pipe
+    assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
