@@ -243,7 +243,9 @@ class PagedRun(_PlainRun):
     """The paged graph (pools ``[nb, bs, Hk, D]`` in the graph's element type, each sequence's blocks
     in its block-table row) under the plain host."""
 
-    POOL_TYPES = {"tensor(float)": (np.float32, 1), "tensor(int8)": (np.int8, 3), "tensor(float8e4m3fn)": (np.uint8, 17)}
+    POOL_TYPES = {
+        "tensor(float)": (np.float32, 1), "tensor(int8)": (np.int8, 3), "tensor(float8e4m3fn)": (np.uint8, 17),
+    }  # fmt: skip
 
     def __init__(self, folder: Path, threads: int) -> None:
         super().__init__(folder, threads, plugin=True)

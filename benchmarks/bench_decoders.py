@@ -112,7 +112,8 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
         vocab = reference.config.vocab_size
         wants: dict = {}
         for threads in threads_list:
-            clock = time.thread_time if clock_name == "thread" or (clock_name == "auto" and threads == 1) else time.perf_counter
+            thread_clock = clock_name == "thread" or (clock_name == "auto" and threads == 1)
+            clock = time.thread_time if thread_clock else time.perf_counter
             clock_label = "thread CPU" if clock is time.thread_time else "wall"
             torch.set_num_threads(threads)
             hosts = Hosts(folders, threads)
@@ -225,10 +226,17 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode-rows", default="", help="BxC,... in place of the size's decode rows (1x512,8x2048)")
+    parser.add_argument("--prefill-rows", default="", help="P,... in place of the size's prefill prompts")
     parser.add_argument("--clock", choices=("auto", "wall", "thread"), default="auto",
                         help="auto: thread CPU time for 1-thread rows, wall time for more")  # fmt: skip
     args = parser.parse_args()
     split = lambda text: [x for x in text.split(",") if x]
+    for size in split(args.sizes):
+        if args.decode_rows:
+            DECODE_ROWS[size] = KV_ROWS[size] = [tuple(int(x) for x in r.split("x")) for r in split(args.decode_rows)]
+        if args.prefill_rows:
+            PREFILL_ROWS[size] = [int(x) for x in split(args.prefill_rows)]
     load = os.getloadavg()[0]
     rows = []
     for size in split(args.sizes):

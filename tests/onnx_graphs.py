@@ -117,9 +117,8 @@ def assert_one_ort_attention_per_layer(model: onnx.ModelProto, layers: int, *, l
     assert len(ops) == layers and all(n.domain == "com.microsoft" for n in ops) and not pakv_nodes(model.graph)
     for layer, node in enumerate(ops):
         value = "" if latent else f"past_key_values.{layer}.value"
-        assert list(node.input[3:8]) == [
-            f"past_key_values.{layer}.key", value, "cumulative_sequence_lengths", "past_sequence_lengths", "block_table",
-        ]  # fmt: skip
+        step_inputs = ["cumulative_sequence_lengths", "past_sequence_lengths", "block_table"]
+        assert list(node.input[3:8]) == [f"past_key_values.{layer}.key", value, *step_inputs]
         assert list(node.input[8:10]) == [ops[0].input[8], ops[0].input[9]]  # one cos/sin table for every layer
         assert list(node.output[1:]) == [f"present.{layer}.key", *([] if latent else [f"present.{layer}.value"])]
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}

@@ -35,7 +35,8 @@ BUILDER_CONFIG = {
     "model": {
         "context_length": 1024,
         "decoder": {
-            "session_options": {"log_id": "onnxruntime-genai", "provider_options": [{"cuda": {"enable_cuda_graph": "0"}}]},
+            "session_options": {"log_id": "onnxruntime-genai",
+                                "provider_options": [{"cuda": {"enable_cuda_graph": "0"}}]},
             "filename": "model.onnx", "head_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
             "num_key_value_heads": 1,
             "inputs": {"input_ids": "input_ids", "block_table": "block_table",
@@ -68,7 +69,8 @@ def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
     graph = h.make_graph(
         [node], "g",
         [h.make_tensor_value_info("qkv", TensorProto.FLOAT16, ["n", 32]),
-         h.make_tensor_value_info("past_key_values.0.key", *pool), h.make_tensor_value_info("past_key_values.0.value", *pool),
+         h.make_tensor_value_info("past_key_values.0.key", *pool),
+         h.make_tensor_value_info("past_key_values.0.value", *pool),
          *(h.make_tensor_value_info(n, TensorProto.INT32, None) for n in list(names.values())[3:])],
         [h.make_tensor_value_info("out", TensorProto.FLOAT16, None)],
     )  # fmt: skip

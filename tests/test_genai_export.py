@@ -122,7 +122,9 @@ def test_deepseek_config_lays_the_latent_out() -> None:
     config = genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4)
     decoder = config["model"]["decoder"]
     assert (decoder["num_key_value_heads"], decoder["head_size"]) == (1, 512 + 64)
-    config = genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4, attention="pakv")
+    config = genai.genai_config(
+        make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4, attention="pakv"
+    )
     decoder = config["model"]["decoder"]
     assert (decoder["num_key_value_heads"], decoder["head_size"]) == (1, (512 + 64) // 2)
 

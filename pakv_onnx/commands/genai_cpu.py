@@ -57,6 +57,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="tokens per block (default: the builder's; the CPU kernel takes any size)",
     )
     parser.add_argument(
-        "--max-batch-size", type=_args.positive_int, default=None, help="requests batched together (default: the builder's)"
+        "--max-batch-size",
+        type=_args.positive_int,
+        default=None,
+        help="requests batched together (default: the builder's)",
     )
     parser.set_defaults(run=run)

@@ -194,7 +194,8 @@ class OrtGqaAttention(torch.nn.Module):
         biased = [p.bias is not None for p in projections]
         if any(biased) and not all(biased):
             raise UnsupportedAttentionError(f"layer {self.layer_idx}: q/k/v projections differ in having a bias")
-        self.qkv = torch.nn.Linear(attention.q_proj.in_features, sum(p.out_features for p in projections), bias=all(biased))
+        width = sum(p.out_features for p in projections)
+        self.qkv = torch.nn.Linear(attention.q_proj.in_features, width, bias=all(biased))
         with torch.no_grad():
             self.qkv.weight.copy_(torch.cat([p.weight for p in projections]))
             if all(biased):
@@ -232,7 +233,8 @@ class OrtLatentAttention(torch.nn.Module):
         from pakv_onnx.models.hf.mla import AbsorbedLatentAttention
 
         absorbed = AbsorbedLatentAttention(attention)  # its weights and W_UK / W_UV cut per head
-        for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj"):
+        shared = ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "o_proj")
+        for name in shared:
             setattr(self, name, getattr(absorbed, name))
         self.k_absorb, self.v_absorb = absorbed.k_absorb, absorbed.v_absorb
         self.layer_idx, self.num_heads, self.scaling = absorbed.layer_idx, absorbed.num_heads, float(absorbed.scaling)

@@ -151,9 +151,12 @@ class PagedDecoderStep(torch.nn.Module):
             attention = GATHER if mla else FUSED
         if attention not in (ORT, FUSED, GATHER) or (mla and attention == FUSED):
             allowed = (ORT, PAKV, GATHER) if mla else (ORT, PAKV, FUSED, GATHER)
-            raise ValueError(f"attention must be one of {', '.join(map(repr, allowed))} for this model, got {attention!r}")
+            choices = ", ".join(map(repr, allowed))
+            raise ValueError(f"attention must be one of {choices} for this model, got {attention!r}")
         if kv_quant is not None and attention != ORT:
-            raise ValueError(f"a quantized KV cache needs attention {ORT!r} (com.microsoft::PagedAttention), got {attention!r}")
+            raise ValueError(
+                f"a quantized KV cache needs attention {ORT!r} (com.microsoft::PagedAttention), got {attention!r}"
+            )
         if attention != ORT:
             _refuse_windows(model)
         self.head_apart = type(model).__name__ in HEAD_OVER_HIDDEN
@@ -229,7 +232,8 @@ class PagedDecoderStep(torch.nn.Module):
     def _forward_ort(self, input_ids, cu, past, block_table, key_pools, value_pools) -> tuple[torch.Tensor, ...]:
         from pakv_onnx.models.hf.ort_layer import OrtStepState, decode_layers
 
-        state = OrtStepState(list(key_pools), list(value_pools), cu, past, block_table, self.rotary_cos, self.rotary_sin)
+        tables = (self.rotary_cos, self.rotary_sin)
+        state = OrtStepState(list(key_pools), list(value_pools), cu, past, block_table, *tables)
         hidden = decode_layers(self.model, input_ids, state)
         logits = self.model.lm_head(torch.nn.functional.embedding(cu[1:] - 1, hidden))
         return (logits, *state.key_pools, *state.value_pools)
