@@ -86,6 +86,20 @@ def write_folders(
     return folders
 
 
+def write_genai_paged_fp16(hf: Path, out: Path, block_size: int, num_blocks: int, max_batch: int) -> Path:
+    """ORT GenAI's own paged model of ``hf`` (builder ``-p fp16 -e cuda``, ``use_paged_attention=true``)
+    made to run on the CPU by ``pakv-onnx genai-cpu``."""
+    builder = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp16",
+               "-e", "cuda", "-c", str(out.parent / "builder-cache-fp16"), "--extra_options", "use_paged_attention=true"]
+    done = subprocess.run(builder, capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"onnxruntime_genai.models.builder (paged fp16) failed:\n{done.stderr[-3000:]}")
+    args = ["genai-cpu", str(out), "--num-blocks", str(num_blocks), "--block-size", str(block_size)]
+    if cli.main([*args, "--max-batch-size", str(max_batch)]) != 0:
+        raise RuntimeError(f"pakv-onnx genai-cpu {out} failed")
+    return out
+
+
 def og_model(folder: Path, *, threads: int = 1, profile_prefix: str | None = None):
     """``og.Model`` of ``folder`` with ``threads`` intra-op threads, no EOS (``eos_token_id: []``:
     every sequence runs its full length, as transformers' reference does with EOS off) and, for a
@@ -131,35 +145,41 @@ def run_generator(model, prompts: np.ndarray, steps: int, clock: Clock = time.pe
 
 
 def run_engine(model, prompts: np.ndarray, steps: int, clock: Clock = time.perf_counter):
-    """``og.Engine`` over the paged model: B requests started together; prefill: every ``engine.run``
-    until each request has its first token; each later ``engine.run`` is one decode step."""
+    """``og.Engine`` over the paged model: B requests started together. Prefill: every ``engine.run``
+    until each request has its first token (og.Engine may split prefills over several runs, so the
+    requests start decoding at different runs); decode: the first ``steps`` runs after that in which
+    every request emits a token (each request gets room for more tokens than that, so none has
+    finished yet). Tokens: each request's first ``steps + 1``."""
     import onnxruntime_genai as og
 
     engine = og.Engine(model)
     requests = []  # og closes a request nobody references
+    budget = 2 * steps + 2 + len(prompts)
     for prompt in prompts:
         request = engine.create_request()
         options = og.TurnOptions(request)
         options.set_do_sample(False)
-        options.set_max_generated_tokens(steps + 1)
-        options.set_min_generated_tokens(steps + 1)
+        options.set_max_generated_tokens(budget)
+        options.set_min_generated_tokens(budget)
         request.begin_turn(np.ascontiguousarray(prompt), options)
         requests.append(request)
     events = engine.create_event_buffer(4 * len(requests))
     tokens: list[list[int]] = [[] for _ in requests]
     prefill, times = 0.0, []
-    while engine.has_pending_requests():
+    while engine.has_pending_requests() and len(times) < steps:
         start = clock()
         done = engine.run(events)
         elapsed = clock() - start
         decoding = min(len(t) for t in tokens) >= 1
         for event in done:
             tokens[next(i for i, r in enumerate(requests) if r == event.request)].append(int(event.token))
-        if decoding:
-            times.append(elapsed)
-        else:
+        if not decoding:
             prefill += elapsed
-    return prefill, times, tokens
+        elif len(done) == len(requests):
+            times.append(elapsed)
+    if len(times) < steps:
+        raise RuntimeError(f"og.Engine ran {len(times)} steps with every request, not {steps}")
+    return prefill, times, [t[: steps + 1] for t in tokens]
 
 
 def decode_generator(model, prompts: np.ndarray, steps: int) -> tuple[list[float], list[list[int]]]:

@@ -18,12 +18,14 @@ under one host. Parts:
            generate_next_token; og.Engine: every run until the token; plain runs: the prefill run)
   kv       the paged graph with fp32, int8 and fp8 pools (``--kv-cache``): decode ms per step at long
            context, pool bytes per token, and greedy-token agreement with fp32 over a prompt set
+  fp16     (informational) GenAI's own paged fp16 model (builder -e cuda, made CPU-ready by
+           ``pakv-onnx genai-cpu``) under og.Engine beside ours (fp32) under og.Engine: decode and prefill
 Variants alternate round by round. ``--clock thread`` (the default for 1-thread rows) times the calling
 thread's CPU time (every host runs the model on the calling thread at 1 thread), so other processes'
 load drops out; 2-thread rows are wall time. Tokens: every variant's must be equal, and equal to
 transformers' greedy decoding for B = 1 rows. Prints Markdown tables of ratios.
 
-    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv] [--threads 1,2]
+    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv,fp16] [--threads 1,2]
                                         [--steps 16] [--rounds 3] [--clock auto|wall|thread]
 """
 
@@ -80,9 +82,11 @@ class Hosts:
         }
 
 
-def measure(variants: dict, prompts: np.ndarray, steps: int, rounds: int, want: list | None, label: str):
+def measure(variants: dict, prompts: np.ndarray, steps: int, rounds: int, want: list | None, label: str,
+            reference_name: str = "paged run"):  # fmt: skip
     """``{variant: (median prefill seconds, median decode seconds per step)}`` over ``rounds`` rounds,
-    variants alternating; raises when a variant's tokens differ from the others' (or from ``want``)."""
+    variants alternating; raises when a variant's tokens differ from ``want`` (or from the
+    ``reference_name`` variant's)."""
     prefill: dict[str, list[float]] = {n: [] for n in variants}
     decode: dict[str, list[float]] = {n: [] for n in variants}
     for _ in range(rounds):
@@ -92,10 +96,10 @@ def measure(variants: dict, prompts: np.ndarray, steps: int, rounds: int, want: 
             prefill[name].append(first)
             if times:
                 decode[name].append(statistics.median(times))
-        reference = want if want is not None else tokens["paged run"]
+        reference = want if want is not None else [list(map(int, t)) for t in tokens[reference_name]]
         differ = [n for n, got in tokens.items() if [list(map(int, t)) for t in got] != reference]
         if differ:
-            raise AssertionError(f"{label}: {differ} tokens differ ({'transformers' if want else 'paged run'})")
+            raise AssertionError(f"{label}: {differ} tokens differ ({'transformers' if want else reference_name})")
     return {n: (statistics.median(prefill[n]), statistics.median(decode[n]) if decode[n] else float("nan"))
             for n in variants}  # fmt: skip
 
@@ -144,6 +148,33 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
             gc.collect()
         if "kv" in parts:
             rows.append(("agreement", size, 1, "", "", agreement(folders, vocab)))
+        if "fp16" in parts:
+            rows += bench_fp16(size, folders, threads_list, steps, rounds, clock_name, vocab, wants)
+    return rows
+
+
+def bench_fp16(size, folders, threads_list, steps, rounds, clock_name, vocab, wants) -> list:
+    """og.Engine over GenAI's own paged fp16 model (the plugin serving its PagedAttention on the CPU) and
+    over ours (fp32): decode ms per step and time to the first token; tokens checked against ours."""
+    fp16 = _genai.write_genai_paged_fp16(folders.hf, folders.hf.parent / "genai-fp16", BLOCK_SIZE,
+                                         8 * -(-(max(PREFILL_ROWS[size]) + steps + 2) // BLOCK_SIZE) + 8, 8)  # fmt: skip
+    rows = []
+    for threads in threads_list:
+        thread_clock = clock_name == "thread" or (clock_name == "auto" and threads == 1)
+        clock = time.thread_time if thread_clock else time.perf_counter
+        models = {"engine": _genai.og_model(folders.paged, threads=threads),
+                  "genai fp16": _genai.og_model(fp16, threads=threads)}  # fmt: skip
+        variants = {n: (lambda p, s, m=m: _genai.run_engine(m, p, s, clock)) for n, m in models.items()}
+        cases = [("decode", b, c, steps) for b, c in DECODE_ROWS[size]]
+        cases += [("prefill", 1, p, 1) for p in PREFILL_ROWS[size]]
+        for part, batch, context, n in cases:
+            prompts = prompts_for(batch, context, vocab, 99 + batch * 1000 + context)
+            result = measure(variants, prompts, n, rounds, None, f"{size} fp16 {part} B={batch} C={context}",
+                             reference_name="engine")  # fmt: skip
+            label = "thread CPU" if clock is time.thread_time else "wall"
+            rows.append(("fp16", size, threads, label, f"{part} B={batch} C={context}", result))
+            print(f"  .. {size} t={threads} fp16 {part} B={batch} C={context}: " + ", ".join(
+                f"{k} {v[0 if part == 'prefill' else 1] * 1e3:.3f}" for k, v in result.items()), flush=True)  # fmt: skip
     return rows
 
 
@@ -212,6 +243,16 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
             f, i, e = (r[k][1] * 1e3 for k in ("fp32", "int8", "fp8"))
             print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {i:.3f} | {i / f:.2f} | {e:.3f} | {e / f:.2f} | "
                   f"{r['fp32'][0]:.0f} | {r['int8'][0]:.0f} | {r['fp8'][0]:.0f} |")  # fmt: skip
+    fp16 = [r for r in rows if r[0] == "fp16"]
+    if fp16:
+        print("\n### (Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
+              "(fp32)\n")  # fmt: skip
+        print("| size | threads (clock) | row | ours fp32 ms | GenAI fp16 ms | fp16 / ours |")
+        print("|---|---|---|---:|---:|---:|")
+        for _, size, threads, clock, row, r in fp16:
+            k = 0 if row.startswith("prefill") else 1
+            ours, theirs = r["engine"][k] * 1e3, r["genai fp16"][k] * 1e3
+            print(f"| {size} | {threads} ({clock}) | {row} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} |")
     for _, size, _, _, _, r in (x for x in rows if x[0] == "agreement"):
         print(f"\nGreedy agreement with fp32 pools ({size}: {AGREE_PROMPTS} prompts of {AGREE_LENGTH} random tokens, "
               f"{AGREE_TOKENS} tokens each): " + "; ".join(
@@ -222,7 +263,7 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,mid")
-    parser.add_argument("--parts", default="decode,prefill,kv")
+    parser.add_argument("--parts", default="decode,prefill,kv,fp16")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
