@@ -90,7 +90,8 @@ def write_genai_paged_fp16(hf: Path, out: Path, block_size: int, num_blocks: int
     """ORT GenAI's own paged model of ``hf`` (builder ``-p fp16 -e cuda``, ``use_paged_attention=true``)
     made to run on the CPU by ``pakv-onnx genai-cpu``."""
     builder = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp16",
-               "-e", "cuda", "-c", str(out.parent / "builder-cache-fp16"), "--extra_options", "use_paged_attention=true"]
+               "-e", "cuda", "-c", str(out.parent / "builder-cache-fp16"),
+               "--extra_options", "use_paged_attention=true"]
     done = subprocess.run(builder, capture_output=True, text=True, check=False)  # fmt: skip
     if done.returncode != 0:
         raise RuntimeError(f"onnxruntime_genai.models.builder (paged fp16) failed:\n{done.stderr[-3000:]}")

@@ -156,8 +156,8 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
 def bench_fp16(size, folders, threads_list, steps, rounds, clock_name, vocab, wants) -> list:
     """og.Engine over GenAI's own paged fp16 model (the plugin serving its PagedAttention on the CPU) and
     over ours (fp32): decode ms per step and time to the first token; tokens checked against ours."""
-    fp16 = _genai.write_genai_paged_fp16(folders.hf, folders.hf.parent / "genai-fp16", BLOCK_SIZE,
-                                         8 * -(-(max(PREFILL_ROWS[size]) + steps + 2) // BLOCK_SIZE) + 8, 8)  # fmt: skip
+    blocks = 8 * -(-(max(PREFILL_ROWS[size]) + steps + 2) // BLOCK_SIZE) + 8
+    fp16 = _genai.write_genai_paged_fp16(folders.hf, folders.hf.parent / "genai-fp16", BLOCK_SIZE, blocks, 8)
     rows = []
     for threads in threads_list:
         thread_clock = clock_name == "thread" or (clock_name == "auto" and threads == 1)
@@ -173,8 +173,8 @@ def bench_fp16(size, folders, threads_list, steps, rounds, clock_name, vocab, wa
                              reference_name="engine")  # fmt: skip
             label = "thread CPU" if clock is time.thread_time else "wall"
             rows.append(("fp16", size, threads, label, f"{part} B={batch} C={context}", result))
-            print(f"  .. {size} t={threads} fp16 {part} B={batch} C={context}: " + ", ".join(
-                f"{k} {v[0 if part == 'prefill' else 1] * 1e3:.3f}" for k, v in result.items()), flush=True)  # fmt: skip
+            shown = ", ".join(f"{k} {v[0 if part == 'prefill' else 1] * 1e3:.3f}" for k, v in result.items())
+            print(f"  .. {size} t={threads} fp16 {part} B={batch} C={context}: {shown}", flush=True)
     return rows
 
 
