@@ -83,10 +83,11 @@ class Hosts:
 
 
 def measure(variants: dict, prompts: np.ndarray, steps: int, rounds: int, want: list | None, label: str,
-            reference_name: str = "paged run"):  # fmt: skip
+            reference_name: str = "paged run", agreement: dict | None = None):  # fmt: skip
     """``{variant: (median prefill seconds, median decode seconds per step)}`` over ``rounds`` rounds,
     variants alternating; raises when a variant's tokens differ from ``want`` (or from the
-    ``reference_name`` variant's)."""
+    ``reference_name`` variant's), unless ``agreement`` is given: then it collects, per variant, the
+    share of its tokens equal to the reference's (fp16 against fp32 may differ where logits are close)."""
     prefill: dict[str, list[float]] = {n: [] for n in variants}
     decode: dict[str, list[float]] = {n: [] for n in variants}
     for _ in range(rounds):
@@ -98,7 +99,11 @@ def measure(variants: dict, prompts: np.ndarray, steps: int, rounds: int, want: 
                 decode[name].append(statistics.median(times))
         reference = want if want is not None else [list(map(int, t)) for t in tokens[reference_name]]
         differ = [n for n, got in tokens.items() if [list(map(int, t)) for t in got] != reference]
-        if differ:
+        if agreement is not None:
+            for name, got in tokens.items():
+                pairs = [(int(a), b) for row, want_row in zip(got, reference) for a, b in zip(row, want_row)]
+                agreement[name] = sum(a == b for a, b in pairs) / len(pairs)
+        elif differ:
             raise AssertionError(f"{label}: {differ} tokens differ ({'transformers' if want else reference_name})")
     return {n: (statistics.median(prefill[n]), statistics.median(decode[n]) if decode[n] else float("nan"))
             for n in variants}  # fmt: skip
@@ -169,11 +174,14 @@ def bench_fp16(size, folders, threads_list, steps, rounds, clock_name, vocab, wa
         cases += [("prefill", 1, p, 1) for p in PREFILL_ROWS[size]]
         for part, batch, context, n in cases:
             prompts = prompts_for(batch, context, vocab, 99 + batch * 1000 + context)
+            agree: dict = {}
             result = measure(variants, prompts, n, rounds, None, f"{size} fp16 {part} B={batch} C={context}",
-                             reference_name="engine")  # fmt: skip
+                             reference_name="engine", agreement=agree)  # fmt: skip
+            result["agreement"] = (agree["genai fp16"], agree["genai fp16"])
             label = "thread CPU" if clock is time.thread_time else "wall"
             rows.append(("fp16", size, threads, label, f"{part} B={batch} C={context}", result))
-            shown = ", ".join(f"{k} {v[0 if part == 'prefill' else 1] * 1e3:.3f}" for k, v in result.items())
+            shown = ", ".join(f"{k} {v[0 if part == 'prefill' else 1] * 1e3:.3f}" for k, v in result.items()
+                              if k != "agreement")  # fmt: skip
             print(f"  .. {size} t={threads} fp16 {part} B={batch} C={context}: {shown}", flush=True)
     return rows
 
@@ -247,12 +255,13 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
     if fp16:
         print("\n### (Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
               "(fp32)\n")  # fmt: skip
-        print("| size | threads (clock) | row | ours fp32 ms | GenAI fp16 ms | fp16 / ours |")
-        print("|---|---|---|---:|---:|---:|")
+        print("| size | threads (clock) | row | ours fp32 ms | GenAI fp16 ms | fp16 / ours | fp16 tokens = fp32 |")
+        print("|---|---|---|---:|---:|---:|---:|")
         for _, size, threads, clock, row, r in fp16:
             k = 0 if row.startswith("prefill") else 1
             ours, theirs = r["engine"][k] * 1e3, r["genai fp16"][k] * 1e3
-            print(f"| {size} | {threads} ({clock}) | {row} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} |")
+            print(f"| {size} | {threads} ({clock}) | {row} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | "
+                  f"{r['agreement'][0]:.0%} |")  # fmt: skip
     for _, size, _, _, _, r in (x for x in rows if x[0] == "agreement"):
         print(f"\nGreedy agreement with fp32 pools ({size}: {AGREE_PROMPTS} prompts of {AGREE_LENGTH} random tokens, "
               f"{AGREE_TOKENS} tokens each): " + "; ".join(
