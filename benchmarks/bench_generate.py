@@ -1,38 +1,28 @@
-"""Benchmark: decode ms/token of the ORT paged path vs transformers eager with its dense cache.
+"""Benchmark: decode ms/token of the exported paged step in ORT vs transformers eager with its dense cache.
 
 For each arch, batch size B and context length C: B random prompts of C tokens are prefilled
 (untimed), then ``--steps`` greedy decode steps are timed, all sequences in one batch.
   transformers  ``model(next_ids, cache=DynamicCache)`` in eager torch (attn "eager", fp32)
-  ort-native    the exported paged step (one GatherPaKvCache per layer, per-sequence Loop attention)
-                in an ORT session with the plugin's C kernel, plus the host write of the new rows
-  stock-ort     the same graph on stock ORT (the op runs as its fallback function body)
+  ort           the exported step in its default form (each layer one com.microsoft::PagedAttention;
+                DeepSeek-V3 over one LATENT pool) in an ORT session with the plugin, pools bound in place
+  pakv          the step in the pakv form (ScatterPaKvCache + PagedAttention / GatherPaKvCache), plugin
+  stock-ort     the pakv form on stock ORT (the ops run as their fallback function bodies)
 ms/token = decode wall time / (steps x B). torch and ORT get the same thread count (``--threads``).
 The paths are timed in turn round by round (so machine noise hits them alike); the median round
-is reported. Ratios < 1 mean the ORT path is faster.
+is reported. Ratios < 1 mean the ORT path is faster. Every path's last tokens must agree.
 
 The write table (``--table write``) times one decode step (ms/step, host layout included) of the
-in-graph write step against what it replaced and against the pool size:
+pakv form's in-graph write against what it replaced and against the pool size:
   host write    the step without ScatterPaKvCache: new rows out, ``index_copy_`` on the host
                 (benchmarks/_host_write.py), pools of 64 blocks
   in-graph      the exported step (ScatterPaKvCache + GatherPaKvCache per layer), present outputs
                 bound to the pools, with pools of 64 and of 4,096 blocks (no pool is copied)
   stock ORT     the same graph on stock ORT: the write is the fallback's ScatterND, which copies
                 every pool every step (64 and 4,096 blocks)
-The GenAI table (``--table genai``, Llama only) times one decode step (ms/step) of ORT GenAI's own
-dense CPU model against the paged model ``pakv-onnx export`` writes, all from one ``save_pretrained``
-folder of a Llama with seeded weights (vocab 512: see benchmarks/_genai.py), 1 intra-op thread each:
-  genai         ``og.Generator`` over the builder's model (``-p fp32 -e cpu``: GroupQueryAttention)
-  paged         the exported step in ORT with the plugin, the ORT run alone (the Python host's
-                layout of the step is not in it; ``paged step`` is the whole step with it)
-  unfused       the same step exported with ``--no-fuse`` (ORT run alone)
-  og.Engine     the exported step served by ``og.Engine`` (its C++ host), one ``engine.run`` per step
-  transformers  eager with its dense cache
-For each (batch, context) every variant prefills (untimed) and decodes ``--steps`` steps, each timed
-alone; variants alternate round by round, and the figure is the median over rounds of each
-round's median step. Every variant's greedy tokens must equal transformers'.
+The comparison with ORT GenAI's own CPU model is benchmarks/bench_decoders.py.
 Prints Markdown tables.
 
-    python benchmarks/bench_generate.py [--table generate|write|genai|all] [--archs llama,deepseek]
+    python benchmarks/bench_generate.py [--table generate|write|all] [--archs llama,deepseek]
                                         [--batches 1,4,8] [--contexts 64,256] [--steps 16]
                                         [--rounds 3] [--threads 1]
 """
@@ -40,13 +30,11 @@ Prints Markdown tables.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from pakv_onnx.models.hf import (
@@ -63,8 +51,9 @@ from pakv_onnx.models.hf import (
 )
 
 
-def decode_transformers(model, prompts: torch.Tensor, steps: int) -> float:
-    """Seconds for ``steps`` greedy decode steps after an untimed prefill of ``prompts`` [B, C]."""
+def decode_transformers(model, prompts: torch.Tensor, steps: int) -> tuple[float, list[int]]:
+    """Seconds for ``steps`` greedy decode steps after an untimed prefill of ``prompts`` [B, C], and the
+    last tokens."""
     from transformers import DynamicCache
 
     with torch.no_grad():
@@ -75,14 +64,15 @@ def decode_transformers(model, prompts: torch.Tensor, steps: int) -> float:
         for _ in range(steps):
             out = model(input_ids=next_ids, cache=out.cache, use_cache=True)
             next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, next_ids[:, 0].tolist()
 
 
-def decode_paged(session, config, prompts: torch.Tensor, steps: int, block_size: int) -> float:
-    """Seconds for ``steps`` decode steps of the paged ORT path after an untimed prefill."""
+def decode_paged(session, step_module, prompts: torch.Tensor, steps: int, block_size: int) -> tuple[float, list[int]]:
+    """Seconds for ``steps`` decode steps of the paged ORT path after an untimed prefill, and the last
+    tokens; the pools are laid out as ``step_module`` (the exported step) reads them."""
     batch = prompts.shape[0]
     workload = Workload(prompts.tolist(), [steps + 1] * batch)
-    cache = new_cache(config, workload, block_size, seed=0)
+    cache = check.step_cache(step_module, workload, block_size, 0)
     ids = list(range(batch))
     for i in ids:
         cache.add_sequence(i)
@@ -91,7 +81,7 @@ def decode_paged(session, config, prompts: torch.Tensor, steps: int, block_size:
     start = time.perf_counter()
     for _ in range(steps):
         chosen = run_step(step, cache, ids, [[t] for t in chosen])["logits"].argmax(-1).tolist()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, chosen
 
 
 def bench_arch(
@@ -101,10 +91,16 @@ def bench_arch(
     config = reference.config
     rows = []
     with tempfile.TemporaryDirectory(prefix="pakv-bench-generate-") as tmp:
-        path = Path(tmp) / f"{arch}.onnx"
         example = make_workload(batch=3, new_tokens=2, vocab_size=config.vocab_size, seed=0)
-        check.export_for(arch, 0, example, block_size, path)
-        sessions = {name: check.make_runner_session(name, path, threads) for name in ("plugin:native", check.STOCK_ORT)}
+        forms = {}
+        for form in ("ort", "pakv"):
+            path = Path(tmp) / f"{arch}-{form}.onnx"
+            forms[form] = (path, check.export_for(arch, 0, example, block_size, path, attention=form))
+        sessions = {
+            "ort": (check.make_runner_session("plugin:native", forms["ort"][0], threads), forms["ort"][1]),
+            "pakv": (check.make_runner_session("plugin:native", forms["pakv"][0], threads), forms["pakv"][1]),
+            check.STOCK_ORT: (check.make_runner_session(check.STOCK_ORT, forms["pakv"][0], threads), forms["pakv"][1]),
+        }
         for batch in batches:
             for context in contexts:
                 generator = torch.Generator().manual_seed(batch * 1000 + context)
@@ -112,14 +108,17 @@ def bench_arch(
                 paths = {
                     "transformers": lambda prompts=prompts: decode_transformers(reference, prompts, steps),
                     **{
-                        name: (lambda s=s, prompts=prompts: decode_paged(s, config, prompts, steps, block_size))
-                        for name, s in sessions.items()
+                        name: (lambda s=s, m=m, prompts=prompts: decode_paged(s, m, prompts, steps, block_size))
+                        for name, (s, m) in sessions.items()
                     },
                 }
                 times: dict[str, list[float]] = {name: [] for name in paths}
                 for _ in range(rounds + 1):  # the first round is a warm-up
+                    last = {}
                     for name, fn in paths.items():
-                        times[name].append(fn())
+                        seconds, last[name] = fn()
+                        times[name].append(seconds)
+                    assert len({tuple(t) for t in last.values()}) == 1, f"{arch}: the paths' tokens differ: {last}"
                 ms = {name: statistics.median(t[1:]) * 1e3 / (steps * batch) for name, t in times.items()}
                 rows.append((arch, batch, context, ms))
                 print(
@@ -162,7 +161,7 @@ def bench_write(arch: str, cases, steps: int, rounds: int, block_size: int, thre
     with tempfile.TemporaryDirectory(prefix="pakv-bench-write-") as tmp:
         graph_path, host_path = Path(tmp) / f"{arch}.onnx", Path(tmp) / f"{arch}_host_write.onnx"
         example = make_workload(batch=3, new_tokens=2, vocab_size=config.vocab_size, seed=0)
-        check.export_for(arch, 0, example, block_size, graph_path)
+        check.export_for(arch, 0, example, block_size, graph_path, attention="pakv")
         cache = new_cache(config, example, block_size, 0)
         for i in range(3):
             cache.add_sequence(i)
@@ -210,80 +209,9 @@ def print_write_table(rows: list) -> None:
         )
 
 
-GENAI_VARIANTS = ("genai", "paged", "paged step", "unfused", "og.Engine", "transformers")
-
-
-def bench_genai(batches: list[int], contexts: list[int], steps: int, rounds: int, block_size: int) -> list:
-    """ms per decode step of every GenAI-table variant (see the module docstring) per (batch, context)."""
-    import _genai
-
-    from pakv_onnx.models.hf.genai import load_hf_model
-
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="pakv-bench-genai-") as tmp:
-        need = max(batches) * -(-(max(contexts) + steps + 2) // block_size)
-        folders = _genai.write_folders(Path(tmp), block_size, need + 8, max(batches))
-        reference = load_hf_model(folders.hf)
-        config = reference.config
-        dense, engine_model = _genai.og_model(folders.dense), _genai.og_model(folders.paged)
-        paged, unfused = _genai.paged_session(folders.paged), _genai.paged_session(folders.unfused)
-
-        def paged_run(session, prompts):
-            runs, walls, tokens = _genai.decode_paged(session, config, prompts, steps, block_size)
-            return {"paged": runs, "paged step": walls}, tokens
-
-        variants = {
-            "genai": lambda p: _one("genai", _genai.decode_generator(dense, p, steps)),
-            "paged": lambda p: paged_run(paged, p),
-            "unfused": lambda p: _one("unfused", _genai.decode_paged(unfused, config, p, steps, block_size)[::2]),
-            "og.Engine": lambda p: _one("og.Engine", _genai.decode_engine(engine_model, p, steps)),
-            "transformers": lambda p: _one("transformers", _genai.decode_transformers(reference, p, steps)),
-        }
-        for batch in batches:
-            for context in contexts:
-                rng = np.random.default_rng(batch * 1000 + context)
-                prompts = rng.integers(0, config.vocab_size, (batch, context)).astype(np.int32)
-                medians: dict[str, list[float]] = {name: [] for name in GENAI_VARIANTS}
-                for round_ in range(rounds + 1):  # the first round is a warm-up and the token check
-                    tokens = {}
-                    for name, run in variants.items():
-                        times, tokens[name] = run(prompts)
-                        for label, per_step in times.items():
-                            medians[label] += [statistics.median(per_step)] if round_ else []
-                    differ = [name for name, got in tokens.items() if got != tokens["transformers"]]
-                    if differ:
-                        raise AssertionError(f"B={batch} C={context}: {differ} tokens differ from transformers'")
-                ms = {name: statistics.median(m) * 1e3 for name, m in medians.items()}
-                rows.append((batch, context, ms))
-                print(f"  .. B={batch} C={context}: " + ", ".join(f"{k} {v:.3f}" for k, v in ms.items()), flush=True)
-    return rows
-
-
-def _one(label: str, result: tuple) -> tuple[dict[str, list[float]], list]:
-    times, tokens = result
-    return {label: times}, tokens
-
-
-def print_genai_table(rows: list, load: tuple[float, float]) -> None:
-    print()
-    print(f"load average {load[0]:.1f} at the start, {load[1]:.1f} at the end (1 min)")
-    print(
-        "| batch | context | GenAI ms/step | paged (ORT run) | paged / GenAI | unfused / GenAI | paged step "
-        "(Python host) / GenAI | og.Engine paged / GenAI | transformers / GenAI |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for batch, context, ms in rows:
-        genai = ms["genai"]
-        print(
-            f"| {batch} | {context} | {genai:.3f} | {ms['paged']:.3f} | **{ms['paged'] / genai:.2f}** | "
-            f"{ms['unfused'] / genai:.2f} | {ms['paged step'] / genai:.2f} | {ms['og.Engine'] / genai:.2f} | "
-            f"{ms['transformers'] / genai:.2f} |"
-        )
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--table", choices=("generate", "write", "genai", "all"), default="all")
+    parser.add_argument("--table", choices=("generate", "write", "all"), default="all")
     parser.add_argument("--archs", default="llama,deepseek")
     parser.add_argument("--batches", default="1,4,8")
     parser.add_argument("--contexts", default="64,256")
@@ -296,12 +224,6 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ints = lambda text: [int(x) for x in text.split(",")]
-    if args.table in ("genai", "all"):
-        load = os.getloadavg()[0]
-        genai_rows = bench_genai(ints(args.batches), ints(args.contexts), args.steps, args.rounds, args.block_size)
-        print_genai_table(genai_rows, (load, os.getloadavg()[0]))
-        if args.table == "genai":
-            return
     if args.table in ("write", "all"):
         write_rows = []
         for arch in args.archs.split(","):
@@ -316,14 +238,16 @@ def main() -> None:
         )
     print()
     print(
-        "| arch | batch | context | transformers eager ms/token | ORT plugin native ms/token | ratio | "
-        "stock ORT ms/token | ratio |"
+        "| arch | batch | context | transformers eager ms/token | ort (com.microsoft::PagedAttention) ms/token | "
+        "**ort / transformers** | pakv ms/token | pakv / transformers | stock ORT (pakv) ms/token | "
+        "stock / transformers |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for arch, batch, context, ms in rows:
-        hf, native, stock = ms["transformers"], ms["plugin:native"], ms[check.STOCK_ORT]
+        hf, ort, pakv, stock = ms["transformers"], ms["ort"], ms["pakv"], ms[check.STOCK_ORT]
         print(
-            f"| {arch} | {batch} | {context} | {hf:.3f} | {native:.3f} | {native / hf:.2f} | "
+            f"| {arch} | {batch} | {context} | {hf:.3f} | {ort:.3f} | **{ort / hf:.2f}** | {pakv:.3f} | "
+            f"{pakv / hf:.2f} | "
             f"{stock:.3f} | {stock / hf:.2f} |"
         )
 

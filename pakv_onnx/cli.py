@@ -30,6 +30,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.tune",
     "pakv_onnx.commands.generate",
     "pakv_onnx.commands.export",
+    "pakv_onnx.commands.genai_cpu",
     "pakv_onnx.commands.cache",
 )
 

@@ -7,6 +7,7 @@
 * :func:`parallel_copies` — independent copies of a model's node in one graph (ORT_PARALLEL).
 * :func:`pakv_nodes` — a graph's ``pakv`` nodes in order, subgraphs' (a Loop body's) in their node's place.
 * :func:`plugin_refusal` — what the plugin says of one call of a one-node model (a refusal's message).
+* :func:`assert_one_ort_attention_per_layer` — an exported ``ort``-form decoder step's attention wiring.
 """
 
 from __future__ import annotations
@@ -105,3 +106,24 @@ def plugin_refusal(
     except ORT_ERRORS as err:
         return str(err)
     return ""
+
+
+def assert_one_ort_attention_per_layer(model: onnx.ModelProto, layers: int, *, latent: bool) -> None:
+    """Each layer's attention is one com.microsoft::PagedAttention over the step's own inputs and its pools,
+    its cache outputs the present outputs; no pakv node, and nothing else reads the block table or the
+    past lengths (no position or slot prologue): the cumulative lengths feed only the ops and the Slice
+    of each sequence's last row."""
+    ops = [n for n in model.graph.node if n.op_type == "PagedAttention"]
+    assert len(ops) == layers and all(n.domain == "com.microsoft" for n in ops) and not pakv_nodes(model.graph)
+    for layer, node in enumerate(ops):
+        value = "" if latent else f"past_key_values.{layer}.value"
+        step_inputs = ["cumulative_sequence_lengths", "past_sequence_lengths", "block_table"]
+        assert list(node.input[3:8]) == [f"past_key_values.{layer}.key", value, *step_inputs]
+        assert list(node.input[8:10]) == [ops[0].input[8], ops[0].input[9]]  # one cos/sin table for every layer
+        assert list(node.output[1:]) == [f"present.{layer}.key", *([] if latent else [f"present.{layer}.value"])]
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attributes["do_rotary"] == 1 and "slot_mapping" not in node.input
+    readers = {name: [n.op_type for n in model.graph.node if name in n.input]
+               for name in ("cumulative_sequence_lengths", "past_sequence_lengths", "block_table")}  # fmt: skip
+    assert readers["past_sequence_lengths"] == readers["block_table"] == ["PagedAttention"] * layers
+    assert sorted(readers["cumulative_sequence_lengths"]) == ["PagedAttention"] * layers + ["Slice"]

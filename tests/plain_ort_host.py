@@ -19,6 +19,9 @@ import sys
 import numpy as np
 import onnxruntime as ort
 
+# ORT's name of a pool's element type -> (numpy dtype of its bytes, ONNX TensorProto element type).
+POOL_TYPES = {"tensor(float)": (np.float32, 1), "tensor(int8)": (np.int8, 3), "tensor(float8e4m3fn)": (np.uint8, 17)}
+
 
 def main(model_path: str, library: str, job_path: str) -> dict:
     with open(job_path) as f:
@@ -32,8 +35,10 @@ def main(model_path: str, library: str, job_path: str) -> dict:
     for spec in session.get_inputs():
         if spec.name.startswith("past_key_values."):
             _, block_size, heads, dim = spec.shape  # block size and widths are static in the graph
-            pool = np.zeros((num_blocks, block_size, heads, dim), dtype=np.float32)
-            pools[spec.name] = ort.OrtValue.ortvalue_from_numpy(pool)
+            # Pools in the graph's element type (float8 through its bytes: numpy has no float8).
+            numpy_type, onnx_type = POOL_TYPES[spec.type]
+            pool = np.zeros((num_blocks, block_size, heads, dim), dtype=numpy_type)
+            pools[spec.name] = ort.OrtValue.ortvalue_from_numpy_with_onnx_type(pool, onnx_type)
     free = list(range(num_blocks))
     prompts, budgets = job["prompts"], job["budgets"]
     pending = [list(p) for p in prompts]

@@ -2,10 +2,12 @@
 on a CPU with continuous batching, and that a plain onnxruntime host (no torch, no pakv_onnx) decodes
 with; every request's tokens equal transformers' greedy generate.
 
-Tests that use the ``genai_dir`` fixture are slow (one export per arch, ~20-40 s each on the shared
-machine): Llama, and DeepSeek-V3 with its latent in two halves across the pools of one shape. The
-og.Engine tests need onnxruntime-genai (the ``genai`` extra, which CI installs: under CI a missing
-package fails instead of skipping).
+Tests that use the ``genai_dir`` fixture are slow (one export per arch, ~10-40 s each on the shared
+machine): every arch in the default ``ort`` form (each layer one com.microsoft::PagedAttention;
+DeepSeek-V3 over one LATENT pool), and Llama and DeepSeek-V3 in the ``pakv`` form (DeepSeek-V3's
+latent in two halves across the pools of one shape). og.Engine serves each with prefix caching on
+and off. The og.Engine tests need onnxruntime-genai (the ``genai`` extra, which CI installs: under
+CI a missing package fails instead of skipping).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import onnx
 import pytest
-from onnx_graphs import pakv_nodes
+from onnx_graphs import assert_one_ort_attention_per_layer, pakv_nodes
 
 from pakv_onnx import cli
 from pakv_onnx.models.hf import Workload, build_model, genai, generate_reference, make_config, save_sample_folder
@@ -45,6 +47,18 @@ FUSED_COUNTS = {
 }  # fmt: skip
 
 
+# The ort-form Llama step's main graph, every node (33; GenAI's builder writes 33 for its dense CPU model):
+# per layer SkipSimplifiedLayerNormalization (the first layer's norm is 6 standard nodes ORT fuses at
+# load), Gemm (packed q/k/v), PagedAttention, Gemm (o), SkipSimplifiedLayerNormalization, Gemm (gate),
+# Gemm (up), Sigmoid, Mul, Mul, Gemm (down); then the embedding, the last rows (Slice, Sub, Gather), the
+# LM head. No position or slot is computed.
+ORT_COUNTS = {
+    "Gemm": 11, "Mul": 5, "com.microsoft::SkipSimplifiedLayerNormalization": 4, "Gather": 2,
+    "com.microsoft::PagedAttention": 2, "Sigmoid": 2, "Pow": 1, "ReduceMean": 1, "Add": 1, "Sqrt": 1, "Div": 1,
+    "Slice": 1, "Sub": 1,
+}  # fmt: skip
+
+
 def onnxruntime_genai():
     if os.environ.get("CI"):
         import onnxruntime_genai as og  # CI installs the genai extra: missing is a failure
@@ -53,16 +67,25 @@ def onnxruntime_genai():
     return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
-@pytest.fixture(scope="module", params=["llama", "deepseek"])
+# The exported folders: "<arch>" in the ort form (the default), "<arch>-pakv" in the pakv form.
+FOLDERS = ["llama", "qwen2", "mistral", "qwen3", "deepseek", "llama-pakv", "deepseek-pakv"]
+
+
+def arch_of(folder: Path) -> str:
+    return folder.name.split("-")[0]
+
+
+@pytest.fixture(scope="module", params=FOLDERS)
 def genai_dir(request, tmp_path_factory) -> Path:
-    """The exported folder of the param's arch (its name is the folder's)."""
+    """The exported folder of the param (its name is the folder's: the arch, "-pakv" for that form)."""
     root = tmp_path_factory.mktemp("genai")
-    hf = save_sample_folder(root / "hf", request.param, SEED)  # seeded weights + a WordLevel tokenizer
+    arch, _, form = request.param.partition("-")
+    hf = save_sample_folder(root / "hf", arch, SEED)  # seeded weights + a WordLevel tokenizer
     out = root / request.param
     code = cli.main(
         [
             "export", str(hf), str(out), "--block-size", str(BLOCK_SIZE), "--num-blocks", str(NUM_BLOCKS),
-            "--max-batch-size", "8", "--threads", "1", "--external-data",
+            "--max-batch-size", "8", "--threads", "1", "--external-data", *(["--attention", form] if form else []),
         ]
     )  # fmt: skip
     assert code == 0
@@ -92,26 +115,44 @@ def test_config_follows_genai_paged_convention() -> None:
     assert decoder["outputs"]["present_key_names"] == "present.%d.key"
 
 
-def test_deepseek_config_lays_the_latent_in_two_halves() -> None:
-    """og.Engine allocates both pools [num_blocks, block_size, 1, 288]: c_kv's first 288 columns in the
-    key pool, the other 224 and k_pe's 64 in the value pool."""
+def test_deepseek_config_lays_the_latent_out() -> None:
+    """ort form: og.Engine allocates both pools [num_blocks, block_size, 1, 576], the latent whole in the
+    key pool (LATENT; the value pool goes unread). pakv form: [.., 1, 288]: c_kv's first 288 columns in
+    the key pool, the other 224 and k_pe's 64 in the value pool."""
     config = genai.genai_config(make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4)
     decoder = config["model"]["decoder"]
+    assert (decoder["num_key_value_heads"], decoder["head_size"]) == (1, 512 + 64)
+    config = genai.genai_config(
+        make_config("deepseek"), block_size=8, num_blocks=100, max_batch_size=4, attention="pakv"
+    )
+    decoder = config["model"]["decoder"]
     assert (decoder["num_key_value_heads"], decoder["head_size"]) == (1, (512 + 64) // 2)
+
+
+def test_config_writes_prefix_caching_only_when_asked() -> None:
+    config = genai.genai_config(make_config("llama"), block_size=8, num_blocks=100, max_batch_size=4)
+    assert "prefix_caching" not in config["engine"]["dynamic_batching"]  # og.Engine's default
+    for value in (True, False):
+        config = genai.genai_config(
+            make_config("llama"), block_size=8, num_blocks=100, max_batch_size=4, prefix_caching=value
+        )
+        assert config["engine"]["dynamic_batching"]["prefix_caching"] is value
 
 
 def test_export_refuses_a_model_og_engine_cannot_serve(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     from transformers import AutoModelForCausalLM
 
     odd = make_config("deepseek")
-    odd.kv_lora_rank = 511  # a 575-wide latent has no two equal halves
+    odd.kv_lora_rank = 511  # a 575-wide latent has no two equal halves (the pakv form's two pools)
     with pytest.raises(genai.UnsupportedModelError, match="deepseek_v3: the latent is kv_lora_rank 511 .* odd"):
-        genai.genai_config(odd, block_size=8, num_blocks=8, max_batch_size=2)
+        genai.genai_config(odd, block_size=8, num_blocks=8, max_batch_size=2, attention="pakv")
+    assert genai.genai_config(odd, block_size=8, num_blocks=8, max_batch_size=2)["model"]["decoder"]["head_size"] == 575
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "nothing: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
     AutoModelForCausalLM.from_config(odd).save_pretrained(tmp_path / "odd")
-    assert cli.main(["export", str(tmp_path / "odd"), str(tmp_path / "out")]) == 2  # refused before any export
+    code = cli.main(["export", str(tmp_path / "odd"), str(tmp_path / "out"), "--attention", "pakv"])
+    assert code == 2  # refused before any export
     assert "og.Engine allocates both pools of a layer as one shape" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -125,30 +166,46 @@ def test_export_writes_a_genai_folder(genai_dir: Path) -> None:
     config = json.loads((genai_dir / "genai_config.json").read_text())
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 1
     model = onnx.load(str(genai_dir / "model.onnx"))
-    reader = {"llama": "PagedAttention", "deepseek": "GatherPaKvCache"}[genai_dir.name]  # GQA attends in one op
-    assert [n.op_type for n in pakv_nodes(model.graph)] == ["ScatterPaKvCache", reader] * 2
-    if genai_dir.name == "llama":
-        # Fused (the default): every node counted (see FUSED_COUNTS).
-        assert dict(op_counts(model)) == FUSED_COUNTS
-    rows = {"llama": [2, 32], "deepseek": [1, 288]}[genai_dir.name]  # [kv heads, head size] of both pools
+    arch, pakv = arch_of(genai_dir), genai_dir.name.endswith("-pakv")
+    if pakv:
+        reader = {"llama": "PagedAttention", "deepseek": "GatherPaKvCache"}[arch]  # GQA attends in one op
+        assert [n.op_type for n in pakv_nodes(model.graph)] == ["ScatterPaKvCache", reader] * 2
+        if arch == "llama":
+            assert dict(op_counts(model)) == FUSED_COUNTS  # fused (the default): every node counted
+    else:
+        assert_one_ort_attention_per_layer(model, 2, latent=arch == "deepseek")
+        if arch == "llama":
+            assert dict(op_counts(model)) == ORT_COUNTS
+    rows = {"deepseek": [1, 288] if pakv else [1, 576]}.get(arch, [2, 32])  # [kv heads, head size] of both pools
     for name in ("past_key_values.0.key", "past_key_values.0.value"):
         pool = next(i for i in model.graph.input if i.name == name).type.tensor_type
         assert [d.dim_value for d in pool.shape.dim][1:] == [BLOCK_SIZE, *rows]
 
 
-@pytest.mark.slow  # the module's exports
-def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Path) -> None:
-    """Three ragged requests start; a fourth is added while they run and joins the running batch;
-    every request's greedy tokens equal transformers' generate."""
+def og_engine(genai_dir: Path, prefix_caching: bool):
+    """og.Engine over the folder with ``engine.dynamic_batching.prefix_caching`` set (og.Config.overlay)."""
     og = onnxruntime_genai()
+    config = og.Config(str(genai_dir))
+    config.overlay(json.dumps({"engine": {"dynamic_batching": {"prefix_caching": prefix_caching}}}))
+    return og, og.Engine(og.Model(config))
+
+
+@pytest.mark.slow  # the module's exports
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Path, prefix_caching: bool) -> None:
+    """Three ragged requests start; a fourth is added while they run and joins the running batch; then
+    the longest prompt again, and one sharing its first 8 tokens (two full blocks: with prefix caching
+    og.Engine adopts their cached blocks and runs only the rest). Every request's greedy tokens equal
+    transformers' generate."""
+    og, engine = og_engine(genai_dir, prefix_caching)
     import numpy as np
 
+    long = [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4]
     workload = Workload(
-        prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4], [77, 78, 79, 80, 81]],
-        budgets=[9, 12, 6, 8],
+        prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], long, [77, 78, 79, 80, 81], long, long[:8] + [60, 61, 62]],
+        budgets=[9, 12, 6, 8, 5, 7],
     )
-    want = reference(workload, genai_dir.name)
-    engine = og.Engine(og.Model(str(genai_dir)))
+    want = reference(workload, arch_of(genai_dir))
     requests, order = [], []  # keep a reference to every request: og closes unreferenced ones
 
     def submit(k: int) -> None:
@@ -164,15 +221,16 @@ def test_og_engine_serves_ragged_requests_with_one_joining_mid_run(genai_dir: Pa
         submit(k)
     got: list[list[int]] = [[] for _ in workload.prompts]
     events = engine.create_event_buffer(64)
-    joined = False
     while engine.has_pending_requests():
         for event in engine.run(events):
             k = next(i for i, r in enumerate(requests) if r == event.request or r is event.request)
             got[k].append(int(event.token))
             order.append(k)
-        if not joined and min(len(t) for t in got[:3]) >= 2:
+        if len(requests) == 3 and min(len(t) for t in got[:3]) >= 2:
             submit(3)  # the others are mid-generation
-            joined = True
+        if len(requests) == 4 and len(got[2]) == workload.budgets[2]:
+            submit(4)  # the long prompt again, once its first run has finished
+            submit(5)
     assert got == want
     first_of_late = order.index(3)
     assert any(k != 3 for k in order[first_of_late + 1 :]), "the late request ran alone, not in the batch"
@@ -195,4 +253,4 @@ def test_plain_onnxruntime_host_decodes_like_transformers(genai_dir: Path, tmp_p
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["imported"] == []
-    assert report["tokens"] == reference(workload, genai_dir.name)
+    assert report["tokens"] == reference(workload, arch_of(genai_dir))

@@ -1,4 +1,7 @@
-"""transformers decoders over a paged cache, exported and generating in ONNX Runtime.
+"""transformers decoders over a paged cache in the ``pakv`` form (ScatterPaKvCache, then
+pakv::PagedAttention or GatherPaKvCache per layer), exported and generating in ONNX Runtime on every
+runner (plugin backends, stock ORT through the fallback functions). The ``ort`` form (each layer one
+com.microsoft::PagedAttention, the default) is tested in tests/test_hf_ort_step.py.
 
 Tests that use the ``exported`` fixture are marked slow: the step export of each arch takes
 20-110 s on the shared machine (they run in the default suite).
@@ -37,6 +40,7 @@ from pakv_onnx.models.hf import (
 )
 
 SEED = 0
+PAKV = "pakv"
 BLOCK_SIZE = 8  # small blocks: every prompt spans several, tables are long
 RUNNERS = ("plugin:native", "plugin:golden", "plugin:torch", check.STOCK_ORT)
 
@@ -48,7 +52,7 @@ def exported(request, tmp_path_factory) -> tuple:
     reference_model = build_model(arch, SEED)
     workload = make_workload(batch=4, new_tokens=10, vocab_size=reference_model.config.vocab_size, seed=5)
     path = Path(tmp_path_factory.mktemp("hf")) / f"{arch}.onnx"
-    check.export_for(arch, SEED, workload, BLOCK_SIZE, path)
+    check.export_for(arch, SEED, workload, BLOCK_SIZE, path, attention=PAKV)
     return arch, path, workload, generate_reference(reference_model, workload)
 
 
@@ -139,7 +143,7 @@ def test_tokens_equal_transformers(exported, runner: str) -> None:
 def test_eager_paged_step_equals_transformers(exported) -> None:
     """The same step module in eager torch (no ONNX): the paged math itself matches."""
     arch, _, workload, reference = exported
-    step = PagedDecoderStep(build_model(arch, SEED))
+    step = PagedDecoderStep(build_model(arch, SEED), attention=PAKV)
     cache = new_cache(step.model.config, workload, BLOCK_SIZE, SEED)
     result = generate_paged(lambda feeds: run_step_torch(step, feeds), cache, workload)
     same, err = compare(result, reference)
@@ -156,12 +160,12 @@ def test_broken_backend_fails(exported, monkeypatch: pytest.MonkeyPatch) -> None
     assert result.max_logit_err > check.LOGIT_ATOL
 
 
-@pytest.mark.parametrize("arch", ["llama", "deepseek"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "deepseek"])
 def test_eager_step_generates_like_transformers(arch: str) -> None:
-    """No export: the step module in eager torch, writing the pools in place (quick set)."""
+    """No export: the pakv-form step module in eager torch, writing the pools in place (quick set)."""
     workload = make_workload(batch=3, new_tokens=4, vocab_size=256, seed=2)
     reference = generate_reference(build_model(arch, SEED), workload)
-    step = PagedDecoderStep(build_model(arch, SEED))
+    step = PagedDecoderStep(build_model(arch, SEED), attention=PAKV)
     cache = new_cache(step.model.config, workload, 4, SEED)
     pools = [*cache.key_pools, *cache.value_pools]
     result = generate_paged(lambda feeds: run_step_torch(step, feeds), cache, workload)
@@ -252,11 +256,21 @@ def test_generate_refuses_bad_arguments(argv, message, capsys: pytest.CaptureFix
     assert message in capsys.readouterr().err
 
 
-def test_generate_offers_every_arch() -> None:
+def test_generate_offers_every_arch_and_form() -> None:
+    from pakv_onnx.commands import export as export_command
     from pakv_onnx.commands import generate as generate_command
     from pakv_onnx.models.hf.configs import ARCHS
+    from pakv_onnx.models.hf.kv_quant import CALIBRATION_PROMPTS, CALIBRATION_TOKENS
+    from pakv_onnx.models.hf.ort_layer import KV_CACHE_DTYPES
+    from pakv_onnx.models.hf.step import ATTENTION_CHOICES
 
     assert generate_command.ARCH_CHOICES == ARCHS
+    assert generate_command.ATTENTION_CHOICES == export_command.ATTENTION_CHOICES == ATTENTION_CHOICES
+    assert export_command.KV_CACHE_CHOICES == tuple(KV_CACHE_DTYPES)
+    assert (export_command.CALIBRATION_PROMPTS, export_command.CALIBRATION_TOKENS) == (
+        CALIBRATION_PROMPTS,
+        CALIBRATION_TOKENS,
+    )
 
 
 @pytest.mark.slow
@@ -267,6 +281,8 @@ def test_generate_cli_json_passes(tmp_path) -> None:
             "generate",
             "--arch",
             "deepseek",
+            "--attention",
+            "pakv",
             "--batch",
             "3",
             "--new-tokens",
@@ -297,7 +313,10 @@ def test_generate_cli_json_passes(tmp_path) -> None:
 @pytest.mark.slow
 def test_generate_cli_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, monkeypatch) -> None:
     monkeypatch.setitem(kernels.BACKEND_MODULES, "broken", "broken_backend")
-    code = cli.main(["generate", "--arch", "llama", "--batch", "2", "--new-tokens", "3", "--backend", "native,broken"])
+    code = cli.main(
+        ["generate", "--arch", "llama", "--attention", "pakv", "--batch", "2", "--new-tokens", "3",
+         "--backend", "native,broken"]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 1, out
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("  plugin:")}
@@ -323,7 +342,7 @@ def test_fused_norms_read_their_own_weights(arch: str, tmp_path) -> None:
     """The exported (fused) step of a model whose norm weights all differ generates like transformers."""
     workload = make_workload(batch=3, new_tokens=6, vocab_size=build_model(arch, SEED).config.vocab_size, seed=7)
     reference = generate_reference(perturbed_norms(build_model(arch, SEED)), workload)
-    step = PagedDecoderStep(perturbed_norms(build_model(arch, SEED)))
+    step = PagedDecoderStep(perturbed_norms(build_model(arch, SEED)), attention=PAKV)
     cache = new_cache(step.model.config, workload, BLOCK_SIZE, SEED)
     for i in range(len(workload.prompts)):
         cache.add_sequence(i)

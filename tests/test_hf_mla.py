@@ -54,7 +54,7 @@ def test_the_step_swaps_in_the_absorbed_attention_and_folds_kv_b_proj() -> None:
     model = build_model("deepseek", SEED)
     original = model.model.layers[1].self_attn
     kv_b = original.kv_b_proj.weight.detach().clone()  # [H * (nope + v), rank]
-    step = PagedDecoderStep(model)
+    step = PagedDecoderStep(model, attention="pakv")
     attention = step.model.model.layers[1].self_attn
     assert all(isinstance(layer.self_attn, mla.AbsorbedLatentAttention) for layer in step.model.model.layers)
     assert attention.q_proj is original.q_proj and attention.o_proj is original.o_proj  # shared, not copied
@@ -84,7 +84,7 @@ def test_cache_geometry_lays_the_latent_out() -> None:
 
 @pytest.mark.parametrize("key, value", [((1, 500), (1, 64)), ((2, 256), (1, 64)), ((1, 512), (2, 32))])
 def test_pools_that_do_not_hold_the_latent_are_refused(key, value) -> None:
-    attention = PagedDecoderStep(build_model("deepseek", SEED)).model.model.layers[0].self_attn
+    attention = PagedDecoderStep(build_model("deepseek", SEED), attention="pakv").model.model.layers[0].self_attn
     pools = ([torch.zeros(2, 4, *key)], [torch.zeros(2, 4, *value)])
     cache = StepCache(*pools, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.zeros(0))
     message = f"layer 0: the pools hold rows \\[{key[0]}, {key[1]}\\] and \\[{value[0]}, {value[1]}\\]"
@@ -152,7 +152,7 @@ def test_absorbed_step_generates_like_transformers(variant: str, same_shape: boo
     config = variant_config(variant)
     workload = make_workload(batch=3, new_tokens=5, vocab_size=config.vocab_size, seed=4)
     reference = generate_reference(seeded_model(config), workload)
-    step = PagedDecoderStep(seeded_model(config))
+    step = PagedDecoderStep(seeded_model(config), attention="pakv")
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
         geometry=cache_geometry(config, same_shape=same_shape),
@@ -175,7 +175,7 @@ def test_dropping_the_rope_scores_is_seen(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(mla, "paged_latent_attention", without_rope)
     workload = make_workload(batch=2, new_tokens=3, vocab_size=256, seed=4)
     reference = generate_reference(build_model("deepseek", SEED), workload)
-    step = PagedDecoderStep(build_model("deepseek", SEED))
+    step = PagedDecoderStep(build_model("deepseek", SEED), attention="pakv")
     cache = PagedKVCache(
         num_layers=2,
         geometry=cache_geometry(step.model.config),

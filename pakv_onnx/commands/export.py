@@ -15,6 +15,14 @@ from pathlib import Path
 from pakv_onnx.commands import _args, _interrupt
 
 MAX_BLOCK_SIZE = 1024
+ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
+KV_CACHE_CHOICES = ("int8", "fp8")  # models.hf.ort_layer.KV_CACHE_DTYPES (a test ties them)
+ATTENTION_LABELS = {
+    "ort": "each layer one com.microsoft::PagedAttention (rotary, the cache write and attention)",
+    "fused": "pakv::ScatterPaKvCache + pakv::PagedAttention per layer",
+    "gather": "pakv::ScatterPaKvCache + pakv::GatherPaKvCache per layer (MLA, absorbed)",
+}
+CALIBRATION_PROMPTS, CALIBRATION_TOKENS = 8, 128  # models.hf.kv_quant's (a test ties them)
 # The weight files AutoModelForCausalLM.from_pretrained reads from a local folder (one of them).
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -76,12 +84,18 @@ def run(args: argparse.Namespace) -> int:
             intra_op_threads=args.threads,
             external_data=True if args.external_data else None,
             fuse=not args.no_fuse,
+            attention=args.attention,
+            kv_cache=args.kv_cache,
+            prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
             progress=progress,
         )
     except genai.UnsupportedModelError as err:
         return _args.usage_error("export", str(err))
     batching = done.config["engine"]["dynamic_batching"]
     print(f"wrote {done.out_dir} in {done.seconds:.1f}s: {', '.join(done.files)}")
+    print(f"attention: {ATTENTION_LABELS[done.attention]}" + (
+        f"; KV cache {done.kv_quant.kind} (per-channel scales calibrated on {CALIBRATION_PROMPTS} prompts of "
+        f"{CALIBRATION_TOKENS} random tokens)" if done.kv_quant else ""))  # fmt: skip
     print(
         f"paged: block_size {batching['block_size']}, num_blocks {batching['num_blocks']}, "
         f"max_batch_size {batching['max_batch_size']}; custom_ops_library "
@@ -99,21 +113,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description=(
             "Load the transformers causal LM in HF_DIR (config + weights as save_pretrained writes them; "
             "nothing is downloaded) and write an ORT GenAI model folder to OUT_DIR (new or empty; --force "
-            "writes into one with files in it): model.onnx (one step for prefill and decode; every layer "
-            "writes its new K/V into its paged pools with pakv::ScatterPaKvCache and reads past + new from "
-            "the updated pools: one pakv::PagedAttention over them for grouped-query models such as Llama, "
-            "pakv::GatherPaKvCache of the latent for DeepSeek-V3; "
-            "model.onnx.data beside it when the weights are large), genai_config.json "
-            "(engine.dynamic_batching, the paged_kv state group, custom_ops_library), the plugin library "
-            "copied in, and HF_DIR's tokenizer files when present. og.Engine then runs it on a CPU "
-            "with continuous batching (onnxruntime-genai: pip install 'pakv-onnx[genai]'). og.Engine gives "
-            "both pools of a layer one shape: DeepSeek-V3's latent [c_kv | k_pe] is laid in two halves "
-            "across them (attention in the absorbed form); models whose key and value rows differ "
+            "writes into one with files in it): model.onnx (one step for prefill and decode; by default each layer's attention is one com.microsoft::PagedAttention "
+            "that rotates q/k, writes the step's K/V into the layer's paged pools and attends over them, with "
+            "no position or slot computed in the graph; --attention pakv writes with pakv::ScatterPaKvCache and "
+            "reads with pakv::PagedAttention or GatherPaKvCache; model.onnx.data beside it when the weights "
+            "are large), genai_config.json (engine.dynamic_batching, the paged_kv state group, "
+            "custom_ops_library), the plugin library copied in, and HF_DIR's tokenizer files when present. "
+            "og.Engine then runs it on a CPU with continuous batching (onnxruntime-genai: pip install "
+            "'pakv-onnx[genai]'). og.Engine gives both pools of a layer one shape: DeepSeek-V3's latent "
+            "[c_kv | k_pe] lies whole in the key pool (LATENT; the value pool og.Engine allocates goes unread) "
+            "or, with --attention pakv, in two halves across both; models whose key and value rows differ "
             "otherwise are refused. Exit 0 on success, 2 for a usage error or a model og.Engine cannot serve."
         ),
         examples=[
             "./tiny-llama ./tiny-llama-genai",
             "./tiny-llama ./tiny-llama-genai --block-size 32 --num-blocks 1024 --max-batch-size 8 --threads 1",
+            "./tiny-llama ./tiny-llama-int8 --kv-cache int8 --prefix-caching off",
         ],
     )
     parser.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="Hugging Face model folder (config.json + weights)")
@@ -146,6 +161,30 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--external-data",
         action="store_true",
         help="weights in model.onnx.data even when small (default: only above 1 GiB)",
+    )
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default=None,
+        help="ort (default for Llama, Qwen2, Mistral, Qwen3, DeepSeek-V3): each layer's attention one "
+        "com.microsoft::PagedAttention (packed QKV in, rotary, the cache write and attention inside it, slots "
+        "derived from the block table; DeepSeek-V3 over one LATENT pool); pakv: the pakv ops "
+        "(ScatterPaKvCache + PagedAttention or GatherPaKvCache), which stock ORT also runs through fallbacks",
+    )
+    parser.add_argument(
+        "--kv-cache",
+        choices=KV_CACHE_CHOICES,
+        default=None,
+        help="quantized pools (--attention ort): int8 or fp8 (float8e4m3fn) with fixed per-channel scales "
+        f"calibrated on the model ({CALIBRATION_PROMPTS} prompts of {CALIBRATION_TOKENS} seeded random tokens); "
+        "default: fp32 pools",
+    )
+    parser.add_argument(
+        "--prefix-caching",
+        choices=("on", "off"),
+        default=None,
+        help="og.Engine's engine.dynamic_batching.prefix_caching (default: left out; og.Engine 0.18 turns it on "
+        "for paged models)",
     )
     parser.add_argument(
         "--no-fuse",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from pakv_onnx.commands import _args, _interrupt
 
-ARCH_CHOICES = ("llama", "deepseek")  # models.hf.configs.ARCHS (not imported to parse; a test ties them)
+ARCH_CHOICES = ("llama", "qwen2", "mistral", "qwen3", "deepseek")  # models.hf.configs.ARCHS (a test ties them)
+ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
 MAX_BATCH = 32
 MAX_NEW_TOKENS = 512  # prompts are <= 40 tokens; the models know 1024 positions
 MAX_BLOCK_SIZE = 1024
@@ -39,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             backends=args.backend or DEFAULT_BACKENDS,
             out_dir=out_dir,
+            attention=args.attention,
             progress=progress,
             add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
         )
@@ -63,26 +65,38 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "generate",
         help="a transformers decoder generating over a paged KV cache in ONNX Runtime, checked against transformers",
         description=(
-            "Build a small transformers decoder with seeded random weights (no downloads): Llama-style "
-            "GQA or DeepSeek-V3 MLA (latent 512 + rope 64). Every layer writes the step's K/V into its "
-            "paged block pools with pakv::ScatterPaKvCache and reads past + new from the updated pools, "
-            "inside the graph (Llama: one pakv::PagedAttention over the pools; DeepSeek-V3: "
-            "pakv::GatherPaKvCache of each sequence's latent; ORT GenAI's paged inputs and outputs, the "
-            "pools bound in place). One model step (prefill and decode share it) is "
-            "exported to ONNX and drives greedy generation for a batch of prompts of different lengths "
-            "(sequences finish at different steps and return their blocks) on each runner: the plugin "
-            "with each --backend (without --backend: native, golden, and pypto-cpu when that backend is "
-            "registered, has a kernel for each op of the step and the case is small), and stock ONNX "
-            "Runtime through the graph's fallback function. Each runner's tokens "
-            "must equal transformers' generate(do_sample=False) with its dense cache, and its logits "
-            "must be within a fp32 tolerance. Prints a table (or --json) and PASS/FAIL; exit 0/1."
+            "Build a small transformers decoder with seeded random weights (no downloads): Llama, Qwen2 "
+            "(q/k/v biases, a sliding-window layer), Mistral (sliding window), Qwen3 (q/k norm), all GQA, or "
+            "DeepSeek-V3 MLA (latent 512 + rope 64). One model step (prefill and decode share it; ORT GenAI's "
+            "paged inputs and outputs, the pools bound in place) is exported to ONNX. With --attention ort "
+            "(default) each layer's attention is one com.microsoft::PagedAttention: rotary, the write of the "
+            "step's K/V into the paged pools and attention in one op, positions and slots derived inside it "
+            "(DeepSeek-V3 in MLA's absorbed form over one LATENT pool); the plugin runs it. With --attention "
+            "pakv each layer writes with pakv::ScatterPaKvCache and reads with pakv::PagedAttention (GQA) or "
+            "pakv::GatherPaKvCache (MLA): the plugin runs those with each --backend (without --backend: "
+            "native, golden, and pypto-cpu when that backend is registered, has a kernel for each op of the step "
+            "and the case is small; a --backend list runs as given), and stock ONNX Runtime through the graph's "
+            "fallback functions. The step drives "
+            "greedy generation for a batch of prompts of different lengths (sequences finish at different "
+            "steps and return their blocks) on each runner; each runner's tokens must equal transformers' "
+            "generate(do_sample=False) with its dense cache, and its logits must be within a fp32 tolerance. "
+            "Prints a table (or --json) and PASS/FAIL; exit 0/1."
         ),
         examples=[
             "--arch llama",
             "--arch deepseek --batch 6 --new-tokens 24 --block-size 32 --json",
+            "--arch mistral --attention pakv",
         ],
     )
     parser.add_argument("--arch", choices=ARCH_CHOICES, required=True, help="model family")
+    parser.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="ort",
+        help="ort (default): each layer one com.microsoft::PagedAttention (rotary, the cache write and attention "
+        "in one op; runs with the plugin); pakv: pakv::ScatterPaKvCache + pakv::PagedAttention (GQA) or "
+        "GatherPaKvCache (MLA), which every --backend and stock ORT (fallback functions) run",
+    )
     parser.add_argument(
         "--batch",
         type=_args.int_in(1, MAX_BATCH),

@@ -29,6 +29,7 @@ def _check_opset(opset_version: int, fallback: bool) -> None:
 
 
 def _finish(model: onnx.ModelProto, path: str | os.PathLike | None, fallback: bool) -> onnx.ModelProto:
+    trim_latent_value_outputs(model.graph)
     if fallback:
         attach_fallback(model)
     elif not any(opset.domain == DOMAIN for opset in model.opset_import):
@@ -101,6 +102,21 @@ def export(
             **torch_onnx_kwargs,
         )
     return _finish(program.model_proto, path, fallback)
+
+
+def trim_latent_value_outputs(graph: onnx.GraphProto) -> None:
+    """Drop the ``value_cache_out`` of every LATENT ``com.microsoft::PagedAttention`` node (in place).
+
+    The dynamo exporter gives a custom op as many outputs as its schema lists (three) whatever the
+    translation asks; LATENT has no value cache, and the torch op's third result is an empty
+    placeholder nobody reads. An unread output left on the node would be a name ORT keeps."""
+    read = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    for node in graph.node:
+        if node.domain != MS_DOMAIN or node.op_type != "PagedAttention" or len(node.output) != 3:
+            continue
+        layout = next((a.s for a in node.attribute if a.name == "kv_cache_layout"), b"")
+        if layout == b"LATENT" and node.output[2] not in read:
+            del node.output[2]
 
 
 @contextlib.contextmanager

@@ -97,7 +97,8 @@ void pakv_dense_record(pakv_tensor* t, const void* data, int elem_type, int ndim
   t->present = 1;
   t->elem_type = elem_type;
   t->ndim = ndim;
-  snprintf(t->device, sizeof(t->device), "%s", device);
+  /* A bounded copy, not snprintf: it runs for every record of every call (the rest of t is zeroed). */
+  for (size_t c = 0; c + 1 < sizeof(t->device) && device[c]; c++) t->device[c] = device[c];
   int64_t stride = 1;
   for (int d = (ndim < PAKV_MAX_RANK ? ndim : PAKV_MAX_RANK) - 1; d >= 0; d--) {
     t->dims[d] = dims[d];
@@ -308,6 +309,7 @@ int pakv_output_record(const pakv_tensor* t, const char* name, const pakv_tensor
 
 int pakv_overlaps(const pakv_tensor* a, const pakv_tensor* b) {
   uintptr_t a0, a1, b0, b1;
+  if (!a->present || !b->present) return 0; /* first, cheaply: most of a fused call's optional records are absent */
   if (!pakv_byte_extent(a, pakv_element_size(a->elem_type), &a0, &a1) || !pakv_byte_extent(b, pakv_element_size(b->elem_type), &b0, &b1))
     return 0;
   return a0 < b1 && b0 < a1 && strncmp(a->device, b->device, PAKV_DEVICE_LEN) == 0;

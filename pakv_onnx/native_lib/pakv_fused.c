@@ -121,21 +121,17 @@ static void prepare_head(const pakv_fused_plan* p, const void* src, const void* 
   if (p->rotary_dim == 0) return;
   const int64_t half = p->rotary_dim / 2, offset = p->rotary_offset;
   const int64_t row = position * half; /* cos / sin row of this position */
-  for (int64_t r = 0; r < p->rotary_dim; r++) {
-    int64_t i, partner;
-    double sign;
-    if (p->rotary_interleaved) {
-      i = r / 2;
-      partner = r % 2 ? r - 1 : r + 1;
-      sign = r % 2 ? 1.0 : -1.0;
-    } else {
-      i = r % half;
-      partner = r < half ? r + half : r - half;
-      sign = r < half ? -1.0 : 1.0;
-    }
+  /* Pair i (angle i): channels (2i, 2i + 1) interleaved or (i, i + half); the first of a pair takes
+   * a c - b s, the second b c + a s (products exact in double, one rounding to double, then to T). */
+  const int64_t step = p->rotary_interleaved ? 2 : 1, apart = p->rotary_interleaved ? 1 : half;
+  const float* in = normed + offset;
+  float* rotated = out + offset;
+  for (int64_t i = 0; i < half; i++) {
     double c = element_at(p->cos_cache, row + i, type), s = element_at(p->sin_cache, row + i, type);
-    double rotated = (double)normed[offset + r] * c + sign * ((double)normed[offset + partner] * s);
-    out[offset + r] = round_to((float)rotated, type);
+    int64_t first = i * step, second = first + apart;
+    double a = in[first], b = in[second];
+    rotated[first] = round_to((float)(a * c + -1.0 * (b * s)), type);
+    rotated[second] = round_to((float)(b * c + 1.0 * (a * s)), type);
   }
 }
 

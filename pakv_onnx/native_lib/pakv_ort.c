@@ -41,8 +41,15 @@ OrtStatus* pakv_ort_status(const OrtApi* api, int code, const char* msg) {
 
 /* Turn an ORT status into our error (with context) and release it. */
 int pakv_ort_take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what) {
+  return pakv_ort_take_status_of(api, st, err, what, NULL);
+}
+
+/* The same with the context "what name" (name NULL: "what"), formatted only when there is an error:
+ * a kernel call reads every input and output through here, and formatting costs more than the call. */
+int pakv_ort_take_status_of(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what, const char* name) {
   if (!st) return 0;
-  snprintf(err->msg, sizeof(err->msg), "%s: %s", what, PAKV_API(api, GetErrorMessage)(st));
+  snprintf(err->msg, sizeof(err->msg), "%s%s%s: %s", what, name ? " " : "", name ? name : "",
+           PAKV_API(api, GetErrorMessage)(st));
   PAKV_API(api, ReleaseStatus)(st);
   return -1;
 }
@@ -224,23 +231,24 @@ int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const 
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
-  char what[64];
-  snprintf(what, sizeof(what), "reading input %s", name);
-  if (pakv_ort_take_status(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what)) return -1;
+  const char* what = "reading input";
+  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what, name)) return -1;
   if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
-  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what)) return -1;
+  if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what, name)) return -1;
   int type = 0;
   size_t nd = 0;
   int64_t dims[PAKV_MAX_RANK] = {0};
-  int rc = pakv_ort_take_status(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what);
-  if (!rc) rc = pakv_ort_take_status(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what);
+  int rc = pakv_ort_take_status_of(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what, name);
+  if (!rc) rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what, name);
   /* A rank past the record's is kept as a rank alone: the validator refuses it by name. */
-  if (!rc && nd <= PAKV_MAX_RANK) rc = pakv_ort_take_status(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what);
+  if (!rc && nd <= PAKV_MAX_RANK)
+    rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what, name);
   PAKV_API(api, ReleaseTensorTypeAndShapeInfo)(info);
   if (rc) return -1;
   void* data = NULL;
-  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what)) return -1;
+  if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what, name))
+    return -1;
   pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
   t->host_data = data;
   return ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, ep, v, t, err);

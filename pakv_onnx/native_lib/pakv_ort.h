@@ -36,6 +36,7 @@ pakv_attr_kind pakv_ort_attribute_kind(const OrtApi* api, const OrtKernelInfo* i
 OrtStatus* pakv_ort_attribute_error(const OrtApi* api, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
 /* 0, or -1 with err set to "what: ORT's message" (the status released). */
 int pakv_ort_take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what);
+int pakv_ort_take_status_of(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what, const char* name);
 /* Input i as a record (absent beyond the node's `count` inputs or when ORT passes none). */
 int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const char* name, size_t count, size_t i,
                         pakv_tensor* t, pakv_err* err);

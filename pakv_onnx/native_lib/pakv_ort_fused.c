@@ -116,15 +116,15 @@ static int output_of(const OrtApi* api, OrtKernelContext* ctx, size_t count, int
                      int rank, pakv_tensor* t, pakv_err* err) {
   OrtValue* value = NULL;
   void* data = NULL;
-  char what[64];
+  const char* name = PAKV_FUSED_NAMES[PAKV_FUSED_OUTPUT + i];
   memset(t, 0, sizeof(*t));
   if ((size_t)i >= count) return 0;
-  snprintf(what, sizeof(what), "allocating output %s", PAKV_FUSED_NAMES[PAKV_FUSED_OUTPUT + i]);
-  if (pakv_ort_take_status(api, PAKV_API(api, KernelContext_GetOutput)(ctx, (size_t)i, dims, (size_t)rank, &value), err,
-                           what))
+  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetOutput)(ctx, (size_t)i, dims, (size_t)rank, &value),
+                              err, "allocating output", name))
     return -1;
   if (!value) return 0;
-  if (pakv_ort_take_status(api, PAKV_API(api, GetTensorMutableData)(value, &data), err, what)) return -1;
+  if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorMutableData)(value, &data), err, "allocating output", name))
+    return -1;
   static char empty; /* an empty output may have no buffer; nothing is written through it */
   pakv_dense_record(t, data ? data : &empty, type, rank, dims, "cpu");
   t->host_data = t->data;

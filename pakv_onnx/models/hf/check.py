@@ -1,9 +1,11 @@
 """Generate with every runner and compare with transformers: what ``pakv-onnx generate`` runs.
 
-One model step is exported once per (arch, block size); each runner is an ONNX Runtime session
-over that file (``plugin:<backend>`` with the custom-op library, ``stock-ort`` through the graph's
-fallback function) driving :func:`~pakv_onnx.models.hf.generate.generate_paged`. Each runner's
-tokens must equal transformers' greedy ``generate`` on the same weights and prompts, and its
+One model step is exported once per (arch, block size, attention form); each runner is an ONNX
+Runtime session over that file driving :func:`~pakv_onnx.models.hf.generate.generate_paged`: in the
+``ort`` form (each layer one ``com.microsoft::PagedAttention``) ``plugin:native`` (the library's C
+kernel; stock ORT has no CPU kernel for the op), in the ``pakv`` form ``plugin:<backend>`` with the
+custom-op library for each backend and ``stock-ort`` through the graph's fallback functions. Each
+runner's tokens must equal transformers' greedy ``generate`` on the same weights and prompts, and its
 logits must be within :data:`LOGIT_ATOL`.
 """
 
@@ -20,7 +22,7 @@ from pakv_onnx import kernels, runtime_plugin
 from pakv_onnx.models.hf import generate, mla
 from pakv_onnx.models.hf.cache import PagedKVCache
 from pakv_onnx.models.hf.configs import build_model, cache_geometry
-from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
+from pakv_onnx.models.hf.step import ORT, PagedDecoderStep, export_step
 from pakv_onnx.plans import GatherPlan
 from pakv_onnx.validator import plan_gather
 
@@ -54,6 +56,7 @@ class RunnerResult:
 
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
+    attention: str  # the step's form: "ort", "fused" or "gather" (PagedDecoderStep.attention)
     arch: str
     workload: generate.Workload
     block_size: int
@@ -146,6 +149,19 @@ def runner_names(
     return names, skipped
 
 
+def ort_runner_names(backends: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The runners of a step in the ``ort`` form: ``plugin:native`` only, the others skipped with why
+    (com.microsoft::PagedAttention always runs the library's C kernel; stock ORT has none on a CPU)."""
+    skipped = {
+        f"plugin:{b}": "com.microsoft::PagedAttention runs the library's C kernel whatever the backend "
+        "(backends serve the pakv ops: --attention pakv)"
+        for b in backends
+        if b != "native"
+    }
+    skipped[STOCK_ORT] = "stock ORT has no CPU kernel for com.microsoft::PagedAttention (--attention pakv runs there)"
+    return ["plugin:native"], skipped
+
+
 def make_runner_session(runner: str, path: Path, intra_op_threads: int = 0):
     """An ORT session for ``runner`` over the exported step at ``path``.
 
@@ -166,15 +182,33 @@ def make_runner_session(runner: str, path: Path, intra_op_threads: int = 0):
 session_step = generate.session_step  # (kept here for callers of check.session_step)
 
 
-def export_for(arch: str, seed: int, workload: generate.Workload, block_size: int, path: Path) -> None:
-    """Build the paged model of ``arch`` and export its step (traced on the workload's prefill) to ``path``."""
-    step = PagedDecoderStep(build_model(arch, seed))
-    cache = generate.new_cache(step.model.config, workload, block_size, seed)
+def step_cache(step: PagedDecoderStep, workload: generate.Workload, block_size: int, seed: int) -> PagedKVCache:
+    """Fresh pools for ``workload`` as ``step`` reads them (its geometry and element type)."""
+    return generate.new_cache(
+        step.model.config, workload, block_size, seed, geometry=step.geometry(), dtype=step.pool_dtype
+    )
+
+
+def export_for(
+    arch: str,
+    seed: int,
+    workload: generate.Workload,
+    block_size: int,
+    path: Path,
+    *,
+    attention: str | None = None,
+    kv_quant=None,
+) -> PagedDecoderStep:
+    """Build the paged model of ``arch`` (``attention``, ``kv_quant``: :class:`PagedDecoderStep`'s) and
+    export its step (traced on the workload's prefill) to ``path``; returns the step module."""
+    step = PagedDecoderStep(build_model(arch, seed), attention=attention, kv_quant=kv_quant)
+    cache = step_cache(step, workload, block_size, seed)
     ids = list(range(len(workload.prompts)))
     for i in ids:
         cache.add_sequence(i)
     _, _, feeds = generate.step_inputs(cache, ids, workload.prompts)
     export_step(step, feeds, path)
+    return step
 
 
 def run_runner(
@@ -185,11 +219,17 @@ def run_runner(
     block_size: int,
     seed: int,
     reference: generate.Generation,
+    *,
+    step: PagedDecoderStep | None = None,
 ) -> RunnerResult:
-    """Generate ``workload`` on ``runner`` and compare with ``reference``; an exception is a FAIL row."""
+    """Generate ``workload`` on ``runner`` and compare with ``reference``; an exception is a FAIL row.
+    ``step``: the exported step module, whose pools the graph reads (default: the pakv form's, fp32)."""
     try:
         session = make_runner_session(runner, path)
-        cache: PagedKVCache = generate.new_cache(config, workload, block_size, seed)
+        if step is not None:
+            cache: PagedKVCache = step_cache(step, workload, block_size, seed)
+        else:
+            cache = generate.new_cache(config, workload, block_size, seed)
         result = generate.generate_paged(session_step(session), cache, workload)
     except Exception as err:  # a failing runner is a FAIL row, not a crash of the command
         return RunnerResult(runner, False, float("inf"), float("nan"), error=f"{type(err).__name__}: {err}")
@@ -206,11 +246,13 @@ def run_check(
     seed: int,
     backends: Sequence[str],
     out_dir: Path,
+    attention: str | None = None,
     progress: Callable[[str], None] = lambda message: None,
     add_pypto_cpu: bool = True,
 ) -> CheckReport:
-    """Export ``arch``'s step into ``out_dir``, generate on every runner, compare with transformers.
-    ``add_pypto_cpu``: :func:`runner_names`'s (``pakv-onnx generate`` without ``--backend``)."""
+    """Export ``arch``'s step (``attention``: :class:`PagedDecoderStep`'s; default ``ort``) into
+    ``out_dir``, generate on every runner, compare with transformers. ``add_pypto_cpu``:
+    :func:`runner_names`'s (``pakv-onnx generate`` without ``--backend``; the ``pakv`` form only)."""
     reference_model = build_model(arch, seed)
     config = reference_model.config
     workload = generate.make_workload(batch=batch, new_tokens=new_tokens, vocab_size=config.vocab_size, seed=seed)
@@ -219,24 +261,28 @@ def run_check(
     path = out_dir / f"{arch}_step_bs{block_size}.onnx"
     progress(f"{arch}: exporting one step to {path} ...")
     start = time.perf_counter()
-    export_for(arch, seed, workload, block_size, path)
-    progress(f"{arch}: exported in {time.perf_counter() - start:.1f}s")
-    names, skipped = runner_names(
-        backends,
-        workload,
-        config.num_hidden_layers,
-        probe_plan(config, block_size),
-        per_sequence=mla.gathers_per_sequence(config),
-        ops=pakv_ops(path),
-        add_pypto_cpu=add_pypto_cpu,
-    )
+    step = export_for(arch, seed, workload, block_size, path, attention=attention)
+    progress(f"{arch}: exported in {time.perf_counter() - start:.1f}s ({step.attention} attention)")
+    if step.attention == ORT:
+        names, skipped = ort_runner_names(backends)
+    else:
+        names, skipped = runner_names(
+            backends,
+            workload,
+            config.num_hidden_layers,
+            probe_plan(config, block_size),
+            per_sequence=mla.gathers_per_sequence(config),
+            ops=pakv_ops(path),
+            add_pypto_cpu=add_pypto_cpu,
+        )
     for runner, why in skipped.items():
         progress(f"{arch}: {runner} skipped: {why}")
     results = []
     for runner in names:
         progress(f"{arch}: generating on {runner} ...")
-        results.append(run_runner(runner, path, config, workload, block_size, seed, reference))
+        results.append(run_runner(runner, path, config, workload, block_size, seed, reference, step=step))
     return CheckReport(
+        attention=step.attention,
         arch=arch,
         workload=workload,
         block_size=block_size,
@@ -246,12 +292,19 @@ def run_check(
     )
 
 
+ATTENTION_LABELS = {
+    "ort": "attention: com.microsoft::PagedAttention",
+    "fused": "attention: pakv ScatterPaKvCache + PagedAttention",
+    "gather": "attention: pakv ScatterPaKvCache + GatherPaKvCache",
+}
+
+
 def format_table(report: CheckReport) -> str:
     """Plain-text table: runner, tokens identical, max logit error, ms per generated token, verdict."""
     w = report.workload
     lines = [
         f"{report.arch}: batch {len(w.prompts)}, prompt lengths {[len(p) for p in w.prompts]}, "
-        f"new tokens {w.budgets}, block size {report.block_size}",
+        f"new tokens {w.budgets}, block size {report.block_size}, {ATTENTION_LABELS[report.attention]}",
         f"  {'runner':<18} {'tokens':<7} {'max logit err':>13} {'ms/token':>9} {'steps':>6}  result",
         f"  {'transformers':<18} {'(ref)':<7} {'':>13} {report.reference_ms_per_token:>9.3f} {'':>6}"
         "  (generate(), one prompt at a time)",

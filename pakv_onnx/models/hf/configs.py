@@ -1,9 +1,11 @@
 """Small transformers decoders with seeded random weights (nothing is downloaded).
 
-Two families: Llama-style grouped-query attention (``LlamaForCausalLM``; Qwen2/Mistral take the
-same path) and DeepSeek-V3 multi-head latent attention (``DeepseekV3ForCausalLM``) with the
-seed's latent widths (kv_lora_rank 512 + rope 64), so its cache read is exactly the seed's
-GatherPaKvCache shape: key ``[T, 1, 512]``, value ``[T, 1, 64]``.
+Grouped-query attention: ``llama`` (``LlamaForCausalLM``), ``qwen2`` (q/k/v biases; its second layer
+slides a window of :data:`SAMPLE_WINDOW` tokens), ``mistral`` (every layer slides that window) and
+``qwen3`` (per-head q/k RMSNorm before rotary); and DeepSeek-V3 multi-head latent attention
+(``deepseek``: ``DeepseekV3ForCausalLM``) with the seed's latent widths (kv_lora_rank 512 + rope 64),
+so its cache read is exactly the seed's GatherPaKvCache shape: key ``[T, 1, 512]``, value ``[T, 1, 64]``.
+Every GQA family has 4 query / 2 KV heads of 32.
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "deepseek")
+ARCHS = ("llama", "qwen2", "mistral", "qwen3", "deepseek")
+# The sliding window of the sample Qwen2 / Mistral: shorter than most sample prompts, so every
+# generation attends past it.
+SAMPLE_WINDOW = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +49,27 @@ def _llama_config(**overrides):
     return LlamaConfig(**{**_TRUNK, "num_key_value_heads": 2, "head_dim": 32, **overrides})
 
 
+def _qwen2_config(**overrides):
+    from transformers import Qwen2Config
+
+    # Layer 0 full attention, layer 1 a sliding window (Qwen2: layers >= max_window_layers slide).
+    window = {"use_sliding_window": True, "sliding_window": SAMPLE_WINDOW, "max_window_layers": 1}
+    return Qwen2Config(**{**_TRUNK, "num_key_value_heads": 2, **window, **overrides})
+
+
+def _mistral_config(**overrides):
+    from transformers import MistralConfig
+
+    return MistralConfig(**{**_TRUNK, "num_key_value_heads": 2, "head_dim": 32, "sliding_window": SAMPLE_WINDOW,
+                            **overrides})  # fmt: skip
+
+
+def _qwen3_config(**overrides):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**_TRUNK, "num_key_value_heads": 2, "head_dim": 32, **overrides})
+
+
 def _deepseek_config(**overrides):
     from transformers import DeepseekV3Config
 
@@ -53,11 +79,17 @@ def _deepseek_config(**overrides):
     return DeepseekV3Config(**{**_TRUNK, **attention, **fields, **overrides})
 
 
-CONFIGS: dict[str, Callable] = {"llama": _llama_config, "deepseek": _deepseek_config}
+CONFIGS: dict[str, Callable] = {
+    "llama": _llama_config,
+    "qwen2": _qwen2_config,
+    "mistral": _mistral_config,
+    "qwen3": _qwen3_config,
+    "deepseek": _deepseek_config,
+}
 
 
 def make_config(arch: str, **overrides):
-    """The small ``transformers`` config of ``arch`` (``llama`` or ``deepseek``); ``overrides``
+    """The small ``transformers`` config of ``arch`` (one of :data:`ARCHS`); ``overrides``
     replace its fields (e.g. ``vocab_size``)."""
     if arch not in CONFIGS:
         raise ValueError(f"arch {arch!r} is unknown (choices: {', '.join(ARCHS)})")
@@ -79,19 +111,25 @@ def build_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **
     return model.eval()
 
 
-def cache_geometry(config, *, same_shape: bool = False) -> CacheGeometry:
-    """What one layer caches per token: Llama K and V ``[kv_heads, head_dim]``; DeepSeek-V3 the latent
+def cache_geometry(config, *, same_shape: bool = False, latent_pool: bool = False) -> CacheGeometry:
+    """What one layer caches per token: GQA K and V ``[kv_heads, head_dim]``; DeepSeek-V3 the latent
     ``[c_kv | k_pe]`` (the normalized ``c_kv``, kv_lora_rank wide, then the RoPE'd shared key,
-    rope_dim wide, as DeepseekV3Attention hands them to ``cache.update``), its leading columns in
-    the key pool and the rest in the value pool: ``c_kv`` ``[1, kv_lora_rank]`` | ``k_pe``
-    ``[1, rope_dim]``, or with ``same_shape`` (og.Engine gives both pools one shape) two halves
+    rope_dim wide, as DeepseekV3Attention hands them to ``cache.update``).
+
+    With ``latent_pool`` (com.microsoft::PagedAttention's LATENT layout) the key pool holds the whole
+    latent ``[1, kv_lora_rank + rope_dim]`` and the value pool is unused: ``[1, 0]``, or with
+    ``same_shape`` the key's shape (og.Engine allocates every pool alike). Otherwise (the pakv ops)
+    its leading columns lie in the key pool and the rest in the value pool: ``c_kv``
+    ``[1, kv_lora_rank]`` | ``k_pe`` ``[1, rope_dim]``, or with ``same_shape`` two halves
     ``[1, (kv_lora_rank + rope_dim) / 2]``. (models/hf/mla.py reads the split off the pools.)
 
     Raises:
-        ValueError: ``same_shape`` and an odd latent width (no two equal halves).
+        ValueError: ``same_shape`` and an odd latent width (no two equal halves, pakv form).
     """
     if getattr(config, "kv_lora_rank", None):
         rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+        if latent_pool:
+            return CacheGeometry((1, rank + rope), (1, rank + rope) if same_shape else (1, 0))
         if not same_shape:
             return CacheGeometry((1, rank), (1, rope))
         if (rank + rope) % 2:

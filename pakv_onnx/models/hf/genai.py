@@ -29,7 +29,7 @@ import torch
 from pakv_onnx.models.hf.cache import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, PagedKVCache
 from pakv_onnx.models.hf.configs import cache_geometry
 from pakv_onnx.models.hf.generate import step_inputs
-from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
+from pakv_onnx.models.hf.step import ATTENTION_CHOICES, ORT, PAKV, PagedDecoderStep, export_step
 from pakv_onnx.native_lib import LIBRARY_NAME, library_path
 
 MODEL_FILE = "model.onnx"
@@ -66,6 +66,8 @@ class GenaiExport:
     config: dict
     seconds: float
     external_data: bool
+    attention: str = ORT  # the step's form (PagedDecoderStep.attention: "ort", "fused" or "gather")
+    kv_quant: object | None = None  # the quantized cache's KvQuant, or None (fp32 pools)
 
 
 def load_hf_config(hf_dir: str | os.PathLike):
@@ -86,18 +88,20 @@ def load_hf_model(hf_dir: str | os.PathLike) -> torch.nn.Module:
     return model.eval()
 
 
-def check_servable(config) -> tuple[int, int]:
-    """``(num_key_value_heads, head_size)`` of the pools og.Engine will allocate for ``config``.
+def check_servable(config, attention: str = ORT) -> tuple[int, int]:
+    """``(num_key_value_heads, head_size)`` of the pools og.Engine will allocate for ``config``'s step
+    in the ``attention`` form (``ort`` or ``pakv``).
 
-    DeepSeek-V3 (MLA): the latent ``[c_kv | k_pe]`` in two halves, one per pool (``cache_geometry``'s
-    ``same_shape``).
+    DeepSeek-V3 (MLA): ``ort``, the latent ``[c_kv | k_pe]`` whole in the key pool (LATENT; og.Engine
+    allocates the value pool alike, and the graph never reads it); ``pakv``, the latent in two halves,
+    one per pool (``cache_geometry``'s ``same_shape``).
 
     Raises:
         UnsupportedModelError: the model's key and value rows differ in shape (og.Engine gives both
             pools one shape), or it is not a decoder with a KV cache.
     """
     try:
-        geometry = cache_geometry(config, same_shape=True)
+        geometry = cache_geometry(config, same_shape=True, latent_pool=attention == ORT)
     except AttributeError as err:
         raise UnsupportedModelError(
             f"{config.model_type} ({type(config).__name__}): its config has no {err.name or err}; pakv-onnx export "
@@ -118,16 +122,50 @@ def check_servable(config) -> tuple[int, int]:
     return geometry.key_shape
 
 
+def resolve_attention(config, attention: str | None) -> str:
+    """The form a step of ``config`` is exported in: ``attention`` as given, or ``ort`` for the models
+    :mod:`~pakv_onnx.models.hf.ort_layer` serves and ``pakv`` for others.
+
+    Raises:
+        UnsupportedModelError: ``ort`` asked for a model it does not serve, or an unknown form.
+    """
+    from pakv_onnx.models.hf import ort_layer
+
+    if attention not in (None, *ATTENTION_CHOICES):
+        raise UnsupportedModelError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
+    if attention is None:
+        return ORT if ort_layer.model_type(config) in ort_layer.MODEL_TYPES else PAKV
+    if attention == ORT:
+        try:
+            ort_layer.check_supported(config)
+        except ort_layer.UnsupportedAttentionError as err:
+            raise UnsupportedModelError(str(err)) from None
+    return attention
+
+
 def genai_config(
-    config, *, block_size: int, num_blocks: int, max_batch_size: int, intra_op_threads: int | None = None
+    config,
+    *,
+    block_size: int,
+    num_blocks: int,
+    max_batch_size: int,
+    intra_op_threads: int | None = None,
+    attention: str = ORT,
+    prefix_caching: bool | None = None,
 ) -> dict:
-    """The genai_config.json of the exported step of ``config`` (a transformers config)."""
-    kv_heads, head_size = check_servable(config)
+    """The genai_config.json of the exported step of ``config`` (a transformers config) in the
+    ``attention`` form. ``prefix_caching``: og.Engine's ``engine.dynamic_batching.prefix_caching``
+    (None: left out, og.Engine 0.18's default, on for paged models)."""
+    kv_heads, head_size = check_servable(config, attention)
     layers = config.num_hidden_layers
     context = int(getattr(config, "max_position_embeddings", 0) or 4096)
     session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": [], "custom_ops_library": LIBRARY_NAME}
     if intra_op_threads:
         session_options["intra_op_num_threads"] = intra_op_threads
+
+    batching = {"block_size": block_size, "num_blocks": num_blocks, "max_batch_size": max_batch_size}
+    if prefix_caching is not None:
+        batching["prefix_caching"] = bool(prefix_caching)
 
     def token_id(name: str, default: int | None) -> int | list[int] | None:
         value = getattr(config, name, None)
@@ -166,21 +204,21 @@ def genai_config(
             },
         },
         "search": {"max_length": context, "do_sample": False, "num_beams": 1},
-        "engine": {
-            "dynamic_batching": {"block_size": block_size, "num_blocks": num_blocks, "max_batch_size": max_batch_size}
-        },
+        "engine": {"dynamic_batching": batching},
     }
 
 
 def trace_feeds(step: PagedDecoderStep, block_size: int) -> dict[str, torch.Tensor]:
     """One step's feeds to trace ``step`` on: two sequences, one with cached tokens (every dim >= 2,
-    so torch.export keeps them dynamic), over small zero pools (num_blocks is dynamic)."""
+    so torch.export keeps them dynamic), over small zero pools (num_blocks is dynamic) shaped as
+    og.Engine allocates them (one shape for every pool) in the step's element type."""
     config = step.model.config
     cache = PagedKVCache(
         num_layers=config.num_hidden_layers,
-        geometry=cache_geometry(config, same_shape=True),
+        geometry=step.geometry(same_shape=True),
         num_blocks=16,
         block_size=block_size,
+        dtype=step.pool_dtype,
     )
     for seq in (0, 1):
         cache.add_sequence(seq)
@@ -199,12 +237,19 @@ def export_genai(
     intra_op_threads: int | None = None,
     external_data: bool | None = None,
     fuse: bool = True,
+    attention: str | None = None,
+    kv_cache: str | None = None,
+    prefix_caching: bool | None = None,
     progress: Callable[[str], None] = lambda message: None,
 ) -> GenaiExport:
     """Export the Hugging Face model in ``hf_dir`` to an ORT GenAI model folder ``out_dir`` (see the
     module docstring). ``external_data``: weights in ``model.onnx.data`` (default: when above
     :data:`EXTERNAL_DATA_BYTES`). ``fuse``: the graph-level fusions of
-    :func:`~pakv_onnx.models.hf.fusion.fuse_step` (default on).
+    :func:`~pakv_onnx.models.hf.fusion.fuse_step` (default on). ``attention``: ``ort`` (each layer one
+    com.microsoft::PagedAttention; the default where served) or ``pakv`` (:func:`resolve_attention`).
+    ``kv_cache``: ``int8`` or ``fp8`` pools (``ort`` only), their per-channel scales calibrated on
+    the model (:func:`~pakv_onnx.models.hf.kv_quant.calibrate`). ``prefix_caching``: written into
+    ``engine.dynamic_batching`` (None: og.Engine's default).
 
     Raises:
         UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`).
@@ -215,16 +260,27 @@ def export_genai(
     check_servable(load_hf_config(hf_dir))  # before the weights are read
     progress(f"loading {hf_dir} ...")
     model = load_hf_model(hf_dir)
+    attention = resolve_attention(model.config, attention)
+    if kv_cache is not None and attention != ORT:
+        raise UnsupportedModelError(f"--kv-cache {kv_cache} needs --attention {ORT} (com.microsoft::PagedAttention)")
     config = genai_config(
         model.config,
         block_size=block_size,
         num_blocks=num_blocks,
         max_batch_size=max_batch_size,
         intra_op_threads=intra_op_threads,
+        attention=attention,
+        prefix_caching=prefix_caching,
     )  # refuses an unservable model before the export
     out_dir.mkdir(parents=True, exist_ok=True)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    step = PagedDecoderStep(model)
+    kv_quant = None
+    if kv_cache is not None:
+        from pakv_onnx.models.hf.kv_quant import calibrate
+
+        progress(f"calibrating {kv_cache} cache scales ...")
+        kv_quant = calibrate(model, kv_cache, block_size=block_size)
+    step = PagedDecoderStep(model, attention=attention, kv_quant=kv_quant)
     progress(f"exporting one paged step ({weight_bytes / 1e6:.1f} MB of weights) ...")
     proto = export_step(step, trace_feeds(step, block_size), None, fuse=fuse)
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
@@ -247,4 +303,4 @@ def export_genai(
             files.append(name)
     (out_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     files.append(GENAI_CONFIG)
-    return GenaiExport(out_dir, files, config, time.perf_counter() - start, external)
+    return GenaiExport(out_dir, files, config, time.perf_counter() - start, external, step.attention, kv_quant)

@@ -23,7 +23,7 @@ import torch
 
 from pakv_onnx import runtime_plugin
 from pakv_onnx.models.hf.cache import PagedKVCache, StepLayout
-from pakv_onnx.models.hf.configs import cache_geometry
+from pakv_onnx.models.hf.configs import CacheGeometry, cache_geometry
 from pakv_onnx.models.hf.step import present_bindings, step_feeds
 
 StepFn = Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]]
@@ -74,13 +74,25 @@ def blocks_needed(workload: Workload, block_size: int) -> int:
     return sum(-(-(len(p) + b) // block_size) for p, b in zip(workload.prompts, workload.budgets))
 
 
-def new_cache(model_config, workload: Workload, block_size: int, seed: int, spare_blocks: int = 3) -> PagedKVCache:
-    """Fresh fp32 pools sized for ``workload`` plus a few spare blocks."""
+def new_cache(
+    model_config,
+    workload: Workload,
+    block_size: int,
+    seed: int,
+    spare_blocks: int = 3,
+    *,
+    geometry: CacheGeometry | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> PagedKVCache:
+    """Fresh pools sized for ``workload`` plus a few spare blocks: ``geometry`` (default: the pakv
+    form's, :func:`cache_geometry`; a step's own: :meth:`PagedDecoderStep.geometry`) and ``dtype``
+    (fp32; a quantized step's: :attr:`PagedDecoderStep.pool_dtype`)."""
     return PagedKVCache(
         num_layers=model_config.num_hidden_layers,
-        geometry=cache_geometry(model_config),
+        geometry=geometry or cache_geometry(model_config),
         num_blocks=blocks_needed(workload, block_size) + spare_blocks,
         block_size=block_size,
+        dtype=dtype,
         seed=seed,
     )
 

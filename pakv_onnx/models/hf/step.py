@@ -36,6 +36,7 @@ import onnx
 import torch
 
 from pakv_onnx.export import export
+from pakv_onnx.spec import DOMAIN
 from pakv_onnx.models.attention import cached_ragged_attention
 from pakv_onnx.models.hf.cache import (
     FusedStepCache,
@@ -53,9 +54,14 @@ ATTN_IMPLEMENTATION = "pakv_paged"
 QUERY_SEQ_LENS_KWARG = "pakv_query_seq_lens"
 KV_SEQ_LENS_KWARG = "pakv_kv_seq_lens"
 FUSED_CACHE_KWARG = "pakv_fused_cache"
-# How a step's layers attend: one PagedAttention over the pools (GQA), or GatherPaKvCache + a Loop of
-# standard ops per sequence (MLA, whose attention is not the op's).
-FUSED, GATHER = "fused", "gather"
+# How a step's layers attend: ORT's com.microsoft::PagedAttention (rotary, the write and attention in one
+# op, slots derived inside it: every model of ort_layer.MODEL_TYPES, the default), or the pakv ops --
+# ScatterPaKvCache, then one pakv::PagedAttention over the pools (GQA) or GatherPaKvCache + a Loop of
+# standard ops per sequence (MLA) -- which stock ORT runs through their fallback functions.
+ORT, FUSED, GATHER = "ort", "fused", "gather"
+# The names `pakv-onnx export --attention` takes: "ort", or "pakv" (FUSED for GQA, GATHER for MLA).
+PAKV = "pakv"
+ATTENTION_CHOICES = (ORT, PAKV)
 FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
 LOGITS_BATCH_DIM = "batch_size"
 # Causal LMs whose logits are exactly ``lm_head`` of the decoder's (``.model``) last hidden states:
@@ -122,33 +128,74 @@ class PagedDecoderStep(torch.nn.Module):
     The pools are two named list arguments (not ``*varargs``, whose flat dynamic shapes
     torch.export cannot match). The block size is the pools' (static) second dimension.
 
-    ``attention``: :data:`FUSED` (one PagedAttention per layer; the default for GQA models) or
-    :data:`GATHER` (GatherPaKvCache, then a Loop of standard ops per sequence; the only form for
-    MLA models such as DeepSeek-V3, whose cache holds a latent).
+    ``attention``: :data:`ORT` (each layer one ``com.microsoft::PagedAttention``, rotary and the write
+    inside it, no position or slot computed in the graph: :mod:`~pakv_onnx.models.hf.ort_layer`; the
+    default for the models it serves), :data:`PAKV` (the pakv ops: :data:`FUSED` for GQA models,
+    :data:`GATHER` for MLA ones), or :data:`FUSED` / :data:`GATHER` by name. ``kv_quant``
+    (:data:`ORT` only): int8 / fp8 pools with fixed per-channel scales
+    (:class:`~pakv_onnx.models.hf.ort_layer.KvQuant`).
+
+    Raises:
+        ValueError: an attention form this model has not, or ``kv_quant`` outside :data:`ORT`.
     """
 
-    def __init__(self, model: torch.nn.Module, attention: str | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str | None = None, kv_quant=None) -> None:
         super().__init__()
+        from pakv_onnx.models.hf import ort_layer
+
         mla = bool(getattr(model.config, "kv_lora_rank", None))
-        attention = attention or (GATHER if mla else FUSED)
-        if attention not in (FUSED, GATHER) or (mla and attention == FUSED):
+        if attention is None:
+            supported = ort_layer.model_type(model.config) in ort_layer.MODEL_TYPES
+            attention = ORT if supported else PAKV
+        if attention == PAKV:
+            attention = GATHER if mla else FUSED
+        if attention not in (ORT, FUSED, GATHER) or (mla and attention == FUSED):
+            allowed = (ORT, PAKV, GATHER) if mla else (ORT, PAKV, FUSED, GATHER)
+            choices = ", ".join(map(repr, allowed))
+            raise ValueError(f"attention must be one of {choices} for this model, got {attention!r}")
+        if kv_quant is not None and attention != ORT:
             raise ValueError(
-                f"attention must be {GATHER!r}{'' if mla else f' or {FUSED!r}'} for this model, got {attention!r}"
+                f"a quantized KV cache needs attention {ORT!r} (com.microsoft::PagedAttention), got {attention!r}"
             )
-
-        from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
-
-        register_attention()
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
-        if attention == FUSED:
-            from pakv_onnx.models.hf.gqa import token_major_attention
-
-            token_major_attention(model)  # Llama: q/k/v token-major, as the pakv ops read them
+        if attention != ORT:
+            _refuse_windows(model)
         self.head_apart = type(model).__name__ in HEAD_OVER_HIDDEN
+        self.kv_quant = kv_quant
+        if attention == ORT:
+            ort_layer.replace_attention(model, kv_quant)
+            cos, sin = ort_layer.rotary_tables(model)
+            self.register_buffer("rotary_cos", cos, persistent=False)
+            self.register_buffer("rotary_sin", sin, persistent=False)
+        else:
+            from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
+
+            register_attention()
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
+            if attention == FUSED:
+                from pakv_onnx.models.hf.gqa import token_major_attention
+
+                token_major_attention(model)  # Llama: q/k/v token-major, as the pakv ops read them
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
         self.attention = attention
+
+    def geometry(self, *, same_shape: bool = False):
+        """The per-token shapes of the pools this step reads (:func:`~pakv_onnx.models.hf.configs.cache_geometry`
+        of its model, LATENT's one pool in :data:`ORT` form)."""
+        from pakv_onnx.models.hf.configs import cache_geometry
+
+        return cache_geometry(self.model.config, same_shape=same_shape, latent_pool=self.latent)
+
+    @property
+    def pool_dtype(self) -> torch.dtype:
+        """The pools' element type: fp32, or the quantized cache's (int8, float8_e4m3fn)."""
+        return self.kv_quant.dtype if self.kv_quant is not None else torch.float32
+
+    @property
+    def latent(self) -> bool:
+        """Whether the step's layers cache MLA's latent in one LATENT pool each (the value pools unused)."""
+        return self.attention == ORT and bool(getattr(self.model.config, "kv_lora_rank", None))
 
     def forward(
         self,
@@ -160,6 +207,9 @@ class PagedDecoderStep(torch.nn.Module):
         value_pools: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         cu = cumulative_sequence_lengths
+        last_rows = cu[1:] - 1  # each sequence's last new token
+        if self.attention == ORT:
+            return self._forward_ort(input_ids, cu, past_sequence_lengths, block_table, key_pools, value_pools)
         block_size = key_pools[0].shape[1]
         positions, slots = step_slots(input_ids.shape[0], cu, past_sequence_lengths, block_table, block_size)
         if self.attention == FUSED:
@@ -171,7 +221,6 @@ class PagedDecoderStep(torch.nn.Module):
             cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
             attention_kwargs = {QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens}
         inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "cache": cache}
-        last_rows = cu[1:] - 1  # each sequence's last new token
         if self.head_apart:  # the head of those rows: a Gather, where logits_to_keep's tensor index is four nodes
             hidden = self.model.model(**inputs, **attention_kwargs).last_hidden_state[0]
             # embedding() of the rows: one Gather by the int32 rows (index_select's export adds a Reshape and a Cast).
@@ -179,6 +228,27 @@ class PagedDecoderStep(torch.nn.Module):
         else:
             logits = self.model(**inputs, logits_to_keep=last_rows.to(torch.int64), **attention_kwargs).logits[0]
         return (logits, *cache.key_pools, *cache.value_pools)
+
+    def _forward_ort(self, input_ids, cu, past, block_table, key_pools, value_pools) -> tuple[torch.Tensor, ...]:
+        from pakv_onnx.models.hf.ort_layer import OrtStepState, decode_layers
+
+        tables = (self.rotary_cos, self.rotary_sin)
+        state = OrtStepState(list(key_pools), list(value_pools), cu, past, block_table, *tables)
+        hidden = decode_layers(self.model, input_ids, state)
+        logits = self.model.lm_head(torch.nn.functional.embedding(cu[1:] - 1, hidden))
+        return (logits, *state.key_pools, *state.value_pools)
+
+
+def _refuse_windows(model: torch.nn.Module) -> None:
+    """The pakv ops attend over the whole context: a model with a sliding-window layer is refused."""
+    from pakv_onnx.models.hf.ort_layer import sliding_window
+
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "o_proj") and sliding_window(module):
+            raise ValueError(
+                f"layer {module.layer_idx} attends over a sliding window of {sliding_window(module)} tokens: the "
+                f"pakv ops attend over the whole context; use attention {ORT!r} (its local_window_size)"
+            )
 
 
 def step_feeds(cache: PagedKVCache, layout: StepLayout, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -237,13 +307,21 @@ def export_step(
     """
     dyn = torch.export.Dim.DYNAMIC
     layers = step.num_layers
+    values = [feeds[PAST_VALUE.format(layer)] for layer in range(layers)]
+    value_shape = [{0: dyn} for _ in range(layers)]
+    if step.latent and values[0].shape[-1] < 2:
+        # LATENT reads no value pool: traced on an empty one (a host's own pools), its width stays
+        # dynamic (any width runs; traced at 2: torch.export pins 0 and 1). og.Engine wants static
+        # widths and allocates every pool alike: trace that export on pools of the key's width.
+        values = [v.new_zeros(*v.shape[:-1], 2) for v in values]
+        value_shape = [{0: dyn, 3: dyn} for _ in range(layers)]
     args = (
         *(feeds[name] for name in FIXED_INPUT_NAMES),
         [feeds[PAST_KEY.format(layer)] for layer in range(layers)],
-        [feeds[PAST_VALUE.format(layer)] for layer in range(layers)],
+        values,
     )
     pool_shape = [{0: dyn} for _ in range(layers)]
-    dynamic_shapes = ({0: dyn}, {0: dyn}, {0: dyn}, {0: dyn, 1: dyn}, pool_shape, list(pool_shape))
+    dynamic_shapes = ({0: dyn}, {0: dyn}, {0: dyn}, {0: dyn, 1: dyn}, pool_shape, value_shape)
     with torch.no_grad(), warnings.catch_warnings():
         # transformers' output-capturing global shows up as a traced side effect; it is not one of ours.
         warnings.filterwarnings("ignore", message="While compiling, we found certain side effects")
@@ -252,9 +330,14 @@ def export_step(
             args,
             None,
             dynamic_shapes=dynamic_shapes,
+            fallback=step.attention != ORT,  # the ort form has no pakv node to fall back from
             input_names=step_input_names(layers),
             output_names=step_output_names(layers),
         )
+    if step.attention == ORT:  # nor a pakv opset to import
+        kept = [o for o in model.opset_import if o.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept)
     if fuse:
         from pakv_onnx.models.hf.fusion import fuse_step
 
