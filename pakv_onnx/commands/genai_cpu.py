@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from pakv_onnx.commands import _args
@@ -17,8 +16,7 @@ def run(args: argparse.Namespace) -> int:
             args.model_dir, num_blocks=args.num_blocks, block_size=args.block_size, max_batch_size=args.max_batch_size
         )
     except genai_cpu.NotAGenaiPagedModelError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _args.usage_error("genai-cpu", str(err))
     print(genai_cpu.describe(args.model_dir, done))
     return 0
 
