@@ -154,6 +154,7 @@ class AttentionLike(torch.nn.Module):
         return key, value, scores
 
 
+@pytest.mark.slow  # inductor compiles the graph: about 30 s
 def test_torch_compile_matches_golden():
     torch._dynamo.reset()
     module = AttentionLike()

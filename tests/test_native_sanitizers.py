@@ -30,6 +30,9 @@ from fake_ort_api import build_fake_driver
 
 from pakv_onnx import native_lib
 
+# Building the sanitized library takes about 40 s and the sessions as long again: the slow set (CI runs it).
+pytestmark = pytest.mark.slow
+
 SOURCES = Path(native_lib.__file__).parent
 SESSION = Path(__file__).parent / "native" / "sanitizer_session.py"
 CORE_SESSION = Path(__file__).parent / "native" / "attention_core_session.py"

@@ -99,6 +99,7 @@ def _platform_tag() -> str:
     return sysconfig.get_platform().replace("-", "_").replace(".", "_")
 
 
+@pytest.mark.slow  # builds a wheel / an sdist from a clean copy: 15-30 s
 def test_wheel_is_abi3_platform_and_carries_the_built_library_and_extension(clean_tree: Path, tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(clean_tree), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
@@ -136,6 +137,7 @@ def test_build_backend_pin_accepts_the_license_form_and_is_met_here() -> None:
     assert backend.specifier.contains(Version(setuptools.__version__)), (backend, setuptools.__version__)
 
 
+@pytest.mark.slow  # builds a wheel / an sdist from a clean copy: 15-30 s
 def test_sdist_ships_the_test_helpers_and_its_tests_collect(clean_tree: Path, tmp_path: Path) -> None:
     out = tmp_path / "dist"
     out.mkdir()
