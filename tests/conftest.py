@@ -214,3 +214,15 @@ def temp_cache(tmp_path_factory):
         patch.setenv(HELPER_DIR_ENV, shared_helper)
         yield path
         cpu._stop_worker()
+
+
+def perturbed_norms(model, seed: int = 0):
+    """``model`` with every RMS norm weight (Qwen3's q/k norms too) drawn around 1, from ``seed``:
+    transformers inits them all to ones, so a norm wired to another's weight, or to none, would go
+    unseen. Returns ``model``."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
+    return model

@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from conftest import perturbed_norms
 from onnx_graphs import pakv_nodes
 
 from pakv_onnx import cli, kernels
@@ -323,17 +324,6 @@ def test_generate_cli_fails_on_a_broken_backend(capsys: pytest.CaptureFixture, m
     assert rows["plugin:native"].rstrip().endswith("PASS")
     assert rows["plugin:broken"].rstrip().endswith("FAIL")
     assert out.rstrip().endswith("FAIL")
-
-
-def perturbed_norms(model):
-    """``model`` with every RMS norm weight drawn around 1 (transformers inits them all to ones, so
-    a fused norm wired to another norm's weight, or to none, would go unseen)."""
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
-    return model
 
 
 @pytest.mark.slow  # one export per arch

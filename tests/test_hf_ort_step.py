@@ -17,6 +17,7 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
+from conftest import perturbed_norms
 from onnx_graphs import assert_one_ort_attention_per_layer
 
 from pakv_onnx.models.hf import (
@@ -222,17 +223,6 @@ def test_exported_step_writes_the_callers_pools_in_place(exported) -> None:
         cache.commit(ids, counts, outputs)
         pending = [[int(t)] for t in outputs["logits"].argmax(-1)]
     assert [*cache.key_pools, *cache.value_pools] == pools
-
-
-def perturbed_norms(model):
-    """``model`` with every RMS norm weight (Qwen3's q/k norms too) drawn around 1: transformers inits
-    them to ones, so a norm wired to another's weight, or to none, would go unseen."""
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
-    return model
 
 
 @pytest.mark.slow  # one export per arch
