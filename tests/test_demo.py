@@ -75,8 +75,16 @@ def test_demo_skips_a_pypto_cpu_that_refuses_the_graph(
     capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The row the demo adds on its own is asked first (as ``generate`` asks): a refusal is a skip note, not a FAIL."""
+    def never_called(plan, tensors) -> None:
+        raise AssertionError("a refusing backend must not run")
+
+    # Kernels for both of the step's ops, so the refusal asked of it is the one that decides.
     refusing = kernels.Backend(
-        name="pypto-cpu", description="test", gather=None, unsupported_reason=lambda plan, cache: "too big here"
+        name="pypto-cpu",
+        description="test",
+        gather=never_called,
+        scatter=never_called,
+        unsupported_reason=lambda plan, cache: "too big here",
     )
     real = kernels.get_backend
     monkeypatch.setattr(kernels, "get_backend", lambda name: refusing if name == "pypto-cpu" else real(name))
