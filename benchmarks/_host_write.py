@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 
+import onnx
 import torch
 
 from pakv_onnx import runtime_plugin
@@ -20,6 +21,11 @@ from pakv_onnx.models.hf import PagedDecoderStep, PagedKVCache, step_inputs, ste
 from pakv_onnx.models.hf.step import FIXED_INPUT_NAMES, GATHER, QUERY_SEQ_LENS_KWARG, step_input_names
 
 ATTN = "pakv_host_write"
+# The archs this baseline exists for, and why the others have none: it attends over past-then-new rows
+# through transformers' AttentionInterface; DeepSeek-V3's absorbed MLA reads the step's new latent rows
+# back from the pools it has just written, so its only form is the in-graph write.
+BASELINE_ARCHS = ("llama",)
+NO_BASELINE = "MLA's absorbed form reads the step's new rows from the pools it writes: no host-write form"
 PAST_SEQ_LENS_KWARG = "pakv_past_seq_lens"
 
 
@@ -96,6 +102,12 @@ def export_host_write(model: torch.nn.Module, feeds: dict, path) -> None:
             step.eval(), args, path, dynamic_shapes=({0: dyn}, {0: dyn}, {0: dyn}, {0: dyn, 1: dyn}, pools, list(pools)),
             input_names=step_input_names(layers), output_names=output_names(layers),
         )  # fmt: skip
+    # ORT's optimizer fuses Sigmoid x Mul into com.microsoft's QuickGelu at load, and fails ("QuickGelu(-1)
+    # is not a registered function/op") in a model that does not import that domain: import it.
+    graph = onnx.load(str(path))
+    if all(opset.domain != "com.microsoft" for opset in graph.opset_import):
+        graph.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        onnx.save(graph, str(path))
 
 
 def host_write_step(session, cache: PagedKVCache, seq_ids: list[int], tokens: list[list[int]]) -> dict:

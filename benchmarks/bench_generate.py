@@ -225,8 +225,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ints = lambda text: [int(x) for x in text.split(",")]
     if args.table in ("write", "all"):
+        from _host_write import BASELINE_ARCHS, NO_BASELINE
+
         write_rows = []
         for arch in args.archs.split(","):
+            if arch not in BASELINE_ARCHS:
+                print(f"write table: {arch} left out ({NO_BASELINE})")
+                continue
             write_rows += bench_write(arch, WRITE_CASES, args.steps, args.rounds, args.block_size, args.threads)
         print_write_table(write_rows)
         if args.table == "write":
