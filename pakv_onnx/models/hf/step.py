@@ -207,7 +207,6 @@ class PagedDecoderStep(torch.nn.Module):
         value_pools: list[torch.Tensor],
     ) -> tuple[torch.Tensor, ...]:
         cu = cumulative_sequence_lengths
-        last_rows = cu[1:] - 1  # each sequence's last new token
         if self.attention == ORT:
             return self._forward_ort(input_ids, cu, past_sequence_lengths, block_table, key_pools, value_pools)
         block_size = key_pools[0].shape[1]
@@ -221,6 +220,7 @@ class PagedDecoderStep(torch.nn.Module):
             cache = StepCache(key_pools, value_pools, block_table, kv_seq_lens, slots)
             attention_kwargs = {QUERY_SEQ_LENS_KWARG: cu, KV_SEQ_LENS_KWARG: kv_seq_lens}
         inputs = {"input_ids": input_ids.unsqueeze(0), "position_ids": positions.unsqueeze(0), "cache": cache}
+        last_rows = cu[1:] - 1  # each sequence's last new token
         if self.head_apart:  # the head of those rows: a Gather, where logits_to_keep's tensor index is four nodes
             hidden = self.model.model(**inputs, **attention_kwargs).last_hidden_state[0]
             # embedding() of the rows: one Gather by the int32 rows (index_select's export adds a Reshape and a Cast).
