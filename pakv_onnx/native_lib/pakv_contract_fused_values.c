@@ -84,21 +84,11 @@ static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a,
   return 0;
 }
 
-typedef struct {
-  int64_t slot, token;
-} slot_entry;
-
-static int by_slot_then_token(const void* x, const void* y) {
-  const slot_entry *a = (const slot_entry*)x, *b = (const slot_entry*)y;
-  if (a->slot != b->slot) return a->slot < b->slot ? -1 : 1;
-  return a->token < b->token ? -1 : a->token > b->token;
-}
-
 /* Each token's slot: slot_mapping's (a negative one: not written), or derived from its position
  * through block_table; every slot inside the caches, no slot twice (the token repeating an earlier
  * token's slot is named). */
 static int fused_slots(const pakv_tensor* t, const pakv_fused_shape* s, const int64_t* starts, const int64_t* counts,
-                       const int64_t* positions, int64_t* slots, slot_entry* pairs, pakv_err* err) {
+                       const int64_t* positions, int64_t* slots, pakv_slot_pair* pairs, pakv_err* err) {
   const pakv_tensor *sm = &t[PAKV_FUSED_SLOT_MAPPING], *bt = &t[PAKV_FUSED_BLOCK_TABLE];
   int64_t bs = s->key.block_size, batch = bt->dims[0], capacity, n = 0;
   /* Fits: the cache's extent fits int64 and its blocks are apart (pakv_caches_apart), so each takes >= bs bytes. */
@@ -111,16 +101,9 @@ static int fused_slots(const pakv_tensor* t, const pakv_fused_shape* s, const in
         return pakv_fail(err, "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; "
                          "-1 skips the token's write)", (long long)token, (long long)slots[token], (long long)capacity);
       if (slots[token] < 0) slots[token] = -1;
-      else pairs[n++] = (slot_entry){slots[token], token};
+      else pairs[n++] = (pakv_slot_pair){slots[token], token};
     }
-  qsort(pairs, (size_t)n, sizeof(slot_entry), by_slot_then_token);
-  int64_t repeat = -1, first = -1;
-  for (int64_t i = 1; i < n; i++)
-    if (pairs[i].slot == pairs[i - 1].slot && (i < 2 || pairs[i - 2].slot != pairs[i].slot) &&
-        (repeat < 0 || pairs[i].token < repeat)) {
-      repeat = pairs[i].token;
-      first = pairs[i - 1].token;
-    }
+  int64_t first = -1, repeat = pakv_first_repeated_slot(pairs, n, &first);
   if (repeat < 0) return 0;
   if (sm->present) return pakv_fail_repeated_slot(err, repeat, slots[repeat], first);
   return pakv_fail(err, "tokens %lld and %lld would both write slot %lld (slots derived from block_table: two sequences "
@@ -274,7 +257,7 @@ int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fuse
   const float* sink = NULL;
   int64_t out_bytes;
   if (fused_sequences(t, a, &s, starts, counts, lengths, positions, err) ||
-      fused_slots(t, &s, starts, counts, positions, slots, (slot_entry*)pairs, err) ||
+      fused_slots(t, &s, starts, counts, positions, slots, (pakv_slot_pair*)pairs, err) ||
       fused_floats(t, &l, floats, scales, &sink, err) || fused_metadata(&t[PAKV_FUSED_ATTENTION_METADATA], err))
     return -1;
   if (pakv_mul(s.num_tokens, a->num_heads, &out_bytes) || pakv_mul(out_bytes, s.head_dim, &out_bytes) ||

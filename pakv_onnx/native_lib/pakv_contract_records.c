@@ -268,6 +268,26 @@ int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const i
   return 0;
 }
 
+static int by_slot_then_token(const void* a, const void* b) {
+  const pakv_slot_pair *x = (const pakv_slot_pair*)a, *y = (const pakv_slot_pair*)b;
+  if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
+  return x->token < y->token ? -1 : x->token > y->token;
+}
+
+int64_t pakv_first_repeated_slot(pakv_slot_pair* pairs, int64_t n, int64_t* first) {
+  qsort(pairs, (size_t)n, sizeof(pakv_slot_pair), by_slot_then_token);
+  /* Sorted by (slot, token): in each run of one slot the first two entries are its earliest token
+   * and the first token repeating it; the repeat with the smallest token is the one named. */
+  int64_t repeat = -1;
+  for (int64_t i = 1; i < n; i++)
+    if (pairs[i].slot == pairs[i - 1].slot && (i < 2 || pairs[i - 2].slot != pairs[i].slot) &&
+        (repeat < 0 || pairs[i].token < repeat)) {
+      repeat = pairs[i].token;
+      *first = pairs[i - 1].token;
+    }
+  return repeat;
+}
+
 int pakv_fail_repeated_slot(pakv_err* err, int64_t token, int64_t slot, int64_t first) {
   return pakv_fail(err, "slot_mapping[%lld] = %lld repeats slot_mapping[%lld]: two tokens cannot write one slot",
                    (long long)token, (long long)slot, (long long)first);

@@ -91,6 +91,13 @@ int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
  * [0, nb); the row long enough for them. */
 int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
                            int64_t window, pakv_err* err);
+/* A token and the slot it writes (the write ops' duplicate-slot check). */
+typedef struct {
+  int64_t slot, token;
+} pakv_slot_pair;
+/* The first token (in token order) that repeats an earlier token's slot among pairs[0..n) (sorted in
+ * place), with that earlier token in *first; -1 when no slot repeats. */
+int64_t pakv_first_repeated_slot(pakv_slot_pair* pairs, int64_t n, int64_t* first);
 /* The write ops' refusal of token `token` writing the slot an earlier token `first` writes; returns -1. */
 int pakv_fail_repeated_slot(pakv_err* err, int64_t token, int64_t slot, int64_t first);
 

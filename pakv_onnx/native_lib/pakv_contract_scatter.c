@@ -59,19 +59,9 @@ static int scatter_targets_apart(const pakv_tensor* t, const pakv_cache_geometry
   return 0;
 }
 
-typedef struct {
-  int64_t slot, token;
-} slot_entry;
-
-static int by_slot_then_token(const void* a, const void* b) {
-  const slot_entry *x = (const slot_entry*)a, *y = (const slot_entry*)b;
-  if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
-  return x->token < y->token ? -1 : x->token > y->token;
-}
-
 /* Every slot < capacity (negative: padding), no slot twice: the first token (in token order) that
  * repeats an earlier token's slot is named. `pairs` holds T entries. */
-static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, slot_entry* pairs, pakv_err* err) {
+static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, pakv_slot_pair* pairs, pakv_err* err) {
   int64_t n = 0;
   for (int64_t t = 0; t < T; t++) {
     int64_t s = pakv_vector_at(sm, t);
@@ -80,18 +70,9 @@ static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, slot_
                        "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; a "
                        "negative slot is padding)",
                        (long long)t, (long long)s, (long long)capacity);
-    if (s >= 0) pairs[n++] = (slot_entry){s, t};
+    if (s >= 0) pairs[n++] = (pakv_slot_pair){s, t};
   }
-  qsort(pairs, (size_t)n, sizeof(slot_entry), by_slot_then_token);
-  /* Sorted by (slot, token): in each run of one slot the first two entries are its earliest token
-   * and the first token repeating it; the repeat with the smallest token is the one named. */
-  int64_t repeat = -1, first = -1;
-  for (int64_t i = 1; i < n; i++)
-    if (pairs[i].slot == pairs[i - 1].slot && (i < 2 || pairs[i - 2].slot != pairs[i].slot) &&
-        (repeat < 0 || pairs[i].token < repeat)) {
-      repeat = pairs[i].token;
-      first = pairs[i - 1].token;
-    }
+  int64_t first = -1, repeat = pakv_first_repeated_slot(pairs, n, &first);
   return repeat >= 0 ? pakv_fail_repeated_slot(err, repeat, pakv_vector_at(sm, repeat), first) : 0;
 }
 
@@ -144,7 +125,7 @@ int pakv_validate_scatter(const pakv_tensor t[PAKV_SCATTER_RECORDS], int nz, pak
   if (needed < 0 || scratch_len < needed || (needed > 0 && !scratch))
     return pakv_fail(err, "key has %lld rows: no memory for the plan's 2 x %lld check entries", (long long)T,
                      (long long)T);
-  if (check_slots(sm, T, capacity, (slot_entry*)scratch, err)) return -1;
+  if (check_slots(sm, T, capacity, (pakv_slot_pair*)scratch, err)) return -1;
   if (pakv_validate_scatter_outputs(t, err)) return -1;
 
   memset(plan, 0, sizeof(*plan));
