@@ -136,3 +136,32 @@ def runnable_backend_list(text: str) -> list[str]:
     if not names:
         raise argparse.ArgumentTypeError(f"want comma-separated backend names, got {text!r}")
     return [runnable_backend(name) for name in names]
+
+
+def add_precision_option(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--precision fp32|fp16|bf16`` (:data:`pakv_onnx.providers.PRECISIONS`; default fp32). ``what``:
+    what the precision applies to, for the help line."""
+    from pakv_onnx import providers  # light: no torch
+
+    notes = "; ".join(f"{p.name}: {p.note}" for p in providers.PRECISIONS.values())
+    parser.add_argument(
+        "--precision",
+        choices=tuple(providers.PRECISIONS),
+        default=providers.DEFAULT_PRECISION,
+        help=f"element types of {what} (default {providers.DEFAULT_PRECISION}). {notes}",
+    )
+
+
+def add_execution_provider_option(parser: argparse.ArgumentParser) -> None:
+    """``--execution-provider cpu|cuda`` (:data:`pakv_onnx.providers.EXECUTION_PROVIDERS`; default cpu)."""
+    from pakv_onnx import providers
+
+    parser.add_argument(
+        "--execution-provider",
+        choices=providers.EXECUTION_PROVIDERS,
+        default=providers.CPU,
+        help="where og.Engine runs the folder, the one thing genai_config.json changes (model.onnx is the same): "
+        "cpu (this library as custom_ops_library runs com.microsoft::PagedAttention) or cuda (ORT's CUDA "
+        "provider and its own kernel of the op; --precision fp16 or bf16, and the other limits of ORT's kernel "
+        "in docs/decoders.md, checked before anything is written). Default cpu",
+    )

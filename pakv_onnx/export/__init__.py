@@ -28,6 +28,7 @@ import importlib
 from pakv_onnx.export.builder import (
     DEFAULT_OPSET,
     attention_node,
+    cap_ir_version,
     gather_node,
     make_attention_model_for,
     make_gather_model,
@@ -85,6 +86,7 @@ __all__ = [
     "PAKV_OPSET",
     "attach_fallback",
     "attention_node",
+    "cap_ir_version",
     "export",
     "export_legacy",
     "gather_node",

@@ -36,6 +36,7 @@ from pakv_onnx.spec import CacheMode
 __all__ = [
     "DEFAULT_OPSET",
     "attention_node",
+    "cap_ir_version",
     "gather_node",
     "make_attention_model_for",
     "make_gather_model",
@@ -56,6 +57,15 @@ _KEY_CACHE, _VALUE_CACHE, _BLOCK_TABLES, _SEQ_LENS, _SEQ_OFFSET = spec.INPUT_NAM
 _CACHE_INPUTS = (_KEY_CACHE, _VALUE_CACHE)
 _INT32_INDICES = (torch.int32,) * len(spec.INPUT_NAMES[2:])
 _OP_NAME = f"{spec.DOMAIN}::{spec.OP_TYPE}"
+
+
+def cap_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` (in place, and returned) stating IR version at most :data:`pakv_onnx.spec.MAX_IR_VERSION`,
+    whatever onnx made it: every ``make_model`` / export / save of the package goes through here, so the
+    oldest supported ONNX Runtime reads what it writes."""
+    if not model.ir_version or model.ir_version > spec.MAX_IR_VERSION:
+        model.ir_version = spec.MAX_IR_VERSION
+    return model
 
 
 def _symbolic_shapes(mode: CacheMode, is_seq_lens_cumsum: bool) -> dict[str, list[str]]:
@@ -197,8 +207,10 @@ def make_gather_model(
     output_types = [i.type.tensor_type.elem_type for i in inputs[: len(spec.OUTPUT_NAMES)]]  # key <- key_cache
     outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.OUTPUT_NAMES, output_types)]
     graph = h.make_graph([node], "gather_pa_kv_cache", inputs, outputs)
-    model = h.make_model(
-        graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)]
+    model = cap_ir_version(
+        h.make_model(
+            graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)]
+        )
     )
     if strict:
         _infer_outputs(model)
@@ -314,7 +326,7 @@ def make_scatter_model_for(
         h.make_graph(nodes, "scatter_pa_kv_cache", inputs, outputs),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
     )
-    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    cap_ir_version(model)
     if fallback:
         from pakv_onnx.export.fallback import attach_fallback
 
@@ -368,7 +380,7 @@ def make_attention_model_for(
         h.make_graph([attention_node(*names, scale=scale, name="attention")], "paged_attention", inputs, [output]),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
     )
-    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    cap_ir_version(model)
     if fallback:
         from pakv_onnx.export.fallback import attach_fallback
 
