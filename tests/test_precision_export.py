@@ -24,7 +24,7 @@ import torch
 from pakv_onnx import cli, providers
 from pakv_onnx.models.hf import Workload, build_model, genai, generate, generate_reference, make_config, save_sample_folder
 from pakv_onnx.models.hf.cache import PagedKVCache
-from pakv_onnx.models.hf.check import make_runner_session
+from pakv_onnx.models.hf.check import NEAR_TIE, PRECISION_LOGIT_ATOL, make_runner_session
 from pakv_onnx.models.hf.configs import CacheGeometry
 from pakv_onnx.spec import ONNX_TYPE_OF
 
@@ -34,11 +34,6 @@ WORKLOAD = Workload(
     prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4], [77, 78, 79, 80, 81]],
     budgets=[12, 12, 12, 12],
 )
-# Teacher-forced logits of these tiny random models (|logit| up to ~1) against float32 transformers: a
-# bound on the difference, per precision (measured 2026-12-04: fp16 <= 0.001, bf16 <= 0.004).
-LOGIT_TOLERANCE = {"fp16": 0.005, "bf16": 0.02}
-# A flip of the argmax is a near tie when the reference's top-2 gap is within this.
-NEAR_TIE = 0.005
 
 
 def onnxruntime_genai():
@@ -245,7 +240,7 @@ def test_og_engine_serves_the_folder_on_the_cpu(folders, arch, precision):
     print(f"{arch} {precision}: max |logit - fp32| {worst:.4f}; og.Engine tokens "
           f"{'identical' if got == want.tokens else 'differ'}; flips (sequence, position, top-2 gap): "
           f"{[(f.sequence, f.position, round(f.top2_gap, 4)) for f in flipped]}")  # fmt: skip
-    assert worst <= LOGIT_TOLERANCE[precision]
+    assert worst <= PRECISION_LOGIT_ATOL[precision]
     assert all(f.top2_gap <= NEAR_TIE for f in flipped)
     for i, (mine, ref) in enumerate(zip(got, want.tokens)):
         agree = first_flip.get(i, len(ref))  # at a flip og.Engine's run may go either way, then it differs
