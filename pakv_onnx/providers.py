@@ -94,8 +94,8 @@ class CudaLimit:
 CUDA_LIMITS: tuple[CudaLimit, ...] = (
     CudaLimit("--precision", "fp16 or bf16 (T float16 / bfloat16; no float32 kernel)", "paged_attention.cc kernel registrations",
               lambda t: t.precision, lambda v, t: v in (FP16, BF16)),
-    CudaLimit("--attention", "ort (the pakv ops have no CUDA kernel in ORT; the library's CUDA entries cover the "
-              "gather and the write only)", "ORT's contrib ops", lambda t: t.attention, lambda v, t: v == ORT_FORM),
+    CudaLimit("--attention", "ort (ORT has no kernel for the pakv ops; they run on the CPU with this library)",
+              "ORT's contrib ops", lambda t: t.attention, lambda v, t: v == ORT_FORM),
     CudaLimit("--block-size", "a power of two >= 16", "paged_attention_helper.h CheckKVCache",
               lambda t: t.block_size, lambda v, t: _power_of_two_16(v)),
     CudaLimit("--kv-cache", "int8 or fp8 (float8e4m3fn, in builds with USE_FP8_KV_CACHE: 1.31.1's wheel has it)",

@@ -6,7 +6,9 @@ The folder holds ``model.onnx`` (the paged step of :mod:`~pakv_onnx.models.hf.st
 and the read of every layer inside the graph; ``model.onnx.data`` beside it when the weights are
 large), ``genai_config.json`` (``engine.dynamic_batching``, the ``paged_kv`` state group, and
 ``session_options.custom_ops_library`` naming the plugin), the plugin library copied next to it,
-and the tokenizer files of the source folder when it has them. Nothing here imports
+and the tokenizer files of the source folder when it has them. For ``execution_provider="cuda"`` the
+session options name ORT's CUDA provider instead and no library is copied: the same model.onnx runs
+with ORT's own CUDA kernel of com.microsoft::PagedAttention (:mod:`pakv_onnx.providers`). Nothing here imports
 onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
 
 What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
