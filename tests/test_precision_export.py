@@ -16,10 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import onnx
 import pytest
-import torch
+
+from og_engine import engine_tokens
 
 from pakv_onnx import cli, providers
 from pakv_onnx.models.hf import Workload, build_model, genai, generate, generate_reference, make_config, save_sample_folder
@@ -34,12 +34,6 @@ WORKLOAD = Workload(
     prompts=[[5, 6, 7, 8, 9, 10, 11], [1, 2, 3], [200, 17, 45, 3, 3, 9, 12, 90, 91, 92, 4], [77, 78, 79, 80, 81]],
     budgets=[12, 12, 12, 12],
 )
-
-
-def onnxruntime_genai():
-    from test_genai_export import onnxruntime_genai as og
-
-    return og()
 
 
 # ------------------------------------------------------------------------------------------------ refusals
@@ -175,28 +169,7 @@ def test_kv_cache_int8_with_fp16_runs_on_both_providers(tmp_path, folders):
     assert next(i for i in model.graph.input if i.name == "past_key_values.0.key").type.tensor_type.elem_type == (
         onnx.TensorProto.INT8
     )
-    assert engine_tokens(cpu) == reference("llama").tokens  # og.Engine on the CPU with the plugin
-
-
-def engine_tokens(folder: Path) -> list[list[int]]:
-    """og.Engine (CPU, the folder's plugin) greedy tokens of :data:`WORKLOAD`, all requests together."""
-    og = onnxruntime_genai()
-    engine = og.Engine(og.Model(og.Config(str(folder))))
-    requests = []
-    for prompt, budget in zip(WORKLOAD.prompts, WORKLOAD.budgets):
-        request = engine.create_request()
-        options = og.TurnOptions(request)
-        options.set_do_sample(False)
-        options.set_max_generated_tokens(budget)
-        options.set_min_generated_tokens(budget)
-        request.begin_turn(np.array(prompt, dtype=np.int32), options)
-        requests.append(request)
-    got: list[list[int]] = [[] for _ in requests]
-    events = engine.create_event_buffer(64)
-    while engine.has_pending_requests():
-        for event in engine.run(events):
-            got[next(i for i, r in enumerate(requests) if r == event.request)].append(int(event.token))
-    return got
+    assert engine_tokens(cpu, WORKLOAD) == reference("llama").tokens  # og.Engine on the CPU with the plugin
 
 
 _REFERENCES: dict[str, generate.Generation] = {}
@@ -232,7 +205,7 @@ def test_og_engine_serves_the_folder_on_the_cpu(folders, arch, precision):
     precision's tolerance, og.Engine's tokens equal up to the first teacher-forced flip of each request, and
     every flip at a near tie (printed with its top-2 gap)."""
     want = reference(arch)
-    got = engine_tokens(folders[arch, precision])
+    got = engine_tokens(folders[arch, precision], WORKLOAD)
     worst, flipped = generate.flips(forced(folders[arch, precision], want.tokens), want)
     first_flip = {}
     for flip in flipped:
