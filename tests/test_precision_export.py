@@ -220,3 +220,28 @@ def test_og_engine_serves_the_folder_on_the_cpu(folders, arch, precision):
         assert mine[:agree] == ref[:agree], (i, mine, ref)
     if precision == "fp16":
         assert not flipped and got == want.tokens
+
+
+# ------------------------------------------------------------------------------------------------ generate
+def test_generate_passes_a_half_precision_run_only_with_flips_at_near_ties():
+    from pakv_onnx.models.hf.check import RunnerResult
+    from pakv_onnx.models.hf.generate import Flip
+
+    near, far = Flip(0, 3, NEAR_TIE / 2, 0.001), Flip(1, 2, NEAR_TIE * 4, 0.003)
+    same = dict(tokens_match=True, max_logit_err=0.001, ms_per_token=1.0)
+    assert RunnerResult("r", **same, precision="fp16").passed
+    assert not RunnerResult("r", **same, precision="fp32").passed  # 0.001 is past fp32's bound
+    parted = dict(tokens_match=False, max_logit_err=0.001, ms_per_token=1.0, precision="bf16")
+    assert RunnerResult("r", **parted, flips=(near,), agree_to_flips=True).passed
+    assert not RunnerResult("r", **parted, flips=(near, far), agree_to_flips=True).passed  # a real difference
+    assert not RunnerResult("r", **parted, flips=(near,), agree_to_flips=False).passed  # parted before the flip
+    assert not RunnerResult("r", **{**parted, "max_logit_err": PRECISION_LOGIT_ATOL["bf16"] * 2}, flips=()).passed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("arch", "precision"), [("deepseek", "fp16"), ("qwen3", "bf16")])
+def test_generate_checks_the_step_in_half_precision(arch, precision, capsys):
+    code = cli.main(["generate", "--arch", arch, "--precision", precision, "--batch", "3", "--new-tokens", "8", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0, out
+    assert out["runners"]["plugin:native"]["max_logit_err"] <= PRECISION_LOGIT_ATOL[precision]
