@@ -11,6 +11,7 @@ gap printed). The GPU half (the cuda folder under og.Engine on ORT's CUDA kernel
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -77,8 +78,6 @@ def test_every_cuda_limit_refuses_its_bad_value_by_name():
         "rotary offset 4": dict(rotary_offset=4),
         "num_heads 2048": dict(num_heads=2048),
     }
-    import dataclasses
-
     for shown, change in bad.items():
         message = providers.cuda_refusal(dataclasses.replace(good, **change))
         assert message is not None and f"cannot run {shown}:" in message, (shown, message)
