@@ -102,7 +102,8 @@ def test_cuda_genai_config_names_orts_provider_and_no_library():
                               execution_provider="cuda", intra_op_threads=1)  # fmt: skip
     cpu = genai.genai_config(make_config("llama"), block_size=16, num_blocks=8, max_batch_size=2, intra_op_threads=1)
     options = cuda["model"]["decoder"].pop("session_options")
-    assert options == {"log_id": "onnxruntime-genai", "provider_options": [{"cuda": {}}], "intra_op_num_threads": 1}
+    assert options == {"log_id": "onnxruntime-genai", "provider_options": [genai.CUDA_PROVIDER_OPTIONS],
+                       "intra_op_num_threads": 1}
     assert cpu["model"]["decoder"].pop("session_options")["custom_ops_library"] == "libpakv_ort.so"
     assert cuda == cpu  # nothing else differs
 
@@ -145,7 +146,7 @@ def test_one_model_onnx_for_both_providers(tmp_path, folders, arch, precision):
     configs = [json.loads((f / "genai_config.json").read_text()) for f in (cpu, cuda)]
     options = [c["model"]["decoder"].pop("session_options") for c in configs]
     assert configs[0] == configs[1]
-    assert options[1]["provider_options"] == [{"cuda": {}}] and "custom_ops_library" not in options[1]
+    assert options[1]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}] and "custom_ops_library" not in options[1]
     model = onnx.load(str(cuda / "model.onnx"))
     t = onnx.TensorProto.FLOAT16 if precision == "fp16" else onnx.TensorProto.BFLOAT16
     pools = [i for i in model.graph.input if i.name.startswith("past_key_values.")]

@@ -53,6 +53,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# genai_config's provider_options entry for ORT's CUDA provider: what ORT GenAI's own builder writes for a
+# paged model (onnxruntime-genai 0.18, `-e cuda --extra_options use_paged_attention=true`).
+CUDA_PROVIDER_OPTIONS = {"cuda": {"enable_cuda_graph": "0"}}
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
 
@@ -156,7 +159,7 @@ def session_options(execution_provider: str, intra_op_threads: int | None = None
     if execution_provider == providers.CPU:
         options: dict = {"log_id": "onnxruntime-genai", "provider_options": [], "custom_ops_library": LIBRARY_NAME}
     elif execution_provider == providers.CUDA:
-        options = {"log_id": "onnxruntime-genai", "provider_options": [{"cuda": {}}]}
+        options = {"log_id": "onnxruntime-genai", "provider_options": [CUDA_PROVIDER_OPTIONS]}
     else:
         raise UnsupportedModelError(
             f"--execution-provider {execution_provider!r} is unknown (choices: {', '.join(providers.EXECUTION_PROVIDERS)})"
