@@ -234,6 +234,11 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
   return pakv_has_elements(t) ? pakv_require_host(t, name, err) : 0;
 }
 
+int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err) {
+  if (strncmp(t->device, "meta", PAKV_DEVICE_LEN) != 0) return 0;
+  return pakv_fail(err, "%s is on the meta device (shape only, no data): pass a tensor on the caches' device", name);
+}
+
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
   if (t->host_data) return 0;
   return pakv_fail(err, "%s: its data is not readable on the host (the validator reads it there; it is on %.24s)",

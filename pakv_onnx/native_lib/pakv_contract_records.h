@@ -85,6 +85,8 @@ int pakv_check_block_size(const pakv_cache_geometry* k, pakv_err* err);
 int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
 /* The record's data readable on the host (host_data set). */
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
+/* A record on torch's meta device (no data) refused by name. */
+int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err);
 /* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a
  * context of lengths[b] positions: columns up to ceil(length / bs), from the one of the first position
  * its first new token sees: 0, or with a window >= 0 (pakv_attention_plan's) past - window), each in

@@ -20,6 +20,7 @@ typedef struct {
   int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
   int query_dtype;      /* com.microsoft::PagedAttention: T (index into PAKV_CACHE_DTYPES); key_dtype is T_CACHE */
   int alias;            /* the write op declares its caches aliased to its outputs (opted in: pakv_ort_register.c) */
+  int node_info;        /* the runtime shows a kernel its node's outputs and constant inputs (API >= 15) */
 } pakv_op;
 
 /* Inputs and outputs of each op kind (PAKV_OP_GATHER, PAKV_OP_SCATTER, PAKV_OP_ATTENTION). */
@@ -55,9 +56,12 @@ OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, 
 OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx);
 void pakv_ort_kernel_destroy(void* kernel);
 
-/* On the alias route (the op declares its caches aliased to its outputs), refuse at session creation a
- * cache input (inputs first_cache, first_cache + 1) that is an initializer, naming `op`'s node and it. */
+/* Where a kernel writes its pools in place (the alias route: the op declares its caches aliased to its
+ * outputs; a com.microsoft::PagedAttention node without cache outputs), refuse at session creation a
+ * cache input (inputs first_cache, first_cache + 1) that is an initializer, naming `op`'s node and it,
+ * `why` the pools are written in place and the `remedy` besides feeding the pool as a graph input. */
+#define PAKV_ORT_ALIAS_ROUTE "these SessionOptions opted into the alias route (pakv_onnx.alias_caches = 1)"
 OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
-                                          size_t first_cache);
+                                          size_t first_cache, const char* why, const char* remedy);
 
 #endif /* PAKV_ORT_H */
