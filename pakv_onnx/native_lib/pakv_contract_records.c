@@ -236,7 +236,7 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
 
 int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err) {
   if (strncmp(t->device, "meta", PAKV_DEVICE_LEN) != 0) return 0;
-  return pakv_fail(err, "%s is on the meta device (shape only, no data): pass a tensor on the caches' device", name);
+  return pakv_fail(err, "%s is on the meta device (a shape with no data to read or write)", name);
 }
 
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
