@@ -266,6 +266,41 @@ class FakeRuntime:
                     size[0] = 0
                 return status
 
+        def node_outputs(info):  # the node's output names ("" for an absent optional one)
+            return self._get(info).get("(outputs)", ("output", "key_cache_out", "value_cache_out"))
+
+        def copy_name(text: bytes, out, size):
+            if out:
+                if size[0] < len(text):
+                    size[0] = len(text)
+                    return self._status("buffer too small", 1)
+                ctypes.memmove(out, text, len(text))
+            size[0] = len(text)
+            return None
+
+        @slot("KernelInfo_GetOutputCount", _V, _V, P(S))
+        def info_output_count(info, out):
+            out[0] = len(node_outputs(info))
+            return None
+
+        @slot("KernelInfo_GetOutputName", _V, _V, S, _V, P(S))
+        def info_output_name(info, index, out, size):
+            return copy_name(node_outputs(info)[index].encode() + b"\0", out, size)
+
+        @slot("KernelInfo_GetInputName", _V, _V, S, _V, P(S))
+        def info_input_name(info, index, out, size):
+            return copy_name(f"input_{index}".encode() + b"\0", out, size)
+
+        @slot("KernelInfo_GetNodeName", _V, _V, _V, P(S))
+        def info_node_name(info, out, size):
+            return copy_name(b"node\0", out, size)
+
+        @slot("KernelInfoGetConstantInput_tensor", _V, _V, S, P(ctypes.c_int), P(_V))
+        def constant_input(info, index, is_constant, out):  # "(constants)": the input indices that are initializers
+            is_constant[0] = int(index in self._get(info).get("(constants)", ()))
+            out[0] = None
+            return None
+
         @slot("KernelContext_GetInputCount", _V, _V, P(S))
         def input_count(ctx, out):
             out[0] = len(self._get(ctx)["inputs"])
@@ -273,7 +308,7 @@ class FakeRuntime:
 
         @slot("KernelContext_GetOutputCount", _V, _V, P(S))
         def output_count(ctx, out):
-            out[0] = 2
+            out[0] = len(self._get(ctx)["outputs"])
             return None
 
         @slot("KernelContext_GetInput", _V, _V, S, P(_V))
@@ -395,7 +430,7 @@ class FakeRuntime:
             raise FakeOrtError(self.message(status))
         return kernel.value
 
-    def compute(self, op_address: int, kernel: int, inputs, out_device=(DEVICE_CPU, 0)):
+    def compute(self, op_address: int, kernel: int, inputs, out_device=(DEVICE_CPU, 0), output_count: int = 2):
         """Run the kernel on ``inputs`` (FakeTensor or None per input, trailing ones may be left out).
         Returns ``[(FakeTensor, buffer), ...]`` for the outputs ORT allocated (``None`` where none was),
         or raises :class:`FakeOrtError` with the kernel's message."""
@@ -403,9 +438,9 @@ class FakeRuntime:
         call = {
             "inputs": list(inputs),
             "handles": {},
-            "outputs": [None, None],
+            "outputs": [None] * output_count,
             "out_device": out_device,
-            "output_types": [op.GetOutputType(op_address, 0), op.GetOutputType(op_address, 1)],
+            "output_types": [op.GetOutputType(op_address, i) for i in range(output_count)],
         }
         ctx = self._handle(call)
         status = op.KernelComputeV2(kernel, ctx)

@@ -20,8 +20,6 @@
 #define PAKV_ORT_API_ALIAS_MAP 18
 /* KernelContext_ParallelFor (ORT's intra-op pool) exists from API 17 (ORT 1.17) on. */
 #define PAKV_ORT_API_PARALLEL_FOR 17
-/* KernelInfo's output count and names, node name, constant inputs (API 14 / 15). */
-#define PAKV_ORT_API_NODE_INFO 15
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtApi OrtApi;

@@ -20,7 +20,6 @@ typedef struct {
   int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
   int query_dtype;      /* com.microsoft::PagedAttention: T (index into PAKV_CACHE_DTYPES); key_dtype is T_CACHE */
   int alias;            /* the write op declares its caches aliased to its outputs (opted in: pakv_ort_register.c) */
-  int node_info;        /* the runtime shows a kernel its node's outputs and constant inputs (API >= 15) */
 } pakv_op;
 
 /* Inputs and outputs of each op kind (PAKV_OP_GATHER, PAKV_OP_SCATTER, PAKV_OP_ATTENTION). */

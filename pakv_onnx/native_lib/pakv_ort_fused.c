@@ -114,7 +114,7 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
   if (((const pakv_op*)op)->alias)
     st = pakv_ort_refuse_constant_pools(api, info, "PagedAttention", PAKV_FUSED_KEY_CACHE, PAKV_ORT_ALIAS_ROUTE,
                                         "leave the alias route off");
-  if (!st && ((const pakv_op*)op)->node_info) st = check_node_outputs(api, info, &a);
+  if (!st) st = check_node_outputs(api, info, &a);
   if (st) return st;
   fused_kernel* k = (fused_kernel*)calloc(1, sizeof(fused_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
@@ -177,10 +177,7 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     const pakv_tensor* cache = &t[PAKV_FUSED_KEY_CACHE + i - 1];
     if (cache->present) rc = output_of(api, ctx, count, i, cache->elem_type, cache->dims, 4, &t[PAKV_FUSED_OUTPUT + i], err);
   }
-  if (!rc && plan.latent && count > 2) { /* a runtime that showed the kernel no node: asked here, refused below */
-    static const int64_t none[1] = {0};
-    rc = output_of(api, ctx, count, 2, plan.cache_type, none, 1, &t[PAKV_FUSED_VALUE_CACHE_OUT], err);
-  }
+
   if (!rc && !t[PAKV_FUSED_OUTPUT].present) rc = pakv_fail(err, "ORT gave no buffer for output 0 (output)");
   if (!rc) rc = pakv_validate_fused_outputs(t, &plan, err);
   void* caches[2] = {NULL, NULL};
