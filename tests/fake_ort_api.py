@@ -220,6 +220,15 @@ class FakeRuntime:
             size[0] = len(text)
             return None
 
+        def copy_string(text: bytes, out, size):  # ORT's rule: the size asked for first (out NULL), then the text
+            if out:
+                if size[0] < len(text):
+                    size[0] = len(text)
+                    return self._status("buffer too small", 1)
+                ctypes.memmove(out, text, len(text))
+            size[0] = len(text)
+            return None
+
         def attribute(info, name, kinds):
             attrs = self._get(info)
             key = name.decode()
@@ -246,16 +255,7 @@ class FakeRuntime:
         @slot("KernelInfoGetAttribute_string", _V, _V, C, _V, P(S))
         def attr_string(info, name, out, size):
             value, status = attribute(info, name, str)
-            if status is not None:
-                return status
-            text = value.encode() + b"\0"
-            if out:
-                if size[0] < len(text):
-                    size[0] = len(text)
-                    return self._status("buffer too small", 1)
-                ctypes.memmove(out, text, len(text))
-            size[0] = len(text)
-            return None
+            return status if status is not None else copy_string(value.encode() + b"\0", out, size)
 
         for array in ("KernelInfoGetAttributeArray_float", "KernelInfoGetAttributeArray_int64"):
 
@@ -269,15 +269,6 @@ class FakeRuntime:
         def node_outputs(info):  # the node's output names ("" for an absent optional one)
             return self._get(info).get("(outputs)", ("output", "key_cache_out", "value_cache_out"))
 
-        def copy_name(text: bytes, out, size):
-            if out:
-                if size[0] < len(text):
-                    size[0] = len(text)
-                    return self._status("buffer too small", 1)
-                ctypes.memmove(out, text, len(text))
-            size[0] = len(text)
-            return None
-
         @slot("KernelInfo_GetOutputCount", _V, _V, P(S))
         def info_output_count(info, out):
             out[0] = len(node_outputs(info))
@@ -285,15 +276,15 @@ class FakeRuntime:
 
         @slot("KernelInfo_GetOutputName", _V, _V, S, _V, P(S))
         def info_output_name(info, index, out, size):
-            return copy_name(node_outputs(info)[index].encode() + b"\0", out, size)
+            return copy_string(node_outputs(info)[index].encode() + b"\0", out, size)
 
         @slot("KernelInfo_GetInputName", _V, _V, S, _V, P(S))
         def info_input_name(info, index, out, size):
-            return copy_name(f"input_{index}".encode() + b"\0", out, size)
+            return copy_string(f"input_{index}".encode() + b"\0", out, size)
 
         @slot("KernelInfo_GetNodeName", _V, _V, _V, P(S))
         def info_node_name(info, out, size):
-            return copy_name(b"node\0", out, size)
+            return copy_string(b"node\0", out, size)
 
         @slot("KernelInfoGetConstantInput_tensor", _V, _V, S, P(ctypes.c_int), P(_V))
         def constant_input(info, index, is_constant, out):  # "(constants)": the input indices that are initializers
@@ -308,7 +299,7 @@ class FakeRuntime:
 
         @slot("KernelContext_GetOutputCount", _V, _V, P(S))
         def output_count(ctx, out):
-            out[0] = len(self._get(ctx)["outputs"])
+            out[0] = 2
             return None
 
         @slot("KernelContext_GetInput", _V, _V, S, P(_V))
@@ -430,7 +421,7 @@ class FakeRuntime:
             raise FakeOrtError(self.message(status))
         return kernel.value
 
-    def compute(self, op_address: int, kernel: int, inputs, out_device=(DEVICE_CPU, 0), output_count: int = 2):
+    def compute(self, op_address: int, kernel: int, inputs, out_device=(DEVICE_CPU, 0)):
         """Run the kernel on ``inputs`` (FakeTensor or None per input, trailing ones may be left out).
         Returns ``[(FakeTensor, buffer), ...]`` for the outputs ORT allocated (``None`` where none was),
         or raises :class:`FakeOrtError` with the kernel's message."""
@@ -438,9 +429,9 @@ class FakeRuntime:
         call = {
             "inputs": list(inputs),
             "handles": {},
-            "outputs": [None] * output_count,
+            "outputs": [None, None],
             "out_device": out_device,
-            "output_types": [op.GetOutputType(op_address, i) for i in range(output_count)],
+            "output_types": [op.GetOutputType(op_address, 0), op.GetOutputType(op_address, 1)],
         }
         ctx = self._handle(call)
         status = op.KernelComputeV2(kernel, ctx)

@@ -14,7 +14,6 @@ slow set (and inside ORT under ASan + UBSan: tests/native/ort_attention_session.
 from __future__ import annotations
 
 import re
-import threading
 import time
 from collections.abc import Callable
 
@@ -165,18 +164,24 @@ ops = runtime.register(native_lib.load())
 op = next(a for a in ops if runtime.op(a).GetName(a) == b"PagedAttention"
           and runtime.op(a).GetInputType(a, 0) == 1 and runtime.op(a).GetInputType(a, 3) == 1)
 attributes = {"num_heads": 1, "kv_num_heads": 1, "kv_cache_layout": "LATENT", "v_head_size": 4, "scale": 0.5}
-for outputs in (("output", "key_cache_out", ""), ("output", "key_cache_out", "value_cache_out")):
+nodes = (
+    {**attributes, "(outputs)": ("output", "key_cache_out", "")},
+    {**attributes, "(outputs)": ("output", "key_cache_out", "value_cache_out")},
+    {**attributes, "(outputs)": ("output",), "(constants)": (3,)},  # in place, key_cache an initializer
+)
+for node in nodes:
     try:
-        runtime.destroy_kernel(op, runtime.create_kernel(op, {**attributes, "(outputs)": outputs}))
-        print("CREATED", outputs)
+        runtime.destroy_kernel(op, runtime.create_kernel(op, node))
+        print("CREATED")
     except FakeOrtError as exc:
-        print("REFUSED", outputs, exc)
+        print("REFUSED", exc)
 """
 
 
 def test_the_kernel_reads_its_nodes_declared_outputs_at_creation() -> None:
     """Any host (here the fake runtime of tests/fake_ort_api.py): a LATENT node whose third output is
-    absent ("") is created; one that names it is refused by the rule, before any run."""
+    absent ("") is created; one that names it is refused by the rule, before any run; one without cache
+    outputs whose key_cache is a constant initializer is refused naming the node and the input."""
     from conftest import run_python
 
     result = run_python(_FAKE_LATENT)
@@ -184,28 +189,31 @@ def test_the_kernel_reads_its_nodes_declared_outputs_at_creation() -> None:
     lines = result.stdout.splitlines()
     assert lines[0].startswith("CREATED"), result.stdout
     assert lines[1].startswith("REFUSED") and "value_cache_out has no place" in lines[1], result.stdout
+    assert lines[2].startswith("REFUSED") and "node 'node': key_cache 'input_3' is an initializer" in lines[2]
 
 
 # --------------------------------------------------------------------------------------------- #
 # 3: the slots come from the table value the validator checked
 # --------------------------------------------------------------------------------------------- #
-BATCH, RACED_BLOCK, BLOCK_SIZE = 2048, 6, 16
+BATCH, BLOCKS, RACED_BLOCK = 1 << 20, 16, 6
 
 
 def _race_call() -> OrtCall:
-    """BATCH decode sequences of one token each at position 0; sequence 0 writes block RACED_BLOCK, the
-    others blocks BATCH + b. Blocks below BATCH other than RACED_BLOCK are never named; the long batch
-    puts BATCH table reads between the check of sequence 0's entry and its slot."""
-    table = torch.arange(BATCH, 2 * BATCH, dtype=torch.int64)[:, None].clone()
+    """One decode token (sequence 0, position 0, block RACED_BLOCK) in a batch of BATCH sequences, the
+    others idle: the validator's pass over the batch after it checked sequence 0's table entry and
+    before it derives its slot takes about a millisecond, a window another thread's change can fall in."""
+    table = torch.full((BATCH, 1), -1, dtype=torch.int64)  # idle sequences read no entry
     table[0, 0] = RACED_BLOCK
+    cu = torch.ones(BATCH + 1, dtype=torch.int64)
+    cu[0] = 0
     inputs = dict.fromkeys(ORT_ATTENTION.input_names)
     inputs.update(
-        query=torch.ones(BATCH, 16),
-        key=torch.ones(BATCH, 16),
-        value=torch.ones(BATCH, 16),
-        key_cache=torch.zeros(2 * BATCH, BLOCK_SIZE, 1, 16),
-        value_cache=torch.zeros(2 * BATCH, BLOCK_SIZE, 1, 16),
-        cumulative_sequence_length=torch.arange(BATCH + 1, dtype=torch.int64),
+        query=torch.ones(1, 16),
+        key=torch.ones(1, 16),
+        value=torch.ones(1, 16),
+        key_cache=torch.zeros(BLOCKS, 16, 1, 16),
+        value_cache=torch.zeros(BLOCKS, 16, 1, 16),
+        cumulative_sequence_length=cu,
         past_seqlens=torch.zeros(BATCH, dtype=torch.int64),
         block_table=table,
     )
@@ -213,39 +221,32 @@ def _race_call() -> OrtCall:
 
 
 def race_block_table(seconds: float) -> dict[str, int]:
-    """Another thread flips block_table[0, 0] between RACED_BLOCK and 2**62 (x block_size overflows
-    int64, and used to wrap to slot 0) while calls run; returns the counts. Fails on the first call that
-    wrote a block no table names."""
+    """Another thread (tests/table_flipper.py: native, without the GIL) flips block_table[0, 0] between
+    2**62 (x block_size overflows int64, and used to wrap to slot 0) and RACED_BLOCK while a node without
+    cache outputs runs in ORT (its pools written in place, every input bound in place); returns the
+    counts. Fails on the first run that wrote a block no table names."""
+    from table_flipper import Flipping
+
     call = _race_call()
-    entry, stop, counts = call.inputs["block_table"].numpy(), threading.Event(), {"ran": 0, "refused": 0}
-    key_cache, value_cache = call.inputs["key_cache"], call.inputs["value_cache"]
-    unnamed = torch.ones(2 * BATCH, dtype=torch.bool)
-    unnamed[BATCH:] = False
-    unnamed[RACED_BLOCK] = False
-
-    def flip() -> None:
-        while not stop.is_set():
-            entry[0, 0] = 2**62
-            entry[0, 0] = RACED_BLOCK
-
-    flipper = threading.Thread(target=flip, daemon=True)
-    flipper.start()
-    try:
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the refusals are counted, not logged
+    session = runtime_plugin.make_session(model_for(call, ("output",)), sess_options=options)
+    feeds = {k: v for k, v in call.inputs.items() if v is not None}
+    counts = {"ran": 0, "refused": 0}
+    with Flipping(call.inputs["block_table"].data_ptr(), 2**62, RACED_BLOCK):
         end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
-                _api(call, "native")
+                runtime_plugin.run(session, feeds, ["output"])
                 counts["ran"] += 1
-            except ValueError as exc:  # the value read was 2**62: refused by name
+            except ORT_ERRORS as exc:  # the value read was 2**62: refused by name
                 # by the validator naming the entry, or by the attention core re-reading it
-                assert re.search(r"block_table\[0, 0\] = 4611686018427387904|block_tables changed after validation", str(exc)), str(exc)
+                assert re.search(r"block_table\[0, 0\] = 4611686018427387904|block_tables changed (after validation|while the attention ran)", str(exc)), str(exc)
                 counts["refused"] += 1
-            for cache in (key_cache, value_cache):
-                written = cache[unnamed].reshape(int(unnamed.sum()), -1).any(dim=1)
+            for cache in (call.inputs["key_cache"], call.inputs["value_cache"]):
+                written = cache.reshape(BLOCKS, -1).any(dim=1)
+                written[RACED_BLOCK] = False
                 assert not bool(written.any()), f"blocks {written.nonzero().flatten().tolist()} written: no table names them"
-    finally:
-        stop.set()
-        flipper.join()
     return counts
 
 
