@@ -35,6 +35,7 @@ __all__ = [
     "LibraryNotBuiltError",
     "alias_hazards",
     "bind",
+    "node_refusals",
     "library_path",
     "make_session",
     "register",
@@ -138,6 +139,11 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     ORT >= 1.18) when :func:`alias_hazards` finds nothing in ``model``; otherwise ONNX's semantics (the
     host's bound outputs, or a copy of each pool). Given options already registered with the alias
     route, a model it is not safe for is a ``ValueError`` naming the node and the pool.
+
+    Refused too (``ValueError`` naming the node; :func:`node_refusals`): a com.microsoft::PagedAttention
+    attribute the schema does not declare, and an initializer pool of a node that writes it in place (no
+    cache outputs). The session returned refuses, naming the input, a numpy feed with ``writeable=False``
+    for a pool it writes in place (docs/reliability.md).
 
     Args:
         model: an ``onnx.ModelProto``, serialized model bytes, or a path.
