@@ -219,9 +219,8 @@ static void fill_attention(const pakv_tensor* t, const pakv_fused_attributes* a,
 static int token_strides_fit(const pakv_tensor* t, pakv_err* err) {
   int64_t bytes;
   for (int i = PAKV_FUSED_QUERY; i <= PAKV_FUSED_VALUE; i++)
-    if (t[i].present && pakv_mul(t[i].strides[0], pakv_element_size(t[i].elem_type), &bytes))
-      return pakv_fail(err, "%s: a token stride of %lld elements overflows int64 byte offsets", PAKV_FUSED_NAMES[i],
-                       (long long)t[i].strides[0]);
+    if (t[i].present && pakv_token_stride(&t[i], PAKV_FUSED_NAMES[i], pakv_element_size(t[i].elem_type), &bytes, err))
+      return -1;
   return 0;
 }
 

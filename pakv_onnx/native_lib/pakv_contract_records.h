@@ -122,6 +122,8 @@ int pakv_outputs_apart(const pakv_tensor* t, const char* const* names, int input
 /* A rank-3 [T, H, D] record whose tokens are each row-major (any token stride >= 0: a slice of a
  * fused QKV projection is fine); the token stride in bytes. */
 int pakv_token_layout(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
+/* Dim 0's stride of `t` in bytes (its token stride), or an error naming it when that overflows int64. */
+int pakv_token_stride(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
 
 /* 0, or the error's kind (PAKV_ERR_VALUE / PAKV_ERR_TYPE) with its message copied to err_out. */
 int pakv_report(int rc, const pakv_err* err, char* err_out, size_t err_len);
