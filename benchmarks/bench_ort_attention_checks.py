@@ -85,7 +85,12 @@ def session_for(library: str, inputs: dict[str, torch.Tensor | None]):
         t = inputs[name]
         binding.bind_output(name + "_out", "cpu", 0, np.float32, list(t.shape), t.data_ptr())
     session.run_with_iobinding(binding)
-    return lambda: session.run_with_iobinding(binding)
+
+    def run() -> None:  # holds ``out``: ORT keeps only its address
+        session.run_with_iobinding(binding)
+        assert out.data_ptr()
+
+    return run
 
 
 def validator_for(library: str, call_address: int):
