@@ -177,7 +177,6 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     const pakv_tensor* cache = &t[PAKV_FUSED_KEY_CACHE + i - 1];
     if (cache->present) rc = output_of(api, ctx, count, i, cache->elem_type, cache->dims, 4, &t[PAKV_FUSED_OUTPUT + i], err);
   }
-
   if (!rc && !t[PAKV_FUSED_OUTPUT].present) rc = pakv_fail(err, "ORT gave no buffer for output 0 (output)");
   if (!rc) rc = pakv_validate_fused_outputs(t, &plan, err);
   void* caches[2] = {NULL, NULL};
