@@ -57,6 +57,14 @@ def copy_paths_used(before: dict[str, int]) -> dict[str, int]:
     return {path: after[path] - before[path] for path in after if after[path] != before[path]}
 
 
+def tally(results: dict, case, exact: bool) -> None:
+    """One matrix case counted (a differing one named by its summary)."""
+    results["cases"] += 1
+    results["exact"] += int(exact)
+    if not exact:
+        results["failures"].append(case.summary())
+
+
 def run_gather_matrix(target, quick: bool) -> dict:
     from pakv_onnx import native_lib, runtime_plugin
     from pakv_onnx.export import make_gather_model_for
@@ -77,11 +85,7 @@ def run_gather_matrix(target, quick: bool) -> dict:
         target.check_placement(session)
         runtime_plugin.run(session, target.feeds(case), out=outs)
         target.sync()
-        exact = bitwise_equal(outs["key"].cpu(), golden[0]) and bitwise_equal(outs["value"].cpu(), golden[1])
-        results["cases"] += 1
-        results["exact"] += int(exact)
-        if not exact:
-            results["failures"].append(case.summary())
+        tally(results, case, bitwise_equal(outs["key"].cpu(), golden[0]) and bitwise_equal(outs["value"].cpu(), golden[1]))
     results["copy_paths"] = copy_paths_used(before)
     return results
 
@@ -108,11 +112,8 @@ def run_scatter_matrix(target) -> dict:
         feeds = {"key": key.to(target.device), "value": value.to(target.device), **caches, "slot_mapping": slots}
         runtime_plugin.run(session, feeds, out={"key_cache_out": caches["key_cache"], "value_cache_out": caches["value_cache"]})
         target.sync()
-        exact = bitwise_equal(caches["key_cache"].cpu(), golden[0]) and bitwise_equal(caches["value_cache"].cpu(), golden[1])
-        results["cases"] += 1
-        results["exact"] += int(exact)
-        if not exact:
-            results["failures"].append(case.summary())
+        tally(results, case, bitwise_equal(caches["key_cache"].cpu(), golden[0])
+              and bitwise_equal(caches["value_cache"].cpu(), golden[1]))  # fmt: skip
     return results
 
 
@@ -155,7 +156,8 @@ def bench(target, label: str, case, repeats: int) -> dict:
     variants, ran = {}, {}
     for path in COPY_PATHS if not target.dry_run else (None,):
         name = f"op[{path}]" if path else "op"
-        outs["key"].zero_(), outs["value"].zero_()
+        outs["key"].zero_()
+        outs["value"].zero_()
         before = target.copy_paths()
         try:
             op_on(path)()

@@ -62,26 +62,14 @@ def export(hf: Path, out: Path, precision: str, provider: str, kv: str | None) -
 
 
 def generate(folder: Path) -> list[list[int]]:
-    """og.Engine over the folder: the prompts at once, greedy, NEW_TOKENS each (no early stop)."""
+    """og.Engine over the folder: the prompts at once, greedy, each request's first NEW_TOKENS + 1
+    tokens (benchmarks/_genai.run_engine, which keeps every request going that long)."""
+    import _genai
     import numpy as np
     import onnxruntime_genai as og
 
-    engine = og.Engine(og.Model(og.Config(str(folder))))
-    requests = []  # og closes a request nothing references
-    for prompt in PROMPTS:
-        request = engine.create_request()
-        options = og.TurnOptions(request)
-        options.set_do_sample(False)
-        options.set_max_generated_tokens(NEW_TOKENS)
-        options.set_min_generated_tokens(NEW_TOKENS)
-        request.begin_turn(np.array(prompt, dtype=np.int32), options)
-        requests.append(request)
-    tokens: list[list[int]] = [[] for _ in PROMPTS]
-    events = engine.create_event_buffer(64)
-    while engine.has_pending_requests():
-        for event in engine.run(events):
-            k = next(i for i, r in enumerate(requests) if r == event.request or r is event.request)
-            tokens[k].append(int(event.token))
+    prompts = [np.array(prompt, dtype=np.int32) for prompt in PROMPTS]
+    _, _, tokens = _genai.run_engine(og.Model(og.Config(str(folder))), prompts, NEW_TOKENS)
     return tokens
 
 
