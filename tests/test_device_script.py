@@ -52,6 +52,12 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path) -> None:
     assert "goal stated at 262144 tokens" in data["goals"][-1]["goal"]
     assert len(data["attention"]["rows"]) == 27 and not data["attention"]["refused_by_ort"]
     assert all(row["caches_equal"] for row in data["attention"]["rows"])
+    decoders = data["decoders"]
+    if not decoders["skipped"]:  # onnxruntime_genai installed: one CPU folder against itself, teacher-forced once
+        (row,) = decoders["rows"]
+        assert row["identical"], row
+        (forced,) = row["teacher_forced"]
+        assert forced["cpu_argmax_is_its_token"] and forced["max_logit_difference"] == 0.0, forced
 
 
 def test_without_a_gpu_it_refuses_saying_why() -> None:

@@ -19,9 +19,9 @@ Parts (``--parts``, default all):
    27 cases x float16 / bfloat16 (--quick: each in one of the two) (tests/device/gpu_attention.py): caches byte-equal, outputs within
    one rounding step, refusals listed with ORT's message.
 3. ``decoders``: `pakv-onnx export --precision fp16|bf16 --execution-provider cuda|cpu` folders of
-   Llama, Qwen3, Mistral, DeepSeek-V3 through og.Engine on CUDA vs CPU + plugin (tokens identical or
-   the first flip); skipped, saying why, while the export lacks those options or onnxruntime_genai is
-   missing (tests/device/gpu_decoders.py).
+   Llama, Qwen3, Mistral, DeepSeek-V3 through og.Engine on CUDA vs CPU + plugin: tokens identical, or
+   each flip teacher-forced and at a near tie (top-2 gap below the logit difference); skipped, saying
+   why, while the export lacks those options or onnxruntime_genai is missing (tests/device/gpu_decoders.py).
 
 Sessions on the GPU name CUDAExecutionProvider alone with ``session.disable_cpu_ep_fallback=1`` (ORT
 1.31 refuses that setting with CPUExecutionProvider in the list); every model this script builds is
@@ -182,8 +182,9 @@ def failed(results: dict, strict: bool) -> bool:
             return True
     if "attention" in results and results["attention"]["agree"] != results["attention"]["cases"]:
         return True
-    if any("error" in row or not row.get("identical", True) for row in results.get("decoders", {}).get("rows", [])):
-        return True
+    for row in results.get("decoders", {}).get("rows", []):  # tokens differ only at near ties
+        if "error" in row or not all(t["near_tie"] for t in row["teacher_forced"] if not row["identical"]):
+            return True
     return strict and not all(c["met"] for c in results.get("goals", []))
 
 
