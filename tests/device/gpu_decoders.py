@@ -96,9 +96,7 @@ def last_logits(folder: Path, tokens: list[int], device: str) -> np.ndarray:
     if device == "cpu":
         session = runtime_plugin.make_session(path)
     else:
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.disable_cpu_ep_fallback", "0")  # embeddings etc. may sit on the CPU
-        session = ort.InferenceSession(path, options, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+        session = ort.InferenceSession(path, providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     feeds, out = {}, {}
     for spec in session.get_inputs():
         if spec.name.startswith("past_key_values."):
