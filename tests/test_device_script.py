@@ -92,8 +92,13 @@ def test_a_disagreeing_part_fails_the_run(gpu_check) -> None:
     ok = {"matrix": {"exact": 3, "cases": 3}, "scatter": {"exact": 2, "cases": 2}, "attention": {"agree": 4, "cases": 4},
           "decoders": {"rows": [{"case": "llama fp16", "identical": True}]}, "goals": [{"met": False}]}  # fmt: skip
     assert not gpu_check.failed(ok, strict=False) and gpu_check.failed(ok, strict=True)
+    tie = {"request": 1, "at": 7, "near_tie": True}
+    assert not gpu_check.failed({**ok, "decoders": {"rows": [{"case": "deepseek fp16", "identical": False,
+                                                             "teacher_forced": [tie]}]}}, strict=False)  # fmt: skip
     for broken in ({"attention": {"agree": 3, "cases": 4}}, {"scatter": {"exact": 1, "cases": 2}},
                    {"decoders": {"rows": [{"case": "qwen3 bf16", "identical": False}]}},
+                   {"decoders": {"rows": [{"case": "qwen3 bf16", "identical": False,
+                                           "teacher_forced": [{"request": 0, "at": 3, "near_tie": False}]}]}},
                    {"decoders": {"rows": [{"case": "llama fp16", "error": "export failed"}]}}):  # fmt: skip
         assert gpu_check.failed({**ok, **broken}, strict=False), broken
 
