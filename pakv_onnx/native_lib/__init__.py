@@ -397,6 +397,7 @@ _SIGNATURES = {
     "pakv_fused_plan_size": ([], ctypes.c_size_t),
     "pakv_fused_call_size": ([], ctypes.c_size_t),
     "pakv_fused_defaults": ([ctypes.c_void_p], None),
+    "pakv_fused_string_attribute": ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t], None),
     "pakv_fused_scratch_needed": ([ctypes.c_void_p], ctypes.c_int64),
     "pakv_fused_bind_plan": ([ctypes.c_void_p] * 5, None),
     "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
@@ -670,6 +671,12 @@ def fused_scratch_needed(call: int) -> int:
 def fused_defaults(attributes: int) -> None:
     """Fill the pakv_fused_attributes at ``attributes`` with ORT's schema defaults."""
     _function("pakv_fused_defaults")(attributes)
+
+
+def fused_string_attribute(field: int, text: bytes) -> None:
+    """A string attribute's bytes into the pakv_fused_attributes field at ``field`` as the C rules see it
+    (cut past FUSED_STRING_LEN - 1 bytes; with a NUL byte inside, described, so the rule refuses it by name)."""
+    _function("pakv_fused_string_attribute")(field, text, len(text))
 
 
 def check_fused_writable(plan_address: int) -> None:
