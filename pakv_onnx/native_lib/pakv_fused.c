@@ -30,6 +30,8 @@
 
 /* Tokens of a call below this many written elements (N x (Hq + 2 Hk) x D) run on the calling thread. */
 #define PAKV_FUSED_PARALLEL_MIN (1 << 16)
+/* The largest head size whose scratch (2 D + lanes floats) is computed without overflow. */
+#define PAKV_FUSED_MAX_SCRATCH_HEAD ((int64_t)1 << 40)
 /* Elements per part of a parallel prologue. */
 #define PAKV_FUSED_PART_ELEMENTS (1 << 14)
 
@@ -165,7 +167,7 @@ static inline float inverse_sqrt(float m) { return (float)(1.0 / __builtin_sqrt(
 /* Lanes of ORT's norm reduction for head size d: the smallest power of two >= max(32, d). */
 static int64_t reduction_lanes(int64_t d) {
   int64_t lanes = 32;
-  while (lanes < d) lanes <<= 1;
+  while (lanes < d && lanes < PAKV_FUSED_MAX_SCRATCH_HEAD) lanes <<= 1;
   return lanes;
 }
 
@@ -259,7 +261,9 @@ static void run_part(void* data, size_t index) {
   prologue_run* run = (prologue_run*)data;
   const pakv_fused_plan* p = run->plan;
   int64_t t0 = (int64_t)index * run->tokens_per_part, t1 = t0 + run->tokens_per_part;
-  float* scratch = (float*)malloc((size_t)(2 * p->head_dim + reduction_lanes(p->head_dim)) * sizeof(float));
+  float* scratch = p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
+                       ? (float*)malloc((size_t)(2 * p->head_dim + reduction_lanes(p->head_dim)) * sizeof(float))
+                       : NULL; /* no memory holds such a head: out of memory, never an overflowing size */
   if (!scratch) {
     __atomic_store_n(&run->no_memory, 1, __ATOMIC_RELAXED);
     return;
