@@ -404,6 +404,7 @@ _SIGNATURES = {
     "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_fused_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_cuda_copy_paths": ([ctypes.c_void_p], None),
     "pakv_attention_threads": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_bind_next_alias": ([ctypes.c_int], None),
@@ -694,3 +695,17 @@ def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, valu
     error = _scratch.error_address
     if lib.pakv_fused_attention(plan_address, error, ERROR_LEN) != 0:
         raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
+# How the CUDA entries issued a call's copies (pakv_device.c), in the order the C counters are kept.
+CUDA_COPY_PATHS = ("runs", "batch", "kernel")
+
+
+def cuda_copy_paths() -> dict[str, int]:
+    """Calls of the CUDA device entries since the library loaded, per copy path: ``runs`` (one
+    cuMemcpyDtoDAsync per run: an old driver, a single copy, or ``PAKV_ONNX_CUDA_COPY=runs``),
+    ``batch`` (one cuMemcpyBatchAsync) and ``kernel`` (one launch of the embedded copy kernel).
+    What ORT loaded is this same library file, so its counters are these."""
+    counts = (ctypes.c_longlong * len(CUDA_COPY_PATHS))()
+    load().pakv_cuda_copy_paths(ctypes.addressof(counts))
+    return dict(zip(CUDA_COPY_PATHS, counts))
