@@ -8,16 +8,6 @@
 #include "pakv_contract_fused_internal.h"
 #include "pakv_float.h"
 
-const char* pakv_fused_dtype_name(int onnx_type) {
-  switch (onnx_type) {
-    case PAKV_ONNX_FLOAT16: return "float16";
-    case PAKV_ONNX_BFLOAT16: return "bfloat16";
-    case PAKV_ONNX_INT8: return "int8";
-    case PAKV_ONNX_FLOAT8E4M3FN: return "float8e4m3fn";
-    default: return pakv_type_name(onnx_type);
-  }
-}
-
 /* Where each part of the scratch starts (int64 words): the attention's 3 x B per-sequence entries,
  * slots [N], positions [N], (slot, token) pairs [2N] for the repeat check, then fp32 copies of
  * k_scale, v_scale and head_sink. */

@@ -140,15 +140,8 @@ static int report(int rc, const pakv_err* err, char* err_out, size_t err_len) {
   return rc;
 }
 
-/* Exported entry points (the Python front, before a Python backend writes host memory: the C scatter asks
- * itself). A checked scatter plan's caches where it writes; a buffer of `bytes` (its name in the message). */
-PAKV_EXPORT int pakv_scatter_writable(const pakv_scatter_plan* plan, char* err_out, size_t err_len) {
-  pakv_err err = {PAKV_ERR_VALUE, {0}};
-  int rc = pakv_check_scatter_plan(plan, &err);
-  if (!rc) rc = pakv_check_scatter_writable(plan, "key_cache", "value_cache", &err);
-  return report(rc, &err, err_out, err_len);
-}
-
+/* Exported entry point (the Python front, before a Python backend writes host memory): a buffer of `bytes`
+ * (its name in the message). A scatter plan's caches: pakv_scatter_writable in pakv_core.c. */
 PAKV_EXPORT int pakv_buffer_writable(void* data, int64_t bytes, const char* name, char* err_out, size_t err_len) {
   pakv_err err = {PAKV_ERR_VALUE, {0}};
   return report(pakv_check_buffer_writable(data, bytes, name ? name : "a buffer", &err), &err, err_out, err_len);
