@@ -97,7 +97,7 @@ def test_library_exports_exactly_what_the_loader_declares() -> None:
     assert nm, "nm (binutils) is needed to list the library's exports"
     listing = subprocess.run([nm, "-D", "--defined-only", native_lib.library_path()], capture_output=True, text=True)
     exported = {line.split()[-1] for line in listing.stdout.splitlines() if " T " in line}
-    assert exported == {"RegisterCustomOps", *native_lib._SIGNATURES}
+    assert exported == {"RegisterCustomOps", *native_lib.SIGNATURES}
 
 
 def test_ort_slot_numbers_are_written_only_in_ort_abi_h() -> None:
