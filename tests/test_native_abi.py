@@ -92,6 +92,14 @@ def test_front_extension_writes_records_of_the_mirrors_size_and_is_refused_other
         native_lib.front.cache_clear()
 
 
+def test_each_mirror_is_exported_under_its_own_name() -> None:
+    from pakv_onnx.native_lib import _abi
+
+    assert len(_abi.MIRRORS) == 11
+    for name, cls in _abi.MIRRORS.items():
+        assert getattr(native_lib, name) is cls and cls.__name__ == name
+
+
 def test_library_exports_exactly_what_the_loader_declares() -> None:
     nm = shutil.which("nm")
     assert nm, "nm (binutils) is needed to list the library's exports"

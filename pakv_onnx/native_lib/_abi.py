@@ -1,11 +1,12 @@
-"""The C library's ABI as ctypes types, each written once: the struct mirrors (one field table per
-struct, from which the ctypes fields, the ``struct`` formats and field positions are derived), and
+"""The C library's ABI as ctypes types, each written once: the struct mirrors (one table of every
+struct's fields, from which the ctypes classes, the ``struct`` formats and field positions are derived), and
 one prototype table of every exported function (:data:`PROTOTYPES`). :mod:`._loading` checks the
 loaded library against them; nothing here loads anything."""
 
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 
 ABI_VERSION = 6  # PAKV_ABI_VERSION in pakv_core.h
@@ -43,21 +44,6 @@ def _ctype(name: str):
     return scalar * int(count.rstrip("]")) if count else scalar
 
 
-def fields(table: str) -> list[tuple[str, object]]:
-    """ctypes ``_fields_`` from a table of lines ``TYPE name name ...`` (in the C struct's order)."""
-    out = []
-    for line in table.strip().splitlines():
-        kind, *names = line.split()
-        out += [(name, _ctype(kind)) for name in names]
-    return out
-
-
-def mirror(cls: type[ctypes.Structure]) -> type[ctypes.Structure]:
-    """Class decorator: the struct's name usable as a field type in later tables."""
-    _MIRRORS[cls.__name__] = cls
-    return cls
-
-
 def struct_format(cls: type[ctypes.Structure]) -> str:
     """The ``struct`` format of a mirror of scalars and scalar arrays (native order and alignment)."""
     parts = []
@@ -82,201 +68,159 @@ def field_positions(cls: type[ctypes.Structure]) -> dict[str, int]:
     return positions
 
 
-@mirror
-class Plan(ctypes.Structure):
-    """``pakv_plan`` (pakv_core.h): one gather in bytes, made by the validator, run by ``pakv_gather``."""
-
-    C_NAME = "pakv_plan"
-    _fields_ = fields("""
-        u32 abi_version struct_size
-        i32 layout tables64
-        i64 num_blocks block_size
-        ptr key_cache value_cache
-        i64 key_block_stride value_block_stride key_row_bytes value_row_bytes
-        ptr key_out value_out
-        i64 num_seqs table_cols
-        ptr block_tables
-        i64 table_row_stride table_col_stride
-        ptr seq_lengths out_starts col_starts
-        i64 num_tokens
-        i32 out_rank reserved
-        i64[3] key_out_dims value_out_dims
-    """)  # fmt: skip
-
-    def __init__(self, **values):
-        super().__init__(abi_version=ABI_VERSION, struct_size=ctypes.sizeof(Plan), **values)
+def _mirrors(table: str) -> dict[str, type[ctypes.Structure]]:
+    """The ctypes mirrors of ``table``: per struct a line ``Name c_name``, its doc as ``#`` lines, then its
+    fields as lines ``TYPE name name ...`` in the C struct's order (TYPE: a scalar of :data:`_SCALARS`, an
+    array ``i64[3]``, or a struct of an earlier entry, ``Tensor[7]``). A struct with ``abi_version`` and
+    ``struct_size`` fields starts with them filled in."""
+    for entry in re.split(r"\n(?=\S)", table.strip()):
+        head, *rows = entry.splitlines()
+        name, c_name = head.split()
+        doc = " ".join(row.strip()[1:].strip() for row in rows if row.strip().startswith("#"))
+        fields = []
+        for row in rows:
+            if not row.strip().startswith("#"):
+                kind, *names = row.split()
+                fields += [(field, _ctype(kind)) for field in names]
+        namespace = {"__doc__": doc, "C_NAME": c_name, "_fields_": fields, "__module__": __name__}
+        if fields[:2] == [("abi_version", ctypes.c_uint32), ("struct_size", ctypes.c_uint32)]:
+            namespace["__init__"] = _versioned_init
+        _MIRRORS[name] = type(name, (ctypes.Structure,), namespace)
+    return _MIRRORS
 
 
-@mirror
-class Tensor(ctypes.Structure):
-    """``pakv_tensor`` (pakv_contract.h): one tensor as the validator sees it."""
-
-    C_NAME = "pakv_tensor"
-    _fields_ = fields(f"""
-        ptr data host_data
-        i32 present elem_type ndim reserved
-        char[{DEVICE_LEN}] device
-        i64[{MAX_RANK}] dims strides
-    """)  # fmt: skip
+def _versioned_init(self, **values) -> None:
+    """A plan mirror: the library's ABI version and the struct's size filled in."""
+    ctypes.Structure.__init__(self, abi_version=ABI_VERSION, struct_size=ctypes.sizeof(type(self)), **values)
 
 
-@mirror
-class GatherCall(ctypes.Structure):
-    """``pakv_gather_call`` (pakv_contract.h): one validation handed over in one piece."""
-
-    C_NAME = "pakv_gather_call"
-    _fields_ = fields("""
-        Plan plan
-        Tensor[7] records
-        i32 nz cumsum
-        i64 scratch_len
-        ptr scratch error
-    """)  # fmt: skip
-
-
-@mirror
-class ScatterPlan(ctypes.Structure):
-    """``pakv_scatter_plan`` (pakv_core.h): one scatter in bytes, made by the validator, run by ``pakv_scatter``."""
-
-    C_NAME = "pakv_scatter_plan"
-    _fields_ = fields("""
-        u32 abi_version struct_size
-        i32 layout slots64
-        i64 num_blocks block_size
-        ptr key_cache value_cache
-        i64 key_block_stride value_block_stride key_row_bytes value_row_bytes
-        ptr key value
-        i64 key_token_stride value_token_stride num_tokens
-        ptr slot_mapping
-        i64 slot_stride
-    """)  # fmt: skip
-
-
-@mirror
-class ScatterCall(ctypes.Structure):
-    """``pakv_scatter_call`` (pakv_contract.h): one scatter validation handed over in one piece."""
-
-    C_NAME = "pakv_scatter_call"
-    _fields_ = fields("""
-        ScatterPlan plan
-        Tensor[7] records
-        i32 nz reserved
-        i64 scratch_len
-        ptr scratch error
-    """)  # fmt: skip
-
-
-@mirror
-class AttentionPlan(ctypes.Structure):
-    """``pakv_attention_plan`` (pakv_core.h): one paged attention in bytes, made by a validator, run by ``pakv_attention``."""
-
-    C_NAME = "pakv_attention_plan"
-    _fields_ = fields("""
-        u32 abi_version struct_size
-        i32 query_type out_type tables64 causal
-        i64 num_blocks block_size
-        ptr key_cache value_cache
-        i32 key_type value_type key_quant value_quant
-        ptr key_scale value_scale
-        i64 key_block_stride value_block_stride key_row_stride value_row_stride key_head_stride value_head_stride
-        i64 num_heads num_kv_heads head_dim value_head_dim
-        ptr query
-        i64 query_token_stride query_head_stride
-        ptr out
-        i64 num_tokens num_seqs table_cols
-        ptr block_tables
-        i64 table_row_stride table_col_stride
-        ptr query_starts query_counts context_lens
-        f32 scale softcap
-        i64 window
-        ptr head_sink
-    """)  # fmt: skip
-
-
-@mirror
-class AttentionCall(ctypes.Structure):
-    """``pakv_attention_call`` (pakv_contract.h): one attention validation handed over in one piece."""
-
-    C_NAME = "pakv_attention_call"
-    _fields_ = fields("""
-        AttentionPlan plan
-        Tensor[7] records
-        f32 scale
-        i32 reserved
-        i64 scratch_len
-        ptr scratch error
-    """)  # fmt: skip
-
-
-@mirror
-class FusedAttributes(ctypes.Structure):
-    """``pakv_fused_attributes`` (pakv_fused.h): com.microsoft::PagedAttention's attributes as given."""
-
-    _fields_ = fields(f"""
-        i64 num_heads kv_num_heads local_window_size is_causal do_rotary rotary_interleaved v_head_size rotary_offset
-        f32 scale softcap qk_norm_epsilon
-        i32 given
-        char[{FUSED_STRING_LEN}] k_quant_type v_quant_type k_cache_dtype v_cache_dtype kv_cache_layout
-    """)  # fmt: skip
-
-
-@mirror
-class FusedPlan(ctypes.Structure):
-    """``pakv_fused_plan`` (pakv_fused.h): one com.microsoft::PagedAttention in bytes (prologue, then
-    its ``attention`` plan), made by the validator, run by ``pakv_fused_attention``."""
-
-    C_NAME = "pakv_fused_plan"
-    _fields_ = fields("""
-        u32 abi_version struct_size
-        i32 query_type cache_type key_quant value_quant latent normalize rotary_interleaved prepare_query
-        i64 num_tokens num_heads num_kv_heads head_dim
-        ptr query
-        i64 query_token_stride
-        ptr key
-        i64 key_token_stride
-        ptr value
-        i64 value_token_stride
-        ptr q_norm_weight k_norm_weight
-        f32 epsilon
-        i32 reserved
-        ptr cos_cache sin_cache
-        i64 rotary_dim rotary_offset rotary_rows
-        ptr key_scale value_scale key_cache value_cache
-        i64 num_blocks block_size key_block_stride value_block_stride key_row_bytes value_row_bytes
-        ptr slots positions query_rows
-        AttentionPlan attention
-    """)  # fmt: skip
-
-
-@mirror
-class FusedCall(ctypes.Structure):
-    """``pakv_fused_call`` (pakv_fused.h): one com.microsoft::PagedAttention validation handed over in one piece."""
-
-    C_NAME = "pakv_fused_call"
-    _fields_ = fields(f"""
-        FusedPlan plan
-        Tensor[{FUSED_RECORDS}] records
-        FusedAttributes attributes
-        i64 scratch_len
-        ptr scratch error
-    """)  # fmt: skip
-
-
-@mirror
-class Request(ctypes.Structure):
-    """``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend (``scale``:
-    PagedAttention's attribute; ``stream``: ORT's compute stream on a device EP, else NULL)."""
-
-    C_NAME = "pakv_request"
-    _fields_ = fields(f"""
-        str backend op cache_mode
-        i64 is_seq_lens_cumsum
-        f32 scale
-        i32 num_inputs
-        Tensor[{NUM_INPUTS}] inputs
-        ptr ctx api stream
-        char[{ERROR_LEN}] error
-    """)  # fmt: skip
+# Every struct the library and Python share, in one table (the C declarations' order of fields).
+STRUCTS = f"""
+Plan pakv_plan
+    # ``pakv_plan`` (pakv_core.h): one gather in bytes, made by the validator, run by ``pakv_gather``.
+    u32 abi_version struct_size
+    i32 layout tables64
+    i64 num_blocks block_size
+    ptr key_cache value_cache
+    i64 key_block_stride value_block_stride key_row_bytes value_row_bytes
+    ptr key_out value_out
+    i64 num_seqs table_cols
+    ptr block_tables
+    i64 table_row_stride table_col_stride
+    ptr seq_lengths out_starts col_starts
+    i64 num_tokens
+    i32 out_rank reserved
+    i64[3] key_out_dims value_out_dims
+Tensor pakv_tensor
+    # ``pakv_tensor`` (pakv_contract.h): one tensor as the validator sees it.
+    ptr data host_data
+    i32 present elem_type ndim reserved
+    char[{DEVICE_LEN}] device
+    i64[{MAX_RANK}] dims strides
+GatherCall pakv_gather_call
+    # ``pakv_gather_call`` (pakv_contract.h): one validation handed over in one piece.
+    Plan plan
+    Tensor[7] records
+    i32 nz cumsum
+    i64 scratch_len
+    ptr scratch error
+ScatterPlan pakv_scatter_plan
+    # ``pakv_scatter_plan`` (pakv_core.h): one scatter in bytes, made by the validator, run by
+    # ``pakv_scatter``.
+    u32 abi_version struct_size
+    i32 layout slots64
+    i64 num_blocks block_size
+    ptr key_cache value_cache
+    i64 key_block_stride value_block_stride key_row_bytes value_row_bytes
+    ptr key value
+    i64 key_token_stride value_token_stride num_tokens
+    ptr slot_mapping
+    i64 slot_stride
+ScatterCall pakv_scatter_call
+    # ``pakv_scatter_call`` (pakv_contract.h): one scatter validation handed over in one piece.
+    ScatterPlan plan
+    Tensor[7] records
+    i32 nz reserved
+    i64 scratch_len
+    ptr scratch error
+AttentionPlan pakv_attention_plan
+    # ``pakv_attention_plan`` (pakv_core.h): one paged attention in bytes, made by a validator, run by
+    # ``pakv_attention``.
+    u32 abi_version struct_size
+    i32 query_type out_type tables64 causal
+    i64 num_blocks block_size
+    ptr key_cache value_cache
+    i32 key_type value_type key_quant value_quant
+    ptr key_scale value_scale
+    i64 key_block_stride value_block_stride key_row_stride value_row_stride key_head_stride value_head_stride
+    i64 num_heads num_kv_heads head_dim value_head_dim
+    ptr query
+    i64 query_token_stride query_head_stride
+    ptr out
+    i64 num_tokens num_seqs table_cols
+    ptr block_tables
+    i64 table_row_stride table_col_stride
+    ptr query_starts query_counts context_lens
+    f32 scale softcap
+    i64 window
+    ptr head_sink
+AttentionCall pakv_attention_call
+    # ``pakv_attention_call`` (pakv_contract.h): one attention validation handed over in one piece.
+    AttentionPlan plan
+    Tensor[7] records
+    f32 scale
+    i32 reserved
+    i64 scratch_len
+    ptr scratch error
+FusedAttributes pakv_fused_attributes
+    # ``pakv_fused_attributes`` (pakv_fused.h): com.microsoft::PagedAttention's attributes as given.
+    i64 num_heads kv_num_heads local_window_size is_causal do_rotary rotary_interleaved v_head_size rotary_offset
+    f32 scale softcap qk_norm_epsilon
+    i32 given
+    char[{FUSED_STRING_LEN}] k_quant_type v_quant_type k_cache_dtype v_cache_dtype kv_cache_layout
+FusedPlan pakv_fused_plan
+    # ``pakv_fused_plan`` (pakv_fused.h): one com.microsoft::PagedAttention in bytes (prologue, then its
+    # ``attention`` plan), made by the validator, run by ``pakv_fused_attention``.
+    u32 abi_version struct_size
+    i32 query_type cache_type key_quant value_quant latent normalize rotary_interleaved prepare_query
+    i64 num_tokens num_heads num_kv_heads head_dim
+    ptr query
+    i64 query_token_stride
+    ptr key
+    i64 key_token_stride
+    ptr value
+    i64 value_token_stride
+    ptr q_norm_weight k_norm_weight
+    f32 epsilon
+    i32 reserved
+    ptr cos_cache sin_cache
+    i64 rotary_dim rotary_offset rotary_rows
+    ptr key_scale value_scale key_cache value_cache
+    i64 num_blocks block_size key_block_stride value_block_stride key_row_bytes value_row_bytes
+    ptr slots positions query_rows
+    AttentionPlan attention
+FusedCall pakv_fused_call
+    # ``pakv_fused_call`` (pakv_fused.h): one com.microsoft::PagedAttention validation handed over in one
+    # piece.
+    FusedPlan plan
+    Tensor[{FUSED_RECORDS}] records
+    FusedAttributes attributes
+    i64 scratch_len
+    ptr scratch error
+Request pakv_request
+    # ``pakv_request`` (pakv_bridge.h): one kernel call routed to a Python backend (``scale``:
+    # PagedAttention's attribute; ``stream``: ORT's compute stream on a device EP, else NULL).
+    str backend op cache_mode
+    i64 is_seq_lens_cumsum
+    f32 scale
+    i32 num_inputs
+    Tensor[{NUM_INPUTS}] inputs
+    ptr ctx api stream
+    char[{ERROR_LEN}] error
+"""
+MIRRORS = _mirrors(STRUCTS)  # name -> class, in the table's order (tests/test_native_abi.py checks the names below)
+(Plan, Tensor, GatherCall, ScatterPlan, ScatterCall, AttentionPlan, AttentionCall, FusedAttributes, FusedPlan, FusedCall,
+ Request) = MIRRORS.values()  # fmt: skip
 
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Request))
