@@ -138,6 +138,10 @@ static int64_t cache_bytes(const pakv_tensor* t) {
   return bytes;
 }
 
+/* A decode step's scratch and prepared query rows fit on the stack; larger calls take the heap. */
+#define FUSED_STACK_SCRATCH 512   /* int64 words: the per-sequence entries and per-token slots of ~64 tokens */
+#define FUSED_STACK_ROWS 16384    /* bytes of prepared query rows: 16 tokens of 16 heads x 64 floats */
+
 /* Validate, take ORT's outputs and validate them, copy each cache to its output when ORT gave a
  * separate buffer, bind, run. */
 static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* t, pakv_err* err) {
@@ -145,8 +149,10 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
   pakv_fused_plan plan;
   size_t count = 0;
   void* query_rows = NULL;
+  int64_t stack_scratch[FUSED_STACK_SCRATCH];
+  _Alignas(64) char stack_rows[FUSED_STACK_ROWS];
   int64_t len = pakv_fused_scratch_len(t);
-  int64_t* scratch = pakv_ort_alloc_scratch(&len);
+  int64_t* scratch = len >= 0 && len <= FUSED_STACK_SCRATCH ? stack_scratch : pakv_ort_alloc_scratch(&len);
   int rc = pakv_validate_fused(t, &k->attributes, &plan, scratch, len, err);
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetOutputCount, KernelContext_GetCount)(ctx, &count),
@@ -171,30 +177,32 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     if (!rc && caches[i] != cache->data) memcpy(caches[i], cache->data, (size_t)cache_bytes(cache));
   }
   int64_t rows = rc ? 0 : pakv_fused_query_rows_bytes(&plan);
-  if (rows > 0 && !(query_rows = malloc((size_t)rows)))
+  if (rows > 0 && rows <= FUSED_STACK_ROWS)
+    query_rows = stack_rows;
+  else if (rows > 0 && !(query_rows = malloc((size_t)rows)))
     rc = pakv_fail(err, "out of memory for the prepared query rows (%lld bytes)", (long long)rows);
   if (!rc) {
     pakv_fused_bind(&plan, (void*)t[PAKV_FUSED_OUTPUT].data, query_rows, caches[0], caches[1]);
     rc = pakv_ep_run_fused(api, ctx, k->ep, k->parallel_for, &plan, err);
   }
-  free(query_rows);
-  free(scratch);
+  if (query_rows != stack_rows) free(query_rows);
+  if (scratch != stack_scratch) free(scratch);
   return rc;
 }
 
 OrtStatus* pakv_ort_fused_compute(void* kernel, OrtKernelContext* ctx) {
   const fused_kernel* k = (const fused_kernel*)kernel;
   const OrtApi* api = k->api;
-  pakv_tensor* records = (pakv_tensor*)calloc(PAKV_FUSED_RECORDS, sizeof(pakv_tensor));
+  pakv_tensor records[PAKV_FUSED_RECORDS]; /* on the stack: no allocation per call */
+  memset(records, 0, sizeof(records));     /* a record never filled in is absent */
   pakv_err err = {PAKV_ERR_VALUE, {0}};
   size_t count = 0;
-  int rc = records ? 0 : pakv_fail(&err, "pakv: out of memory");
+  int rc = 0;
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count),
                               &err, "counting inputs");
   for (size_t i = 0; !rc && i < PAKV_FUSED_INPUTS; i++)
     rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
   if (!rc) rc = run_fused(k, ctx, records, &err);
-  free(records);
   return rc ? pakv_ort_call_error(api, &err) : NULL;
 }
