@@ -254,6 +254,9 @@ def ort_attention_golden(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -
                 if plan.softcap > 0:
                     scores = plan.softcap * torch.tanh(scores / plan.softcap)
                 logits = scores if plan.head_sink is None else torch.cat([scores, plan.head_sink[h : h + 1].double()])
-                weights = torch.softmax(logits, dim=0)[: len(where)]
+                weights = torch.softmax(logits, dim=0)
+                if bool(weights.isnan().any()):  # a NaN or +inf logit, or every logit -inf: the row is NaN
+                    out[start + j, h] = float("nan")
+                    continue
                 present = scores > float("-inf")  # a -inf score is absent: its value row is never read
-                out[start + j, h] = (weights[present] @ v[present, g]).float().to(out.dtype)
+                out[start + j, h] = (weights[: len(where)][present] @ v[present, g]).float().to(out.dtype)

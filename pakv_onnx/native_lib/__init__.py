@@ -81,6 +81,7 @@ from pakv_onnx.native_lib._runners import (
     front,
     fused_defaults,
     fused_scratch_needed,
+    fused_string_attribute,
     plan_attention_call,
     plan_fused_call,
     plan_gather_call,

@@ -249,6 +249,7 @@ PROTOTYPES = """
     size pakv_fused_plan_size()
     size pakv_fused_call_size()
     void pakv_fused_defaults(ptr)
+    void pakv_fused_string_attribute(ptr, str, size)
     i64  pakv_fused_scratch_needed(ptr)
     void pakv_fused_bind_plan(ptr, ptr, ptr, ptr, ptr)
     i32  pakv_plan_fused(ptr)

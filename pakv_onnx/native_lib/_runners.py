@@ -189,6 +189,12 @@ def fused_defaults(attributes: int) -> None:
     function("pakv_fused_defaults")(attributes)
 
 
+def fused_string_attribute(field: int, text: bytes) -> None:
+    """A string attribute's bytes into the pakv_fused_attributes field at ``field`` as the C rules see it
+    (cut past FUSED_STRING_LEN - 1 bytes; with a NUL byte inside, described, so the rule refuses it by name)."""
+    function("pakv_fused_string_attribute")(field, text, len(text))
+
+
 def check_fused_writable(plan_address: int) -> None:
     """``ValueError`` (nothing written) unless the caches of the validated pakv_fused_plan at ``plan_address``
     can be written where its prologue writes (asked of the kernel): what a Python backend calls first."""

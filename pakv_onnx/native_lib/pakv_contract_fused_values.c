@@ -70,6 +70,23 @@ static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a,
 
 static const pakv_id_rule SLOT = {"slot_mapping", "num_blocks x block_size of key_cache; -1 skips the token's write",
                                   "", 1};
+/* A block a derived slot writes into (checked again here: another thread may have changed the table). */
+static const pakv_id_rule WRITTEN_BLOCK = {"block_table", "num_blocks of key_cache",
+                                           "; the sequence's new token writes there (block_tables changed while "
+                                           "the call ran?)",
+                                           0};
+/* Slot of position p of sequence b through block_table: its entry read once, and that value checked
+ * (another thread may change the table after pakv_check_table_reads read it: the slot written is
+ * derived only from the value checked here). */
+static int table_slot(const pakv_tensor* bt, int64_t b, int64_t p, const pakv_fused_shape* s, int64_t* slot,
+                      pakv_err* err) {
+  int64_t bs = s->key.block_size, column = p / bs, block = pakv_table_at(bt, b, column);
+  if (pakv_check_id(&WRITTEN_BLOCK, block, s->key.num_blocks, b, column, -1, err)) return -1;
+  if (pakv_mul(block, bs, slot) || pakv_add(*slot, p % bs, slot))
+    return pakv_fail(err, "block_table[%lld, %lld] = %lld x block_size %lld overflows int64", (long long)b,
+                     (long long)column, (long long)block, (long long)bs);
+  return 0;
+}
 
 /* Each token's slot: slot_mapping's (a negative one: not written), or derived from its position
  * through block_table; every slot inside the caches, no slot twice (the token repeating an earlier
@@ -83,7 +100,8 @@ static int fused_slots(const pakv_tensor* t, const pakv_fused_shape* s, const in
   for (int64_t b = 0; b < batch; b++)
     for (int64_t token = starts[b]; token < starts[b] + counts[b]; token++) {
       int64_t p = positions[token];
-      slots[token] = sm->present ? pakv_vector_at(sm, token) : pakv_table_at(bt, b, p / bs) * bs + p % bs;
+      if (!sm->present && table_slot(bt, b, p, s, &slots[token], err)) return -1;
+      if (sm->present) slots[token] = pakv_vector_at(sm, token);
       if (pakv_check_id(&SLOT, slots[token], capacity, token, -1, -1, err)) return -1;
       if (slots[token] < 0) slots[token] = -1;
       else pairs[n++] = (pakv_slot_pair){slots[token], token};
@@ -183,6 +201,15 @@ static void fill_attention(const pakv_tensor* t, const pakv_fused_attributes* a,
   at->head_sink = sink;
 }
 
+/* query's, key's and value's token strides in bytes fit int64 (a one-token view may carry any stride). */
+static int token_strides_fit(const pakv_tensor* t, pakv_err* err) {
+  int64_t bytes;
+  for (int i = PAKV_FUSED_QUERY; i <= PAKV_FUSED_VALUE; i++)
+    if (t[i].present && pakv_token_stride(&t[i], PAKV_FUSED_NAMES[i], pakv_element_size(t[i].elem_type), &bytes, err))
+      return -1;
+  return 0;
+}
+
 static void fill_prologue(const pakv_tensor* t, const pakv_fused_attributes* a, const pakv_fused_shape* s,
                           pakv_fused_plan* p) {
   const pakv_tensor *q = &t[PAKV_FUSED_QUERY], *k = &t[PAKV_FUSED_KEY], *v = &t[PAKV_FUSED_VALUE];
@@ -245,10 +272,11 @@ int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fuse
       fused_slots(t, &s, starts, counts, positions, slots, (pakv_slot_pair*)pairs, err) ||
       fused_floats(t, &l, floats, scales, &sink, err) || fused_metadata(&t[PAKV_FUSED_ATTENTION_METADATA], err))
     return -1;
-  if (pakv_mul(s.num_tokens, a->num_heads, &out_bytes) || pakv_mul(out_bytes, s.head_dim, &out_bytes) ||
-      pakv_mul(out_bytes, 4, &out_bytes))
+  if (pakv_mul(a->num_heads, s.head_dim, &out_bytes) || pakv_mul(out_bytes, 4, &out_bytes) ||
+      pakv_mul(out_bytes, s.num_tokens > 0 ? s.num_tokens : 1, &out_bytes))
     return pakv_fail(err, "%lld tokens x %lld heads x %lld channels overflow int64 byte offsets", (long long)s.num_tokens,
                      (long long)a->num_heads, (long long)s.head_dim);
+  if (token_strides_fit(t, err)) return -1;
   memset(plan, 0, sizeof(*plan));
   fill_prologue(t, a, &s, plan);
   plan->slots = slots;

@@ -118,6 +118,8 @@ static inline int pakv_check_id(const pakv_id_rule* rule, int64_t id, int64_t bo
     (plan)->key_block_stride = (k).block_stride;                 \
     (plan)->value_block_stride = (v).block_stride;               \
   } while (0)
+/* A record on torch's meta device (no data) refused by name. */
+int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err);
 /* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a
  * context of lengths[b] positions: columns up to ceil(length / bs), from the one of the first position
  * its first new token sees: 0, or with a window >= 0 (pakv_attention_plan's) past - window), each in
@@ -153,6 +155,8 @@ int pakv_outputs_apart(const pakv_tensor* t, const char* const* names, int input
 /* A rank-3 [T, H, D] record whose tokens are each row-major (any token stride >= 0: a slice of a
  * fused QKV projection is fine); the token stride in bytes. */
 int pakv_token_layout(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
+/* Dim 0's stride of `t` in bytes (its token stride), or an error naming it when that overflows int64. */
+int pakv_token_stride(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
 
 /* 0, or the error's kind (PAKV_ERR_VALUE / PAKV_ERR_TYPE) with its message copied to err_out. */
 int pakv_report(int rc, const pakv_err* err, char* err_out, size_t err_len);

@@ -194,6 +194,15 @@ static void run_part(void* data, size_t index) {
 /* ------------------------------------------------------------------------------------------- */
 /* Checks and the run                                                                          */
 /* ------------------------------------------------------------------------------------------- */
+/* Elements one token's rows hold ((Hq + 2 Hk) x D) and the whole call's; -1 when they overflow int64. */
+static int prologue_elements(const pakv_fused_plan* p, int64_t* per_token, int64_t* elements) {
+  int64_t heads;
+  if (pakv_mul(p->num_kv_heads, 2, &heads) || pakv_add(heads, p->num_heads, &heads) ||
+      pakv_mul(heads, p->head_dim, per_token) || pakv_mul(*per_token, p->num_tokens, elements))
+    return -1;
+  return 0;
+}
+
 static int is_float(int32_t t) { return t == ONNX_FLOAT || t == ONNX_FLOAT16 || t == ONNX_BFLOAT16; }
 
 int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
@@ -209,7 +218,7 @@ int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
                      p->query_type, p->cache_type, p->key_quant, p->value_quant);
   if (p->num_tokens < 0 || p->num_heads < 1 || p->num_kv_heads < 1 || p->num_heads % p->num_kv_heads ||
       p->head_dim < 1 || p->block_size < 1 || p->num_blocks < 0 || p->rotary_dim < 0 || p->rotary_dim % 2 ||
-      p->rotary_offset < 0 || p->rotary_offset + p->rotary_dim > p->head_dim || p->rotary_rows < 0)
+      p->rotary_offset < 0 || p->rotary_offset > p->head_dim - p->rotary_dim || p->rotary_rows < 0)
     return pakv_fail(err, "fused attention plan: sizes out of range (tokens %lld, heads %lld / %lld, head_dim %lld, "
                      "rotary %lld + %lld)", (long long)p->num_tokens, (long long)p->num_heads, (long long)p->num_kv_heads,
                      (long long)p->head_dim, (long long)p->rotary_offset, (long long)p->rotary_dim);
@@ -217,8 +226,11 @@ int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
                         (p->normalize && (!p->q_norm_weight || !p->k_norm_weight)) ||
                         (p->rotary_dim && (!p->cos_cache || !p->sin_cache))))
     return pakv_fail(err, "fused attention plan: a NULL input pointer for %lld tokens", (long long)p->num_tokens);
-  int64_t capacity;
+  int64_t capacity, per_token, elements;
   if (pakv_mul(p->num_blocks, p->block_size, &capacity)) return pakv_fail(err, "fused attention plan: capacity overflows");
+  if (prologue_elements(p, &per_token, &elements))
+    return pakv_fail(err, "fused attention plan: %lld tokens x (%lld + 2 x %lld heads) x %lld channels overflow int64",
+                     (long long)p->num_tokens, (long long)p->num_heads, (long long)p->num_kv_heads, (long long)p->head_dim);
   for (int64_t t = 0; t < p->num_tokens; t++) {
     if (p->slots[t] >= capacity || p->slots[t] < -1 || p->positions[t] < 0 ||
         (p->rotary_dim && p->positions[t] >= p->rotary_rows))
@@ -258,9 +270,9 @@ int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_e
                         (p->prepare_query && (!p->query_rows || p->attention.query != p->query_rows))))
     return pakv_fail(err, "fused attention: the plan is not bound to its caches and query rows (pakv_fused_bind)");
   if (check_caches_writable(p, err)) return -1;
-  int64_t elements = p->num_tokens * (p->num_heads + 2 * p->num_kv_heads) * p->head_dim; /* fits: checked */
+  int64_t per_token = 1, elements = 0;
+  prologue_elements(p, &per_token, &elements); /* fits: pakv_check_fused_plan */
   prologue_run run = {p, p->num_tokens, 0};
-  int64_t per_token = (p->num_heads + 2 * p->num_kv_heads) * p->head_dim;
   run.tokens_per_part = PAKV_FUSED_PART_ELEMENTS / per_token > 0 ? PAKV_FUSED_PART_ELEMENTS / per_token : 1;
   int64_t parts = p->num_tokens / run.tokens_per_part + (p->num_tokens % run.tokens_per_part != 0);
   if (par && parts >= 2 && elements >= PAKV_FUSED_PARALLEL_MIN) {
