@@ -225,29 +225,20 @@ MIRRORS = _mirrors(STRUCTS)  # name -> class, in the table's order (tests/test_n
 
 CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(Request))
 
-# Every function the library exports besides RegisterCustomOps: ``RESULT name(ARG, ...)`` per line.
+# Every function the library exports besides RegisterCustomOps and the struct sizes (``<C name>_size()``, one
+# per mirror of SIZED_MIRRORS, added by signatures()): ``RESULT name(ARG, ...)`` per line.
 PROTOTYPES = """
     i32  pakv_abi_version()
-    size pakv_plan_size()
-    size pakv_tensor_size()
-    size pakv_request_size()
-    size pakv_gather_call_size()
     i32  pakv_plan_gather(ptr)
     i32  pakv_check_gather_outputs(ptr)
     i32  pakv_gather(ptr, ptr, size)
-    size pakv_scatter_plan_size()
-    size pakv_scatter_call_size()
     i32  pakv_plan_scatter(ptr)
     i32  pakv_scatter(ptr, ptr, size)
     i32  pakv_scatter_writable(ptr, ptr, size)
     i32  pakv_buffer_writable(ptr, i64, str, ptr, size)
-    size pakv_attention_plan_size()
-    size pakv_attention_call_size()
     i32  pakv_plan_attention(ptr)
     i32  pakv_check_attention_output(ptr)
     i32  pakv_attention(ptr, ptr, size)
-    size pakv_fused_plan_size()
-    size pakv_fused_call_size()
     void pakv_fused_defaults(ptr)
     void pakv_fused_string_attribute(ptr, str, size)
     i64  pakv_fused_scratch_needed(ptr)
@@ -285,10 +276,10 @@ def signatures(table: str = PROTOTYPES) -> dict[str, tuple[list, object]]:
     return found
 
 
-SIGNATURES = signatures()
 # The mirrors whose size the library reports (``<C_NAME>_size``), checked when it loads.
 SIZED_MIRRORS = (Plan, Tensor, GatherCall, ScatterPlan, ScatterCall, AttentionPlan, AttentionCall, FusedPlan,
                  FusedCall, Request)  # fmt: skip
+SIGNATURES = {**signatures(), **{f"{cls.C_NAME}_size": ([], ctypes.c_size_t) for cls in SIZED_MIRRORS}}
 
 # The plans as struct formats, and each field's position in the unpacked tuple (the validator reads
 # a plan's fields from its bytes in one unpack).
