@@ -34,6 +34,7 @@ The rows above time one session over one pool: at B8 ctx 512 its 8 MiB of K/V st
   pools, the cache outputs bound to the pools), fp32;
 - ``GQA``: GroupQueryAttention as ORT GenAI's builder emits it (packed QKV, ``do_rotary`` with cos/sin
   caches, past and present one ``[B, Hk, max, D]`` buffer: genai_config's past_present_share_buffer);
+  both ops' cos/sin caches are initializers, as in the models;
 
 each over ``--layers`` (8) separate sessions and buffers called in turn, as a step calls its layers
 (each layer's data evicted by the others', as in the model); per-layer figures. ``hot`` repeats the
@@ -57,6 +58,7 @@ import os
 import time
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from _timing import blocked_medians_us
@@ -183,6 +185,19 @@ def rotary_caches(dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     return angles.cos().contiguous(), angles.sin().contiguous()
 
 
+def with_initializers(model, constants: dict[str, torch.Tensor]):
+    """``model`` with the graph inputs named in ``constants`` turned into initializers of those values (as the
+    decoders hold their rotary caches)."""
+    from onnx import numpy_helper
+
+    graph = model.graph
+    kept = [i for i in graph.input if i.name not in constants]
+    del graph.input[:]
+    graph.input.extend(kept)
+    graph.initializer.extend(numpy_helper.from_array(t.numpy(), name) for name, t in constants.items())
+    return model
+
+
 def fused_layer(batch: int, context: int, heads: tuple[int, int, int], block_size: int, seed: int):
     """One layer's com.microsoft::PagedAttention decode call (1 thread): ``batch`` sequences at ``context``
     positions after the write, each sequence's blocks consecutive in a pool of exactly their blocks."""
@@ -205,6 +220,8 @@ def fused_layer(batch: int, context: int, heads: tuple[int, int, int], block_siz
     }
     model = make_ort_attention_model_for(feeds, num_heads=q_heads, kv_num_heads=kv_heads, do_rotary=1,
                                          scale=dim**-0.5)  # fmt: skip
+    rotary = {name: feeds.pop(name) for name in ("cos_cache", "sin_cache")}
+    model = with_initializers(model, rotary)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = runtime_plugin.make_session(model, sess_options=options)
@@ -236,8 +253,9 @@ def genai_gqa_layer(batch: int, context: int, heads: tuple[int, int, int], block
     gen = torch.Generator().manual_seed(seed)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(genai_gqa_model(*heads), options, providers=["CPUExecutionProvider"])
     cos, sin = rotary_caches(dim)
+    model = with_initializers(onnx.load_from_string(genai_gqa_model(*heads)), {"cos_cache": cos, "sin_cache": sin})
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     past = (batch, kv_heads, context + block_size, dim)
     tensors = {
         "query": torch.randn(batch, 1, (q_heads + 2 * kv_heads) * dim, generator=gen),
@@ -245,8 +263,6 @@ def genai_gqa_layer(batch: int, context: int, heads: tuple[int, int, int], block
         "past_value": torch.randn(past, generator=gen),
         "seqlens_k": torch.full((batch,), context - 1, dtype=torch.int32),
         "total_sequence_length": torch.tensor(context, dtype=torch.int32),
-        "cos_cache": cos,
-        "sin_cache": sin,
     }
     out = torch.empty(batch, 1, q_heads * dim)
     binding = session.io_binding()

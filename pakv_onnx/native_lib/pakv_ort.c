@@ -231,9 +231,12 @@ int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const 
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
+  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, "reading input", name)) return -1;
+  return v ? pakv_ort_value_record(api, v, ep, name, t, err) : 0;
+}
+
+int pakv_ort_value_record(const OrtApi* api, const OrtValue* v, int ep, const char* name, pakv_tensor* t, pakv_err* err) {
   const char* what = "reading input";
-  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what, name)) return -1;
-  if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
   if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what, name)) return -1;
   int type = 0;

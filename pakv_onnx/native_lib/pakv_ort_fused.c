@@ -22,6 +22,8 @@ typedef struct {
   const OrtApi* api;
   int ep, parallel_for;
   pakv_fused_attributes attributes;
+  uint32_t constant;                        /* bit i: input i is an initializer, its record read once, here */
+  pakv_tensor constants[PAKV_FUSED_INPUTS]; /* those records (an initializer's value lives as long as the session) */
 } fused_kernel;
 
 /* The schema's attributes: name, type, where it goes in pakv_fused_attributes. */
@@ -101,6 +103,24 @@ static OrtStatus* check_node_outputs(const OrtApi* api, const OrtKernelInfo* inf
                                         "in place)", "give the node its cache outputs");
 }
 
+/* The node's constant inputs (rotary caches, norm weights, scales: initializers) read once, at kernel creation:
+ * each call then takes their records as they are (still validated with the call's other inputs). An input ORT
+ * does not report as constant is read per call. */
+static void read_constants(const OrtApi* api, const OrtKernelInfo* info, fused_kernel* k) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  for (size_t i = 0; k->ep == PAKV_EP_CPU && i < PAKV_FUSED_INPUTS; i++) {
+    int constant = 0;
+    const OrtValue* value = NULL;
+    OrtStatus* st = PAKV_API(api, KernelInfoGetConstantInput_tensor)(info, i, &constant, &value);
+    if (st) { /* past the node's inputs: none */
+      PAKV_API(api, ReleaseStatus)(st);
+      continue;
+    }
+    if (constant && value && !pakv_ort_value_record(api, value, k->ep, PAKV_FUSED_NAMES[i], &k->constants[i], &err))
+      k->constant |= 1u << i;
+  }
+}
+
 OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   pakv_fused_attributes a;
   pakv_err err = {PAKV_ERR_VALUE, {0}};
@@ -122,6 +142,7 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
   k->ep = ((const pakv_op*)op)->ep;
   k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->attributes = a;
+  read_constants(api, info, k);
   *out = k;
   return NULL;
 }
@@ -219,8 +240,12 @@ OrtStatus* pakv_ort_fused_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count),
                               &err, "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_FUSED_INPUTS; i++)
-    rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_FUSED_INPUTS; i++) {
+    if (i < count && (k->constant >> i & 1u))
+      records[i] = k->constants[i];
+    else
+      rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
+  }
   if (!rc) rc = run_fused(k, ctx, records, &err);
   return rc ? pakv_ort_call_error(api, &err) : NULL;
 }
