@@ -444,12 +444,22 @@ class FakeRuntime:
         self.op(op_address).KernelDestroy(kernel)
 
 
-def build_fake_driver(directory: Path) -> Path:
-    """Compile tests/native/fake_device_driver.c (the fake CUDA/CANN driver) into ``directory``."""
-    out = Path(directory) / "libfake_device_driver.so"
+# The fake CUDA driver's generations: which copy calls it has (fake_device_driver.c's FAKE_NO_* flags).
+FAKE_DRIVER_VARIANTS = {
+    "cuda13": (),  # cuMemcpyBatchAsync_v2, the 12.8 symbol, and the copy kernel's calls
+    "cuda12.8": ("-DFAKE_NO_BATCH_V2",),  # the first batched copy, with failIdx
+    "cuda12.0": ("-DFAKE_NO_BATCH_V2", "-DFAKE_NO_BATCH_V1"),  # no batched copy: the copy kernel
+    "cuda11.0": ("-DFAKE_NO_BATCH_V2", "-DFAKE_NO_BATCH_V1", "-DFAKE_NO_KERNEL"),  # one copy per run
+}
+
+
+def build_fake_driver(directory: Path, variant: str = "cuda13") -> Path:
+    """Compile tests/native/fake_device_driver.c (the fake CUDA/CANN driver, as ``variant`` of
+    FAKE_DRIVER_VARIANTS) into ``directory``."""
+    out = Path(directory) / f"libfake_device_driver_{variant}.so"
     subprocess.run(
         ["gcc", "-std=c11", "-O1", "-g", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{NATIVE_LIB_DIR}",
-         "-o", str(out), str(FAKE_DRIVER_SOURCE), "-pthread"],  # fmt: skip
+         *FAKE_DRIVER_VARIANTS[variant], "-o", str(out), str(FAKE_DRIVER_SOURCE), "-pthread"],  # fmt: skip
         check=True,
     )
     return out

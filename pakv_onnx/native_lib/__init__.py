@@ -71,12 +71,14 @@ from pakv_onnx.native_lib._abi import (
 )
 from pakv_onnx.native_lib._loading import LIBRARY_NAME, LibraryNotBuiltError, check_abi, declare, library_path, load
 from pakv_onnx.native_lib._runners import (
+    CUDA_COPY_PATHS,
     check_attention_output_call,
     check_buffer_writable,
     check_fused_outputs_call,
     check_fused_writable,
     check_gather_outputs_call,
     check_scatter_writable,
+    cuda_copy_paths,
     fast,
     front,
     fused_defaults,

@@ -247,6 +247,7 @@ PROTOTYPES = """
     i32  pakv_check_fused_outputs(ptr)
     i32  pakv_fused_attention(ptr, ptr, size)
     i32  pakv_fused_writable(ptr, ptr, size)
+    void pakv_cuda_copy_paths(ptr)
     i32  pakv_attention_threads(ptr, i32, ptr, size)
     i32  pakv_bind_next_registration(str)
     void pakv_bind_next_alias(i32)

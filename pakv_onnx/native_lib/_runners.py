@@ -208,3 +208,17 @@ def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, valu
     function("pakv_fused_bind_plan")(plan_address, out, query_rows, key_cache, value_cache)
     if function("pakv_fused_attention")(plan_address, _scratch.error_address, ERROR_LEN) != 0:
         _raise(ERR_VALUE)
+
+
+# How the CUDA entries issued a call's copies (pakv_device.c), in the order the C counters are kept.
+CUDA_COPY_PATHS = ("runs", "batch", "kernel")
+
+
+def cuda_copy_paths() -> dict[str, int]:
+    """Calls of the CUDA device entries since the library loaded, per copy path: ``runs`` (one
+    cuMemcpyDtoDAsync per run: an old driver, a single copy, or ``PAKV_ONNX_CUDA_COPY=runs``),
+    ``batch`` (one cuMemcpyBatchAsync) and ``kernel`` (one launch of the embedded copy kernel).
+    What ORT loaded is this same library file, so its counters are these."""
+    counts = (ctypes.c_longlong * len(CUDA_COPY_PATHS))()
+    function("pakv_cuda_copy_paths")(ctypes.addressof(counts))
+    return dict(zip(CUDA_COPY_PATHS, counts))
