@@ -63,7 +63,7 @@ def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
     names = {"query": "qkv", "key_cache": "past_key_values.0.key", "value_cache": "past_key_values.0.value",
              "cumulative_sequence_length": "cumulative_sequence_lengths", "past_seqlens": "past_sequence_lengths",
              "block_table": "block_table"}  # fmt: skip
-    node = ort_attention_node(names, ("out",), num_heads=2, kv_num_heads=1)
+    node = ort_attention_node(names, ("logits",), num_heads=2, kv_num_heads=1)
     node.op_type = op_type
     pool = [TensorProto.FLOAT16, ["num_blocks", "block_size", 1, 8]]
     graph = h.make_graph(
@@ -72,7 +72,7 @@ def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
          h.make_tensor_value_info("past_key_values.0.key", *pool),
          h.make_tensor_value_info("past_key_values.0.value", *pool),
          *(h.make_tensor_value_info(n, TensorProto.INT32, None) for n in list(names.values())[3:])],
-        [h.make_tensor_value_info("out", TensorProto.FLOAT16, None)],
+        [h.make_tensor_value_info("logits", TensorProto.FLOAT16, None)],
     )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     onnx.save_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("com.microsoft", 1)]),
