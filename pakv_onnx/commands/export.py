@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt, _outputs
+from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
 
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
 KV_CACHE_CHOICES = ("int8", "fp8")  # models.hf.ort_layer.KV_CACHE_DTYPES (a test ties them)
@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         return _args.usage_error("export", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
     _interrupt.check()
+    _libraries.quiet_transformers()
 
     def progress(message: str) -> None:
         _interrupt.check()  # a safe point: our own code, between steps

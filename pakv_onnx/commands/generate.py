@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from pakv_onnx.commands import _args, _interrupt, _outputs
+from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
 
 ARCH_CHOICES = ("llama", "qwen2", "mistral", "qwen3", "deepseek")  # models.hf.configs.ARCHS (a test ties them)
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
@@ -23,6 +23,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as err:
         return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
     _interrupt.check()
+    _libraries.quiet_transformers()
 
     def progress(message: str) -> None:
         _interrupt.check()  # a safe point: our own code, between steps
