@@ -52,7 +52,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "(provider_options []), the plugin as custom_ops_library (copied into MODEL_DIR), and a fixed pool "
             "(engine.dynamic_batching.num_blocks; og.Engine otherwise sizes it from free device memory) in "
             "place of gpu_utilization_factor. model.onnx is not touched. It prints each change and the pool "
-            "memory they imply. Exit 0 on success, 2 for a folder that is not a GenAI paged model."
+            "memory they imply. It refuses a folder whose graph is not the model its config describes (logits "
+            "not vocab_size wide, or computed from fewer layers than num_hidden_layers: the builder's trap when "
+            "another layer is as wide as the vocabulary) before writing anything. Exit 0 on success, 2 for a "
+            "folder that is not a GenAI paged model or not the model its config describes."
         ),
         examples=[
             "./qwen-paged-fp16  # the builder's folder, edited in place",
