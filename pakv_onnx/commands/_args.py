@@ -228,11 +228,11 @@ def add_output_folder(
     :func:`pakv_onnx.commands._outputs.staged_folder`."""
     if positional:
         dest = positional.lower()
-        parser.add_argument(dest, type=Path, metavar=positional, help=help)
+        parser.add_argument(dest, type=folder_path, metavar=positional, help=help)
         label = positional
     else:
         dest, label = "out", "--out"
-        parser.add_argument("--out", type=Path, metavar="DIR", default=None, help=help)
+        parser.add_argument("--out", type=folder_path, metavar="DIR", default=None, help=help)
     parser.add_argument(
         "--force",
         action="store_true",
@@ -247,8 +247,13 @@ def add_input_folder(
 ) -> None:
     """A positional input folder ``metavar`` (``dest`` its lower case) that must exist and pass ``check``."""
     dest = metavar.lower()
-    parser.add_argument(dest, type=Path, metavar=metavar, help=help)
+    parser.add_argument(dest, type=folder_path, metavar=metavar, help=help)
     _add_rule(parser, PathRule(dest, metavar, output=False, check=check))
+
+
+def folder_path(text: str) -> Path:
+    """A folder argument as given (``~`` expanded); what it must be is :func:`path_problem`'s."""
+    return Path(text).expanduser()
 
 
 def _add_rule(parser: argparse.ArgumentParser, rule: PathRule) -> None:
