@@ -179,7 +179,9 @@ def demo_command(root: Path) -> Command:
 
         shutil.rmtree(out, ignore_errors=True)
 
-    return Command(argv, [root / "work"], lambda: (out / "gqa.onnx").is_file() and (out / "gqa-bs128.onnx").is_file(), reset)
+    return Command(
+        argv, [root / "work"], lambda: (out / "gqa.onnx").is_file() and (out / "gqa-bs128.onnx").is_file(), reset
+    )
 
 
 def genai_cpu_command(root: Path) -> Command:
@@ -217,7 +219,9 @@ def export_command(root: Path) -> Command:
 
         shutil.rmtree(out, ignore_errors=True)
 
-    return Command(["export", str(hf), str(out)], [root / "work", hf], lambda: (out / "genai_config.json").is_file(), reset)
+    return Command(
+        ["export", str(hf), str(out)], [root / "work", hf], lambda: (out / "genai_config.json").is_file(), reset
+    )
 
 
 def generate_command(root: Path) -> Command:

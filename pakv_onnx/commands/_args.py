@@ -171,7 +171,9 @@ MAX_SEED = 2**32 - 1  # numpy's and torch's generators both take it
 PATH_RULES = "_path_rules"  # the namespace attribute listing a command's folder options
 
 
-def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: int | None = 16, help: str = "") -> None:  # noqa: A002
+def add_block_size(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, default: int | None = 16, help: str = ""
+) -> None:
     """``--block-size N``: tokens per cache block, 1..:data:`MAX_BLOCK_SIZE`."""
     shown = "the model's" if default is None else str(default)
     parser.add_argument(
@@ -183,22 +185,22 @@ def add_block_size(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *,
     )
 
 
-def add_num_blocks(parser: argparse.ArgumentParser, *, default: int | None, help: str) -> None:  # noqa: A002
+def add_num_blocks(parser: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
     """``--num-blocks N``: blocks per layer pool (og.Engine's ``engine.dynamic_batching.num_blocks``), >= 1."""
     parser.add_argument("--num-blocks", type=positive_int, default=default, metavar="N", help=help)
 
 
-def add_max_batch_size(parser: argparse.ArgumentParser, *, default: int | None, help: str) -> None:  # noqa: A002
+def add_max_batch_size(parser: argparse.ArgumentParser, *, default: int | None, help: str) -> None:
     """``--max-batch-size N``: requests og.Engine batches together at most, >= 1."""
     parser.add_argument("--max-batch-size", type=positive_int, default=default, metavar="N", help=help)
 
 
-def add_threads(parser: argparse.ArgumentParser, *, help: str) -> None:  # noqa: A002
+def add_threads(parser: argparse.ArgumentParser, *, help: str) -> None:
     """``--threads N``: ONNX Runtime intra-op threads, >= 1 (default ``None``: ORT chooses)."""
     parser.add_argument("--threads", type=positive_int, default=None, metavar="N", help=help)
 
 
-def add_seed(parser: argparse.ArgumentParser, *, help: str) -> None:  # noqa: A002
+def add_seed(parser: argparse.ArgumentParser, *, help: str) -> None:
     """``--seed N``: 0..:data:`MAX_SEED`, default 0; ``help`` says what it seeds."""
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, metavar="N", help=f"{help} (default 0)")
 
@@ -220,9 +222,7 @@ class PathRule:
     check: Callable[[Path], str | None] | None = None
 
 
-def add_output_folder(
-    parser: argparse.ArgumentParser, *, positional: str | None = None, help: str  # noqa: A002
-) -> None:
+def add_output_folder(parser: argparse.ArgumentParser, *, positional: str | None = None, help: str) -> None:
     """An output folder: ``--out DIR`` (optional, ``dest`` ``out``) or the positional ``positional``
     (``OUT_DIR``: ``dest`` its lower case), and ``--force``. Written through
     :func:`pakv_onnx.commands._outputs.staged_folder`."""
@@ -243,7 +243,7 @@ def add_output_folder(
 
 
 def add_input_folder(
-    parser: argparse.ArgumentParser, metavar: str, *, help: str, check: Callable[[Path], str | None] | None = None  # noqa: A002
+    parser: argparse.ArgumentParser, metavar: str, *, help: str, check: Callable[[Path], str | None] | None = None
 ) -> None:
     """A positional input folder ``metavar`` (``dest`` its lower case) that must exist and pass ``check``."""
     dest = metavar.lower()

@@ -18,9 +18,9 @@ raised inside an import it becomes another error a library catches and retries p
   an export, a model load, a session run), or a second Ctrl-C comes, the watchdog runs the
   registered cleanups (:func:`on_hard_exit`: every staging and temporary folder), prints the line
   and ends the process with ``os._exit(130)``;
-- outputs are written to a staging folder and published by renames in :func:`commit`; from then on
-  the command finishes as if no Ctrl-C had come (the publish takes milliseconds), so a run ends
-  either with nothing of its outputs or with all of them.
+- outputs are written to a staging folder and published by renames after :func:`commit`
+  (:mod:`pakv_onnx.commands._outputs`); from then on the command finishes as if no Ctrl-C had come
+  (the publish takes milliseconds), so a run ends with none of its outputs or with all of them.
 
 Before :func:`handling` starts (the interpreter's own start-up, site imports included: 0.1-0.4 s
 on the 2-core machine, then ``import pakv_onnx.cli``'s tens of milliseconds) Python's own handling
@@ -35,7 +35,6 @@ import os
 import select
 import shutil
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
