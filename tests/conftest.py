@@ -21,6 +21,7 @@ One-node models for the runtime plugin are in ``onnx_graphs.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -30,7 +31,6 @@ import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
 
-import onnxruntime as ort
 import pytest
 import torch
 from per_token_reference import gather_per_token
@@ -40,15 +40,20 @@ from pakv_onnx.cases import GatherCase, random_cache
 from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
 from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, block_size_axis, nz_last_dim
 
-# session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
-# session creation raises onnxruntime's own exception types.
-ORT_ERRORS = (
-    RuntimeError,
-    ort.capi.onnxruntime_pybind11_state.Fail,
-    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-    ort.capi.onnxruntime_pybind11_state.RuntimeException,
-    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-)
+
+def __getattr__(name: str):
+    """:data:`ORT_ERRORS`, on first use: onnxruntime writes ``$TMPDIR/.ses`` when imported, so it is
+    imported only after :func:`pytest_sessionstart` has pointed TMPDIR under pytest's folder."""
+    if name != "ORT_ERRORS":
+        raise AttributeError(name)
+    import onnxruntime as ort
+
+    # session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
+    # session creation raises onnxruntime's own exception types.
+    state = ort.capi.onnxruntime_pybind11_state
+    return (RuntimeError, state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph)
+
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Where temporary files go, and the two caches a test run would otherwise fill outside it:
@@ -67,7 +72,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     tempfile.tempdir = None  # tempfile reads TMPDIR again on next use
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which removes a green run's base temp dir
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _remove_empty_pytest_root(session.config._tmp_path_factory)
     if not _saved_temp_settings:
         return
     tempdir, saved = _saved_temp_settings.pop()
@@ -77,6 +84,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         else:
             os.environ[name] = value
     tempfile.tempdir = tempdir
+
+
+def _remove_empty_pytest_root(factory: pytest.TempPathFactory) -> None:
+    """pytest puts its base temp dir in ``$TMPDIR/pytest-of-$USER/pytest-N``; a green run removes
+    ``pytest-N`` (tmp_path_retention_policy) but not its parent. Remove the parent too when nothing
+    else is in it: only its dead ``pytest-current`` link (another session's folder keeps it, and so
+    does a failed run's). Not for a ``--basetemp`` the caller chose."""
+    if factory._given_basetemp is not None or factory._basetemp is None or factory._basetemp.exists():
+        return
+    root = factory._basetemp.parent
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            if entry.is_symlink() and not entry.exists():
+                entry.unlink(missing_ok=True)
+        root.rmdir()  # fails, harmlessly, while anything else is in it
 
 
 def run_python(
