@@ -209,7 +209,7 @@ class Reply:
                     if self.stops.stopped:
                         done = True
                         self.finish = Finished("stop", len(self.checked.job.prompt), self.completion_tokens)
-                        self.state.engine.cancel(self.ticket)  # og stops and frees its blocks at its next step
+                        self.state.engine.cancel(self.ticket, reason="stop")  # og stops and frees its blocks at its next step
                         return
         finally:
             if not done:

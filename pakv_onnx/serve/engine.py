@@ -117,6 +117,7 @@ class Ticket:
     held: int = 0  # blocks its tokens occupy (counted in EngineLoop.held_blocks)
     last_token_at: float = 0.0
     cancel_requested: bool = False
+    cancel_reason: str = "cancelled"  # what its Finished says when og reports it CANCELLED
 
     def blocks_for(self, tokens: int, block_size: int) -> int:
         return min(self.reserved, -(-tokens // block_size))
@@ -241,10 +242,11 @@ class EngineLoop:
             self._cond.notify()
         return ticket
 
-    def cancel(self, ticket: Ticket) -> None:
-        """Stop ``ticket``'s job (a client that left, a stop string matched): og.Engine drops it and its
-        blocks at its next step; a job still waiting leaves the queue. Its :class:`Finished` says
-        ``cancelled`` unless it finished first."""
+    def cancel(self, ticket: Ticket, reason: str = "cancelled") -> None:
+        """Stop ``ticket``'s job (a client that left; ``reason`` ``stop``: a stop string matched):
+        og.Engine drops it and its blocks at its next step; a job still waiting leaves the queue. Its
+        :class:`Finished` says ``reason`` unless it finished first."""
+        ticket.cancel_reason = reason
         with self._cond:
             self._inbox.append(("cancel", ticket))
             self._cond.notify()
@@ -280,6 +282,7 @@ class EngineLoop:
             self._admit()
             if self._live:
                 self._dispatch(self._engine.run(events), out)
+                self._admit()  # into the room finished jobs left (before the wait above)
             self._deliver(out)
             if stopping and not self._live and not self._waiting:
                 return
@@ -357,11 +360,8 @@ class EngineLoop:
                 self._finish(ticket, event, failed=bool(flags & failed_flag), out=out)
 
     def _finish(self, ticket: Ticket, event, *, failed: bool, out: dict) -> None:
-        del self._live[id(ticket.request)]
-        self._reserved -= ticket.reserved
-        self._hold(ticket, 0)
         name = event.finish_reason.name
-        reason = "cancelled" if name == "CANCELLED" else FINISH_REASONS.get(name, "error")
+        reason = ticket.cancel_reason if name == "CANCELLED" else FINISH_REASONS.get(name, "error")
         if failed:
             reason = "error"
         usage = event.usage
@@ -371,6 +371,9 @@ class EngineLoop:
         self.observe("prompt_tokens", prompt)
         self.observe("generated_tokens", ticket.generated)
         self.observe(f"finished:{reason}", 1)
+        self._reserved -= ticket.reserved
+        self._hold(ticket, 0)
+        del self._live[id(ticket.request)]
         ticket.request = None  # og closes it
 
     @staticmethod
