@@ -11,8 +11,6 @@ same path on every node.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import signal
 import threading
 
@@ -27,7 +25,11 @@ def deployment(options: ServeOptions, replicas: int):
     from ray import serve
 
     cpus = float(options.threads or 1)
-    ingress = serve.ingress(functools.partial(build_replica_app, dataclasses.replace(options)))
+
+    def build():  # a plain function: Ray Serve calls a builder on each replica (a partial would pass as the app)
+        return build_replica_app(options)
+
+    ingress = serve.ingress(build)
     cls = serve.deployment(
         ingress(), name="pakv-onnx", num_replicas=replicas, ray_actor_options={"num_cpus": cpus},
         max_ongoing_requests=options.max_queue + 64,
@@ -54,11 +56,13 @@ def serve_replicas(options: ServeOptions, replicas: int, address: str | None, st
     from ray import serve
 
     stop = stop or threading.Event()
-    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous: dict = {}
     try:
         start_ray(replicas, address, options.threads)
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(deployment(options, replicas), name=APP_NAME, route_prefix="/")
+        # After ray.init, which installs its own fatal-signal handler for SIGTERM (an abort, exit -6).
+        previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         print(f"{READY} {options.folder.resolve().name} on http://{options.host}:{options.port}/v1 "
               f"({replicas} replicas behind Ray Serve's proxy)", flush=True)  # fmt: skip
         while not stop.wait(0.5):
