@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import random
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,11 +44,16 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def make_workload(clients: int, requests: int, prompts: tuple[int, int], generate: tuple[int, int], vocab: int, seed: int):
+def make_workload(
+    clients: int, requests: int, prompts: tuple[int, int], generate: tuple[int, int], vocab: int, seed: int
+):
     """Per client: ``requests`` (prompt ids, budget) pairs."""
     rng = random.Random(seed)
     return [
-        [([rng.randrange(3, vocab) for _ in range(rng.randint(*prompts))], rng.randint(*generate)) for _ in range(requests)]
+        [
+            ([rng.randrange(3, vocab) for _ in range(rng.randint(*prompts))], rng.randint(*generate))
+            for _ in range(requests)
+        ]
         for _ in range(clients)
     ]
 
@@ -66,7 +71,7 @@ class Record:
         with self.lock:
             if arrivals:
                 self.ttft.append(arrivals[0] - sent)
-                self.itl += [b - a for a, b in zip(arrivals, arrivals[1:])]
+                self.itl += [b - a for a, b in itertools.pairwise(arrivals)]
             self.tokens += len(arrivals)
 
 
@@ -91,7 +96,9 @@ def stream_one(port: int, prompt: list[int], budget: int) -> tuple[float, list[f
     return sent, arrivals, done
 
 
-def run_server_clients(port: int, workload, record: Record, until: float | None = None, ledger: list | None = None) -> float:
+def run_server_clients(
+    port: int, workload, record: Record, until: float | None = None, ledger: list | None = None
+) -> float:
     def client(k: int) -> None:
         i = 0
         while True:
@@ -191,7 +198,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--soak", type=float, default=60.0)
     args = parser.parse_args()
-    span = lambda text: tuple(int(x) for x in text.split(","))  # noqa: E731
+    span = lambda text: tuple(int(x) for x in text.split(","))
     clients = span(args.clients)
     max_batch = max(clients)
     from pakv_onnx import cli
@@ -208,7 +215,9 @@ def main() -> None:
         try:
             load = os.getloadavg()[0]
             print(f"load average at start: {load:.1f} on {os.cpu_count()} CPUs; threads {args.threads}")
-            print("| clients | path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s | **server / og.Engine tokens/s** | **ITL p99 ratio** |")
+            print(
+                "| clients | path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s | **server / og.Engine tokens/s** | **ITL p99 ratio** |"
+            )
             print("|---|---|---|---|---|---|---|---|---|")
             for n in clients:
                 workload = make_workload(n, args.requests, span(args.prompts), span(args.generate), vocab, seed=n)

@@ -237,18 +237,18 @@ SERVE_API_KEY = "test-key"
 def serve_folder(tmp_path_factory) -> Path:
     """The sample Llama (seeded weights, word-level tokenizer, chat template) as `pakv-onnx export` writes
     it: block size 4, 64 blocks (257 tokens at most per request), batches of 8, one intra-op thread."""
+    from serve_helpers import needs
+
     from pakv_onnx import cli
     from pakv_onnx.models.hf import save_sample_folder
-
-    from serve_helpers import needs
 
     for module in ("fastapi", "uvicorn", "openai", "onnxruntime_genai"):
         needs(module)
     root = tmp_path_factory.mktemp("serve")
     hf = save_sample_folder(root / "hf", "llama", 0)
     out = root / "tiny-llama-genai"
-    args = ["export", str(hf), str(out), "--block-size", "4", "--num-blocks", "64", "--max-batch-size", "8", "--threads", "1"]
-    assert cli.main(args) == 0
+    args = ["--block-size", "4", "--num-blocks", "64", "--max-batch-size", "8", "--threads", "1"]
+    assert cli.main(["export", str(hf), str(out), *args]) == 0
     return out
 
 

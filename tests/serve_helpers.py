@@ -37,7 +37,18 @@ class Server:
 
     def __init__(self, folder: Path, *args: str, port: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        command = [sys.executable, "-m", "pakv_onnx.cli", "serve", str(folder), "--host", HOST, "--port", str(port), *args]
+        command = [
+            sys.executable,
+            "-m",
+            "pakv_onnx.cli",
+            "serve",
+            str(folder),
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            *args,
+        ]
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
         )

@@ -113,7 +113,11 @@ def test_concurrent_requests_each_equal_og_engine(served, serve_folder: Path) ->
                 model=serve_folder.name, prompt=prompts[k], max_tokens=budgets[k], temperature=0, stream=True
             )
             return "".join(c.choices[0].text for c in stream if c.choices)
-        return api.completions.create(model=serve_folder.name, prompt=prompts[k], max_tokens=budgets[k], temperature=0).choices[0].text
+        return (
+            api.completions.create(model=serve_folder.name, prompt=prompts[k], max_tokens=budgets[k], temperature=0)
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(one, range(16)))
@@ -125,9 +129,13 @@ def test_stop_strings_cut_the_text(served, serve_folder: Path, reference) -> Non
     full = words(reference[3])
     stop = f" t{reference[3][5]}"  # the sixth token's word, with the space before it
     cut = full[: full.index(stop)]
-    done = api.completions.create(model=serve_folder.name, prompt=PROMPTS[3], max_tokens=BUDGETS[3], temperature=0, stop=[stop, "never"])
+    done = api.completions.create(
+        model=serve_folder.name, prompt=PROMPTS[3], max_tokens=BUDGETS[3], temperature=0, stop=[stop, "never"]
+    )
     assert (done.choices[0].text, done.choices[0].finish_reason) == (cut, "stop")
-    stream = api.completions.create(model=serve_folder.name, prompt=PROMPTS[3], max_tokens=BUDGETS[3], temperature=0, stop=stop, stream=True)
+    stream = api.completions.create(
+        model=serve_folder.name, prompt=PROMPTS[3], max_tokens=BUDGETS[3], temperature=0, stop=stop, stream=True
+    )
     chunks = [c for c in stream if c.choices]
     assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
 
@@ -165,8 +173,13 @@ def test_models_health_and_metrics(served, serve_folder: Path) -> None:
     client(served).completions.create(model=serve_folder.name, prompt=[5], max_tokens=3, temperature=0)
     after = _metrics(served)
     assert metric(after, 'pakv_serve_requests_total{status="200"}') >= 1
-    assert metric(after, "pakv_serve_time_to_first_token_seconds_count") > metric(text, "pakv_serve_time_to_first_token_seconds_count")
-    assert metric(after, "pakv_serve_inter_token_latency_seconds_count") >= metric(text, "pakv_serve_inter_token_latency_seconds_count") + 2
+    assert metric(after, "pakv_serve_time_to_first_token_seconds_count") > metric(
+        text, "pakv_serve_time_to_first_token_seconds_count"
+    )
+    assert (
+        metric(after, "pakv_serve_inter_token_latency_seconds_count")
+        >= metric(text, "pakv_serve_inter_token_latency_seconds_count") + 2
+    )
     assert metric(after, "pakv_serve_pool_blocks_free") == 64
 
 
@@ -198,7 +211,9 @@ ERRORS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("body,status,param,message", ERRORS, ids=[e[3].split()[0] + f"-{i}" for i, e in enumerate(ERRORS)])
+@pytest.mark.parametrize(
+    "body,status,param,message", ERRORS, ids=[e[3].split()[0] + f"-{i}" for i, e in enumerate(ERRORS)]
+)
 def test_bad_requests_get_openai_errors(served, body: bytes, status: int, param, message: str) -> None:
     auth = {"authorization": f"Bearer {SERVE_API_KEY}"}
     got, error, _ = http_json(served, "POST", "/v1/completions", body, auth)
@@ -215,7 +230,9 @@ def test_errors_through_the_openai_client(served, serve_folder: Path) -> None:
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         api.completions.create(model=serve_folder.name, prompt=[1, 999], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="at most 257"):
-        api.chat.completions.create(model=serve_folder.name, messages=[{"role": "user", "content": "t1"}], max_tokens=300)
+        api.chat.completions.create(
+            model=serve_folder.name, messages=[{"role": "user", "content": "t1"}], max_tokens=300
+        )
     with pytest.raises(openai.AuthenticationError):
         client(served, key="wrong").completions.create(model=serve_folder.name, prompt=[1], max_tokens=2)
     status, _, _ = http_json(served, "GET", "/v1/models")  # no key at all
@@ -262,7 +279,9 @@ def test_disconnects_cancel_and_free_their_blocks(served, serve_folder: Path) ->
     cancelled, stopped, ran_out = (metric(_metrics(served), name) - b for name, b in zip(counts, before))
     assert cancelled + stopped == 100 and ran_out == 0  # none ran its 240 tokens (a few may meet EOS first)
     assert cancelled >= 90
-    whole = client(served).completions.create(model=serve_folder.name, prompt=[9], max_tokens=256, temperature=0, timeout=120)
+    whole = client(served).completions.create(
+        model=serve_folder.name, prompt=[9], max_tokens=256, temperature=0, timeout=120
+    )
     assert whole.usage.completion_tokens == 256 or whole.choices[0].finish_reason == "stop"
 
 
@@ -315,7 +334,9 @@ def test_full_queue_gets_429(serve_folder: Path) -> None:
 
 
 @pytest.mark.slow  # servers of their own
-@pytest.mark.parametrize("sig,grace", [(signal.SIGTERM, "60"), (signal.SIGINT, "0")], ids=["sigterm-finish", "sigint-cancel"])
+@pytest.mark.parametrize(
+    "sig,grace", [(signal.SIGTERM, "60"), (signal.SIGINT, "0")], ids=["sigterm-finish", "sigint-cancel"]
+)
 def test_signal_stops_accepting_and_exits_0(serve_folder: Path, sig: int, grace: str) -> None:
     """A stream in flight: with a grace period it runs to its end; with none it is cancelled (ends
     early). Either way the port stops accepting and the process exits 0."""

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from conftest import SERVE_API_KEY
 from serve_helpers import Server, http_json, og_greedy
-
 from test_serve_readme import free_port
 
 

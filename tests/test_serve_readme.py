@@ -54,7 +54,7 @@ def test_readme_serving_example_runs(tmp_path: Path) -> None:
         assert shell.returncode == 0, err[-3000:]
         assert '"object":"text_completion"' in out and '"finish_reason":"length"' in out, out[-2000:]
         run = subprocess.run(
-            [sys.executable, "-c", python.replace("8000", port)], cwd=tmp_path, env=env, capture_output=True,
+            [sys.executable, "-c", python.replace("8000", port)], check=False, cwd=tmp_path, env=env, capture_output=True,
             text=True, timeout=120,
         )  # fmt: skip
         assert run.returncode == 0, run.stderr[-3000:]

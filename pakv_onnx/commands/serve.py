@@ -92,7 +92,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         ],
     )
     parser.add_argument("folder", type=Path, metavar="FOLDER", help="a folder pakv-onnx export wrote")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
+    )
     parser.add_argument("--port", type=port, default=8000, help="TCP port (default 8000; 0: a free one, printed)")
     parser.add_argument(
         "--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 request (401 otherwise)"
@@ -110,7 +112,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="requests that may wait for room in the engine; one more gets HTTP 429 (default 256)",
     )  # fmt: skip
     parser.add_argument(
-        "--threads", type=_args.positive_int, default=None, help="ORT intra-op threads per engine (default: the folder's)"
+        "--threads",
+        type=_args.positive_int,
+        default=None,
+        help="ORT intra-op threads per engine (default: the folder's)",
     )
     parser.add_argument(
         "--shutdown-grace", type=grace_seconds, default=10.0,

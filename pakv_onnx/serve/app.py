@@ -81,7 +81,11 @@ class Guard:
         if api and key is not None:
             sent = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
             if sent != f"Bearer {key}":
-                body = protocol.error_body("missing or wrong API key (Authorization: Bearer KEY)", "authentication_error", code="invalid_api_key")
+                body = protocol.error_body(
+                    "missing or wrong API key (Authorization: Bearer KEY)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
                 await _send_json(send_counted, 401, body)
                 return
         await self.app(scope, receive, send_counted)
@@ -139,7 +143,9 @@ def build_app(state: ServeState):
             return error(503, str(err), "server_error", code="shutting_down")
         reply = Reply(state, ticket, queue, checked, chat)
         if checked.stream:
-            return StreamingResponse(reply.events(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+            return StreamingResponse(
+                reply.events(), media_type="text/event-stream", headers={"cache-control": "no-cache"}
+            )
         result = await reply.collect(request)
         if result is None:
             return Response(status_code=499)  # the client left; nobody reads this
@@ -209,7 +215,9 @@ class Reply:
                     if self.stops.stopped:
                         done = True
                         self.finish = Finished("stop", len(self.checked.job.prompt), self.completion_tokens)
-                        self.state.engine.cancel(self.ticket, reason="stop")  # og stops and frees its blocks at its next step
+                        self.state.engine.cancel(
+                            self.ticket, reason="stop"
+                        )  # og stops and frees its blocks at its next step
                         return
         finally:
             if not done:
@@ -253,7 +261,11 @@ class Reply:
             return {"error": self.finish.error or "og.Engine failed this request"}
         text = "".join(parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": self.finish_reason()}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": self.finish_reason(),
+            }
         else:
             choice = {"index": 0, "text": text, "finish_reason": self.finish_reason(), "logprobs": None}
         return {**self._head(False), "choices": [choice], "usage": self.usage()}

@@ -352,7 +352,9 @@ class EngineLoop:
             flags = int(event.flags)
             if event.token is not None:
                 ticket.generated += 1
-                self.observe("ttft" if ticket.generated == 1 else "itl", now - (ticket.last_token_at or ticket.submitted))
+                self.observe(
+                    "ttft" if ticket.generated == 1 else "itl", now - (ticket.last_token_at or ticket.submitted)
+                )
                 ticket.last_token_at = now
                 self._hold(ticket, len(ticket.job.prompt) + ticket.generated)
                 self._emit(out, ticket, Tokens((int(event.token),)))
@@ -367,7 +369,11 @@ class EngineLoop:
         usage = event.usage
         prompt = int(usage.prompt_tokens) if usage is not None else len(ticket.job.prompt)
         error = f"og.Engine: {event.error_code.name}" if reason == "error" else None
-        self._emit(out, ticket, Finished(reason, prompt, ticket.generated, int(getattr(usage, "cached_prompt_tokens", 0) or 0), error))
+        self._emit(
+            out,
+            ticket,
+            Finished(reason, prompt, ticket.generated, int(getattr(usage, "cached_prompt_tokens", 0) or 0), error),
+        )
         self.observe("prompt_tokens", prompt)
         self.observe("generated_tokens", ticket.generated)
         self.observe(f"finished:{reason}", 1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 PREFIX = "pakv_serve_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -38,12 +39,15 @@ class Histogram:
 class Metrics:
     """What ``/metrics`` reports. ``gauges`` maps a gauge's name to a function that reads it now."""
 
-    HELP = {
+    HELP: ClassVar[dict[str, tuple[str, str]]] = {
         "requests_total": ("counter", "HTTP requests to /v1 by response status code"),
         "finished_total": ("counter", "generations by how they ended (stop, length, cancelled, error)"),
         "prompt_tokens_total": ("counter", "prompt tokens of finished generations"),
         "generated_tokens_total": ("counter", "tokens generated"),
-        "time_to_first_token_seconds": ("histogram", "from a request's arrival to its first token (queue wait included)"),
+        "time_to_first_token_seconds": (
+            "histogram",
+            "from a request's arrival to its first token (queue wait included)",
+        ),
         "inter_token_latency_seconds": ("histogram", "between consecutive tokens of one request"),
         "queue_depth": ("gauge", "requests waiting for admission into og.Engine"),
         "running_requests": ("gauge", "requests live in og.Engine"),

@@ -108,7 +108,10 @@ def pydantic_message(err) -> tuple[str, str | None]:
 def check_model(body: _Generation, info: FolderInfo) -> None:
     if body.model is not None and body.model != info.name:
         raise RequestError(
-            f"the model {body.model!r} does not exist here; this server serves {info.name!r}", "model", 404, "model_not_found"
+            f"the model {body.model!r} does not exist here; this server serves {info.name!r}",
+            "model",
+            404,
+            "model_not_found",
         )
 
 
@@ -124,7 +127,10 @@ def check_prompt(ids: list[int], info: FolderInfo, param: str) -> tuple[int, ...
 def check_budget(prompt: int, max_tokens: int, info: FolderInfo, max_request_length: int, param: str) -> None:
     """``prompt + max_tokens`` must fit og.Engine's request length (the context, and the pool: one
     request may hold every block) and its blocks the pool."""
-    if prompt + max_tokens > max_request_length or reserved_blocks(prompt, max_tokens, info.block_size) > info.num_blocks:
+    if (
+        prompt + max_tokens > max_request_length
+        or reserved_blocks(prompt, max_tokens, info.block_size) > info.num_blocks
+    ):
         raise RequestError(
             f"{param} {max_tokens} with a prompt of {prompt} tokens needs {prompt + max_tokens} tokens; this server "
             f"serves at most {max_request_length} per request (context_length {info.context_length}, pool "
@@ -133,7 +139,9 @@ def check_budget(prompt: int, max_tokens: int, info: FolderInfo, max_request_len
         )
 
 
-def check_common(body: _Generation, prompt: tuple[int, ...], max_tokens: int | None, param: str, info, limit) -> Checked:
+def check_common(
+    body: _Generation, prompt: tuple[int, ...], max_tokens: int | None, param: str, info, limit
+) -> Checked:
     tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     check_budget(len(prompt), tokens, info, limit, param if max_tokens is not None else "max_tokens")
     stops = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
@@ -145,7 +153,10 @@ def check_common(body: _Generation, prompt: tuple[int, ...], max_tokens: int | N
         raise RequestError("stream_options is only allowed with stream: true", "stream_options")
     sampling = Sampling(body.temperature, body.top_p, body.top_k, body.seed)
     return Checked(
-        Job(prompt, tokens, sampling), stops, body.stream, bool(body.stream_options and body.stream_options.include_usage)
+        Job(prompt, tokens, sampling),
+        stops,
+        body.stream,
+        bool(body.stream_options and body.stream_options.include_usage),
     )
 
 

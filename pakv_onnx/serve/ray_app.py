@@ -49,7 +49,9 @@ def start_ray(replicas: int, address: str | None, threads: int | None) -> None:
         )  # fmt: skip
 
 
-def serve_replicas(options: ServeOptions, replicas: int, address: str | None, stop: threading.Event | None = None) -> int:
+def serve_replicas(
+    options: ServeOptions, replicas: int, address: str | None, stop: threading.Event | None = None
+) -> int:
     """Deploy, print the ready line, wait for SIGINT / SIGTERM (or ``stop``), then shut Serve and the
     local Ray instance down; returns 0."""
     import ray
@@ -62,7 +64,9 @@ def serve_replicas(options: ServeOptions, replicas: int, address: str | None, st
         serve.start(http_options={"host": options.host, "port": options.port})
         serve.run(deployment(options, replicas), name=APP_NAME, route_prefix="/")
         # After ray.init, which installs its own fatal-signal handler for SIGTERM (an abort, exit -6).
-        previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         print(f"{READY} {options.folder.resolve().name} on http://{options.host}:{options.port}/v1 "
               f"({replicas} replicas behind Ray Serve's proxy)", flush=True)  # fmt: skip
         while not stop.wait(0.5):

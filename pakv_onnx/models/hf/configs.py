@@ -151,7 +151,11 @@ SAMPLE_CHAT_TEMPLATE = (
 
 
 def save_sample_folder(
-    path: str | os.PathLike, arch: str = "llama", seed: int = 0, *, chat_template: str | None = SAMPLE_CHAT_TEMPLATE,
+    path: str | os.PathLike,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    chat_template: str | None = SAMPLE_CHAT_TEMPLATE,
     **overrides,
 ) -> Path:
     """Write :func:`build_model`'s model as ``save_pretrained`` writes it, plus a word-level
