@@ -1,6 +1,6 @@
 """The README's serving example runs as written: its bash block (the sample folder, the export, the
 server in the background, the curl) in a fresh directory, then its openai block against that server.
-The one change: port 8000 becomes a free loopback port (others may use 8000 on a shared machine). The
+The one change: port 8000 (the block's `--port 8000` and URLs) becomes a free loopback port (others may use 8000 on a shared machine). The
 bash block runs in a session of its own; the server it leaves in the background is killed with it."""
 
 from __future__ import annotations
@@ -45,12 +45,15 @@ def test_readme_serving_example_runs(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     # `pakv-onnx` is the installed script (pip install -e: this checkout, as PYTHONPATH also says)
     script = "set -euo pipefail\n" + bash.replace("8000", port)
-    shell = subprocess.Popen(
-        ["bash", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    # Files, not pipes: the server the block leaves running keeps its output open after the block ends.
+    out_file, err_file = tmp_path / "stdout", tmp_path / "stderr"
+    with out_file.open("w") as stdout, err_file.open("w") as stderr:
+        shell = subprocess.Popen(
+            ["bash", "-c", script], cwd=tmp_path, env=env, stdout=stdout, stderr=stderr, start_new_session=True
+        )
     try:
-        out, err = shell.communicate(timeout=600)
+        shell.wait(300)
+        out, err = out_file.read_text(), err_file.read_text()
         assert shell.returncode == 0, err[-3000:]
         assert '"object":"text_completion"' in out and '"finish_reason":"length"' in out, out[-2000:]
         run = subprocess.run(
