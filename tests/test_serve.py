@@ -359,3 +359,23 @@ def test_signal_stops_accepting_and_exits_0(serve_folder: Path, sig: int, grace:
             assert tokens < 1000  # cancelled mid-way
         else:
             assert reasons[-1] in ("length", "stop") and b"data: [DONE]" in received
+
+
+def test_help_and_refusals_need_no_extra(tmp_path: Path) -> None:
+    """`pakv-onnx --help`, `serve --help` and a refused folder work where fastapi, uvicorn, ray and
+    onnxruntime_genai cannot be imported (and import none of them, nor torch)."""
+    import subprocess
+    import sys
+
+    blocked = ["fastapi", "uvicorn", "ray", "onnxruntime_genai", "torch", "jinja2"]
+    script = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "from pakv_onnx import cli\n"
+        "assert cli.main(['serve', '--help']) == 0\n"
+        f"assert cli.main(['serve', {str(tmp_path / 'none')!r}]) == 2\n"
+        "import pakv_onnx.serve.folder\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "OpenAI HTTP API" in done.stdout and "no such folder" in done.stderr
