@@ -102,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         f"{done.config['model']['decoder']['session_options']['custom_ops_library']}"
     )
     print(f"serve it: og.Engine(og.Model({str(done.out_dir)!r}))  (pip install 'pakv-onnx[genai]')")
+    print(f"or over HTTP: pakv-onnx serve {done.out_dir}  (OpenAI API; pip install 'pakv-onnx[serve]')")
     return 0
 
 
