@@ -21,6 +21,9 @@ Sources (pakv_onnx/native_lib/):
     pakv_bridge.c    the Python bridge: backend names, the callback, exit handling
     pakv_device.c    device copies: the CUDA / CANN driver opened with dlopen on first use (no link-time
                      dependency), async device-to-device copies of a plan on ORT's stream
+    pakv_device_cuda.c  a CUDA call's copies in one launch: one cuMemcpyBatchAsync, else one launch of
+                     the copy kernel whose PTX pakv_cuda_copy_ptx.h embeds (generated from pakv_cuda_copy.cu;
+                     never compiled here: no nvcc needed), else one copy per run
     pakv_ep.c        execution providers: the CPU/CUDA/CANN entries' table, host-resident index inputs,
                      ORT's compute stream and intra-op pool (KernelContext_ParallelFor)
 
@@ -40,7 +43,7 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_writable.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_attention_walk.c", "pakv_attention_walk16.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_ep.c"]
+SOURCES = ["pakv_core.c", "pakv_writable.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_attention_walk.c", "pakv_attention_walk16.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_device_cuda.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",
@@ -56,6 +59,8 @@ HEADERS = [
     "pakv_bridge.h",
     "pakv_dtypes.h",
     "device_abi.h",
+    "pakv_cuda_copy_ptx.h",
+    "pakv_device_internal.h",
     "pakv_device.h",
     "pakv_ep.h",
     "pakv_ort.h",

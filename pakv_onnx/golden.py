@@ -147,44 +147,90 @@ def attend_visible(scores: torch.Tensor, visible: torch.Tensor, values: torch.Te
 # --------------------------------------------------------------------------------------------- #
 # com.microsoft::PagedAttention (ORT's fused op)
 # --------------------------------------------------------------------------------------------- #
+def _round_once(hi: torch.Tensor, lo: torch.Tensor, bits: int, min_step: int) -> torch.Tensor:
+    """The exact value ``hi + lo`` (float64, |lo| at most half an ulp of hi) rounded once, to nearest
+    even, to ``bits`` significand bits with steps no finer than ``2^min_step`` (float16: 11, -24;
+    float32: 24, -149), as float64. torch's float64 -> float16 conversion rounds twice (through
+    float32), so the rounding is done here, on the scaled significand."""
+    _, exponent = torch.frexp(hi)  # |hi| in [2^(e-1), 2^e)
+    step = torch.clamp(exponent - bits, min=min_step)
+    m = torch.ldexp(hi, -step)
+    r = torch.round(m)  # half to even
+    r = r + ((m - r == 0.5) & (lo > 0)).double() - ((m - r == -0.5) & (lo < 0)).double()  # exactly halfway: lo decides
+    return torch.where(torch.isfinite(hi), torch.ldexp(r, step), hi)
+
+
+def _rotate(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, s: torch.Tensor, sign: float, dtype: torch.dtype) -> torch.Tensor:
+    """One rotated channel ``a c + sign b s`` (T values) in the arithmetic of ORT's CUDA kernel:
+    float16 ``T(a c + T(sign b s))`` (one fused multiply-add in half), bfloat16 every operation in
+    float32 rounded to T, float32 the float16 form in fp32."""
+    if dtype == torch.bfloat16:
+        ac = (a.float() * c.float()).to(dtype).float()
+        bs = ((sign * b.float()).to(dtype).float() * s.float()).to(dtype).float()
+        return (ac + bs).to(dtype)
+    bits, min_step = (11, -24) if dtype == torch.float16 else (24, -149)
+    product = (sign * b.double()) * s.double()  # exact
+    bs = _round_once(product, torch.zeros_like(product), bits, min_step)
+    p = a.double() * c.double()  # exact
+    hi = p + bs
+    back = hi - p
+    lo = (p - (hi - back)) + (bs - back)  # hi + lo == p + bs exactly
+    return _round_once(hi, lo, bits, min_step).float().to(dtype)
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """RMSNorm of heads ``[N, H, D]`` (T) as ORT's CUDA kernel: float32 squares summed by a tree over
+    the smallest power of two >= max(32, D) lanes, the mean, + eps, 1 / sqrt (correctly rounded float32;
+    the GPU's rsqrtf is approximate), float32 ``(x inv) w``, rounded to T. Divisions are tensor by
+    tensor (torch's division by a Python number multiplies by its inverse on CUDA)."""
+    d = x.shape[-1]
+    lanes = 32
+    while lanes < d:
+        lanes *= 2
+    tree = torch.zeros(x.shape[:-1] + (lanes,), dtype=torch.float32, device=x.device)
+    tree[..., :d] = x.float() * x.float()
+    while tree.shape[-1] > 1:  # lane c adds lane c + stride
+        tree = tree[..., : tree.shape[-1] // 2] + tree[..., tree.shape[-1] // 2 :]
+    mean = tree[..., 0] / torch.full_like(tree[..., 0], float(d))
+    mean = mean + torch.full_like(mean, epsilon)
+    inverse = (1.0 / torch.sqrt(mean.double())).float()
+    return ((x.float() * inverse[..., None]) * weight.float()).to(x.dtype)
+
+
 def _prepare_heads(
     plan: OrtAttentionPlan, x: torch.Tensor, weight: torch.Tensor | None, rotary: tuple[torch.Tensor | None, ...]
 ) -> torch.Tensor:
     """Heads ``[N, H, D]`` of T through RMSNorm (with ``weight``) and rotary (``rotary``: cos_cache,
-    sin_cache) at each token's position, in float64, rounded to float32 and then to T after each step
-    (where ORT's kernel rounds)."""
-    dtype, d = plan.dtype, plan.head_dim
+    sin_cache) at each token's position, operation for operation as ORT's CUDA kernel
+    (docs/ort-paged-attention.md "Cache bytes")."""
+    dtype = plan.dtype
     if weight is not None:
-        total = torch.zeros(x.shape[:2], dtype=torch.float64)
-        for c in range(d):  # channel by channel: the contract's summation order
-            total += x[..., c].double() * x[..., c].double()
-        inverse = 1.0 / torch.sqrt(total / d + float(plan.epsilon))
-        x = ((x.double() * inverse[..., None]) * weight.double()).float().to(dtype)
+        x = _norm(x.to(dtype), weight, float(plan.epsilon))
     if plan.rotary_dim == 0:
         return x
     half, offset = plan.rotary_dim // 2, plan.rotary_offset
-    cos, sin = (table.double()[plan.positions][:, None, :] for table in rotary)  # [N, 1, half]
+    cos, sin = (table[plan.positions][:, None, :] for table in rotary)  # [N, 1, half]
     out = x.clone()
     for r in range(plan.rotary_dim):
         if plan.rotary_interleaved:  # pairs (2i, 2i + 1)
             i, partner, sign = r // 2, r + 1 - 2 * (r % 2), -1.0 if r % 2 == 0 else 1.0
         else:  # halves (i, i + half)
             i, partner, sign = r % half, (r + half) % plan.rotary_dim, -1.0 if r < half else 1.0
-        a, b = x[..., offset + r].double(), x[..., offset + partner].double()
-        out[..., offset + r] = (a * cos[..., i] + sign * (b * sin[..., i])).float().to(dtype)
+        a, b = x[..., offset + r], x[..., offset + partner]
+        out[..., offset + r] = _rotate(a, b, cos[..., i], sin[..., i], sign, dtype)
     return out
 
 
 def _quantized(row: torch.Tensor, cache_dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """T values as the cache's elements: int8 round-half-even(x / scale) clamped (NaN 0), float8e4m3fn
-    x / scale clamped to +-448 (NaN 448), both with fp32 ``x * (1 / scale)`` (a zero scale stores 0)."""
+    """T values as the cache's elements, as ORT's CUDA kernel stores them: q = x / scale in float32 (a
+    zero scale stores 0); int8 fmax(q, -128) (NaN -> -128), fmin(., 127), rounded half to even;
+    float8e4m3fn fmin(q, 448) (NaN -> 448), fmax(., -448), rounded to nearest even."""
     if cache_dtype not in (torch.int8, torch.float8_e4m3fn):
         return row.to(cache_dtype)
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / torch.where(scale == 0, 1.0, scale))
-    v = row.float() * inverse
+    v = torch.where(scale == 0, torch.zeros_like(scale), row.float() / torch.where(scale == 0, 1.0, scale))
     if cache_dtype == torch.int8:
-        return torch.nan_to_num(v, nan=0.0).clamp(-128, 127).round().to(torch.int8)
-    return torch.nan_to_num(v, nan=448.0).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return torch.fmin(torch.fmax(v, torch.full_like(v, -128.0)), torch.full_like(v, 127.0)).round().to(torch.int8)
+    return torch.fmax(torch.fmin(v, torch.full_like(v, 448.0)), torch.full_like(v, -448.0)).to(torch.float8_e4m3fn)
 
 
 def _scales(scale: torch.Tensor | None, heads: int, dim: int) -> torch.Tensor | None:
@@ -254,6 +300,9 @@ def ort_attention_golden(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -
                 if plan.softcap > 0:
                     scores = plan.softcap * torch.tanh(scores / plan.softcap)
                 logits = scores if plan.head_sink is None else torch.cat([scores, plan.head_sink[h : h + 1].double()])
-                weights = torch.softmax(logits, dim=0)[: len(where)]
+                weights = torch.softmax(logits, dim=0)
+                if bool(weights.isnan().any()):  # a NaN or +inf logit, or every logit -inf: the row is NaN
+                    out[start + j, h] = float("nan")
+                    continue
                 present = scores > float("-inf")  # a -inf score is absent: its value row is never read
-                out[start + j, h] = (weights[present] @ v[present, g]).float().to(out.dtype)
+                out[start + j, h] = (weights[: len(where)][present] @ v[present, g]).float().to(out.dtype)

@@ -403,7 +403,8 @@ def _set_attributes(target: Any, attributes: dict[str, Any]) -> None:
                 value = value.decode(errors="replace")
             if not isinstance(value, str):
                 raise TypeError(f"{name} must be a string, got {type(value).__name__}")
-            setattr(target, name, value.encode()[: native_lib.FUSED_STRING_LEN - 1])
+            field = ctypes.addressof(target) + getattr(type(target), name).offset
+            native_lib.fused_string_attribute(field, value.encode(errors="surrogatepass"))
         elif name in _FLOAT_ATTRIBUTES:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise TypeError(f"{name} must be a float, got {type(value).__name__}")

@@ -220,6 +220,15 @@ class FakeRuntime:
             size[0] = len(text)
             return None
 
+        def copy_string(text: bytes, out, size):  # ORT's rule: the size asked for first (out NULL), then the text
+            if out:
+                if size[0] < len(text):
+                    size[0] = len(text)
+                    return self._status("buffer too small", 1)
+                ctypes.memmove(out, text, len(text))
+            size[0] = len(text)
+            return None
+
         def attribute(info, name, kinds):
             attrs = self._get(info)
             key = name.decode()
@@ -246,16 +255,7 @@ class FakeRuntime:
         @slot("KernelInfoGetAttribute_string", _V, _V, C, _V, P(S))
         def attr_string(info, name, out, size):
             value, status = attribute(info, name, str)
-            if status is not None:
-                return status
-            text = value.encode() + b"\0"
-            if out:
-                if size[0] < len(text):
-                    size[0] = len(text)
-                    return self._status("buffer too small", 1)
-                ctypes.memmove(out, text, len(text))
-            size[0] = len(text)
-            return None
+            return status if status is not None else copy_string(value.encode() + b"\0", out, size)
 
         for array in ("KernelInfoGetAttributeArray_float", "KernelInfoGetAttributeArray_int64"):
 
@@ -265,6 +265,32 @@ class FakeRuntime:
                 if status is None:
                     size[0] = 0
                 return status
+
+        def node_outputs(info):  # the node's output names ("" for an absent optional one)
+            return self._get(info).get("(outputs)", ("output", "key_cache_out", "value_cache_out"))
+
+        @slot("KernelInfo_GetOutputCount", _V, _V, P(S))
+        def info_output_count(info, out):
+            out[0] = len(node_outputs(info))
+            return None
+
+        @slot("KernelInfo_GetOutputName", _V, _V, S, _V, P(S))
+        def info_output_name(info, index, out, size):
+            return copy_string(node_outputs(info)[index].encode() + b"\0", out, size)
+
+        @slot("KernelInfo_GetInputName", _V, _V, S, _V, P(S))
+        def info_input_name(info, index, out, size):
+            return copy_string(f"input_{index}".encode() + b"\0", out, size)
+
+        @slot("KernelInfo_GetNodeName", _V, _V, _V, P(S))
+        def info_node_name(info, out, size):
+            return copy_string(b"node\0", out, size)
+
+        @slot("KernelInfoGetConstantInput_tensor", _V, _V, S, P(ctypes.c_int), P(_V))
+        def constant_input(info, index, is_constant, out):  # "(constants)": the input indices that are initializers
+            is_constant[0] = int(index in self._get(info).get("(constants)", ()))
+            out[0] = None
+            return None
 
         @slot("KernelContext_GetInputCount", _V, _V, P(S))
         def input_count(ctx, out):
@@ -418,12 +444,22 @@ class FakeRuntime:
         self.op(op_address).KernelDestroy(kernel)
 
 
-def build_fake_driver(directory: Path) -> Path:
-    """Compile tests/native/fake_device_driver.c (the fake CUDA/CANN driver) into ``directory``."""
-    out = Path(directory) / "libfake_device_driver.so"
+# The fake CUDA driver's generations: which copy calls it has (fake_device_driver.c's FAKE_NO_* flags).
+FAKE_DRIVER_VARIANTS = {
+    "cuda13": (),  # cuMemcpyBatchAsync_v2, the 12.8 symbol, and the copy kernel's calls
+    "cuda12.8": ("-DFAKE_NO_BATCH_V2",),  # the first batched copy, with failIdx
+    "cuda12.0": ("-DFAKE_NO_BATCH_V2", "-DFAKE_NO_BATCH_V1"),  # no batched copy: the copy kernel
+    "cuda11.0": ("-DFAKE_NO_BATCH_V2", "-DFAKE_NO_BATCH_V1", "-DFAKE_NO_KERNEL"),  # one copy per run
+}
+
+
+def build_fake_driver(directory: Path, variant: str = "cuda13") -> Path:
+    """Compile tests/native/fake_device_driver.c (the fake CUDA/CANN driver, as ``variant`` of
+    FAKE_DRIVER_VARIANTS) into ``directory``."""
+    out = Path(directory) / f"libfake_device_driver_{variant}.so"
     subprocess.run(
         ["gcc", "-std=c11", "-O1", "-g", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{NATIVE_LIB_DIR}",
-         "-o", str(out), str(FAKE_DRIVER_SOURCE), "-pthread"],  # fmt: skip
+         *FAKE_DRIVER_VARIANTS[variant], "-o", str(out), str(FAKE_DRIVER_SOURCE), "-pthread"],  # fmt: skip
         check=True,
     )
     return out

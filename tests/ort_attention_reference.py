@@ -4,13 +4,17 @@ docs/ort-paged-attention.md), not from this project's C code.
 
 Three parts, each in the precision its contract states:
 
-* the prologue (q/k RMSNorm, rotary at position past + j): float64 arithmetic, rounded to float32
-  and then to the query's type T at the points ORT rounds (after the norm, after rotary) -- the
-  cache write is compared bit for bit, so the rounding is the contract's;
+* the prologue (q/k RMSNorm, rotary at position past + j) in the arithmetic of ORT's CUDA kernel
+  (QkNormRotaryTNH as onnxruntime-gpu 1.31.1 compiles it for sm_90a; docs/ort-paged-attention.md
+  "Cache bytes"): the norm's squares, tree sum, mean, scaling and weight in float32, rounded to T;
+  rotary in T's arithmetic: float16 one fused multiply-add ``T(a c + T(sign b s))``, bfloat16 through
+  float32 rounded to T after each operation, float32 (the plugin's own) the float16 form in fp32 --
+  the cache write is compared bit for bit. The one operation not mirrored to the bit is the GPU's
+  approximate rsqrtf: here the correctly rounded fp32 1 / sqrt;
 * the write: every token with a slot (slot_mapping's, or derived from its position through
   block_table; -1 skips) stores its key / value rows; int8 and float8e4m3fn caches store
-  ``q(x * (1 / scale))`` with fp32 arithmetic (int8: round half to even, clamp to [-128, 127],
-  NaN -> 0; float8e4m3fn: clamp to +-448 with NaN -> 448, round to nearest even);
+  ``q(x / scale)`` with fp32 arithmetic (a zero scale stores 0; int8: clamp to [-128, 127] with
+  NaN -> -128, round half to even; float8e4m3fn: clamp to +-448 with NaN -> 448, round to nearest even);
 * attention: the attention core's float64 reference (attention_reference.py: dequantized elements
   e x scale, scores scale x q.k, softcap c tanh(s / c), a window, causal or not, one sink logit with
   no value), ORT's attributes mapped onto it; the result returned in float64 for the test to round
@@ -89,16 +93,14 @@ def float8_decode(codes: np.ndarray) -> np.ndarray:
 
 
 def quantize(values: np.ndarray, scale: np.ndarray, cache_dtype: str) -> np.ndarray:
-    """T values (float32) -> int8 / float8e4m3fn codes with fp32 ``x * (1 / scale)`` (a zero scale stores 0)."""
+    """T values (float32) -> int8 / float8e4m3fn codes with fp32 ``x / scale`` (a zero scale stores 0),
+    clamped with fmax / fmin as the CUDA kernel (a NaN takes the first bound: -128, or 448)."""
     scale = scale.astype(np.float32)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inverse = np.where(scale == 0, np.float32(0), np.float32(1) / np.where(scale == 0, np.float32(1), scale))
-        v = (values.astype(np.float32) * inverse).astype(np.float32)
+        v = np.where(scale == 0, np.float32(0), values.astype(np.float32) / scale).astype(np.float32)
     if cache_dtype == "int8":
-        clamped = np.clip(np.rint(np.nan_to_num(v, nan=0.0, posinf=127.0, neginf=-128.0)), -128, 127)
-        return clamped.astype(np.int8)
-    v = np.where(np.isnan(v), np.float32(FLOAT8_MAX), v)  # fminf(448, NaN) = 448
-    return float8_encode(np.clip(v, -FLOAT8_MAX, FLOAT8_MAX))
+        return np.rint(np.fmin(np.fmax(v, np.float32(-128)), np.float32(127))).astype(np.int8)
+    return float8_encode(np.fmax(np.fmin(v, np.float32(FLOAT8_MAX)), np.float32(-FLOAT8_MAX)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,32 +147,78 @@ def _heads(rows: np.ndarray, heads: int, d: int) -> np.ndarray:
     return rows.reshape(rows.shape[0], heads, d).astype(np.float32)
 
 
+def round_once(hi: np.ndarray, lo: np.ndarray, dtype: str) -> np.ndarray:
+    """The exact value ``hi + lo`` (float64 pairs, |lo| at most half an ulp of hi) rounded once to
+    ``dtype`` (float16 / float32), returned as float32. numpy converts float64 straight to float16
+    (one rounding); where hi is exactly halfway between two T values, lo says which side is nearer."""
+    np_dtype = np.float16 if dtype == "float16" else np.float32
+    with np.errstate(over="ignore", invalid="ignore"):
+        r = hi.astype(np_dtype)
+        gap = hi - r.astype(np.float64)
+        other = np.nextafter(r, np.where(gap > 0, np_dtype(np.inf), np_dtype(-np.inf)).astype(np_dtype))
+        halfway = np.isfinite(r) & (gap != 0) & (hi == (r.astype(np.float64) + other.astype(np.float64)) / 2)
+        r = np.where(halfway & (np.sign(lo) == np.sign(gap)), other, r)
+    return r.astype(np.float32)
+
+
+def fused_multiply_add(a: np.ndarray, c: np.ndarray, t: np.ndarray, dtype: str) -> np.ndarray:
+    """``a c + t`` (T values as float32; a c is exact in float64) rounded once to T: one FMA in T."""
+    p = a.astype(np.float64) * c.astype(np.float64)
+    hi = p + t.astype(np.float64)
+    back = hi - p
+    lo = (p - (hi - back)) + (t.astype(np.float64) - back)  # hi + lo == p + t exactly
+    return round_once(hi, lo, dtype)
+
+
+def rotate(a: np.ndarray, b: np.ndarray, c: np.ndarray, s: np.ndarray, sign: float, dtype: str) -> np.ndarray:
+    """One rotated channel ``a c + sign b s`` in T's arithmetic on the GPU (see the module's docstring)."""
+    f32 = np.float32
+    if dtype == "bfloat16":  # onnxruntime::BFloat16: every operation in fp32, rounded back to bf16
+        ac = round_bfloat16(a.astype(f32) * c.astype(f32))
+        bs = round_bfloat16(round_bfloat16(f32(sign) * b.astype(f32)) * s.astype(f32))
+        return round_bfloat16(ac + bs)
+    product = (f32(sign) * b.astype(f32)).astype(np.float64) * s.astype(np.float64)  # exact
+    bs = round_once(product, np.zeros_like(product), dtype)  # T(sign b s), one rounding
+    return fused_multiply_add(a, c, bs, dtype)
+
+
+def norm(x: np.ndarray, weight: np.ndarray, dtype: str, eps: float) -> np.ndarray:
+    """RMSNorm of heads [N, H, D] (T values) as the CUDA kernel: fp32 squares summed by a tree over the
+    smallest power of two >= max(32, D) lanes, mean, + eps, 1 / sqrt (correctly rounded fp32 here; an
+    approximate rsqrtf on the GPU), fp32 (x inv) w, rounded to T."""
+    f32 = np.float32
+    d = x.shape[-1]
+    lanes = 32
+    while lanes < d:
+        lanes *= 2
+    tree = np.zeros(x.shape[:-1] + (lanes,), f32)
+    tree[..., :d] = x.astype(f32) * x.astype(f32)
+    while tree.shape[-1] > 1:  # lane c adds lane c + stride
+        half = tree.shape[-1] // 2
+        tree = tree[..., :half] + tree[..., half:]
+    mean = tree[..., 0] / f32(d) + f32(eps)
+    inverse = (1.0 / np.sqrt(mean.astype(np.float64))).astype(f32)
+    return round_to((x.astype(f32) * inverse[..., None]) * weight.astype(f32), dtype)
+
+
 def prepare(x: np.ndarray, weight: np.ndarray | None, positions: np.ndarray, call: Call) -> np.ndarray:
     """Heads [N, H, D] of T values through RMSNorm (weight given) then rotary (do_rotary): T values."""
-    n, h, d = x.shape
     dtype = call.dtype
     if weight is not None:
-        total = np.zeros((n, h))
-        for c in range(d):  # in channel order: the contract's summation order (each square is exact)
-            total = total + x[..., c].astype(np.float64) * x[..., c].astype(np.float64)
-        eps = float(np.float32(call.attr("qk_norm_epsilon", 1e-6)))
-        inverse = 1.0 / np.sqrt(total / d + eps)
-        x = round_to(
-            ((x.astype(np.float64) * inverse[..., None]) * weight.astype(np.float64)).astype(np.float32), dtype
-        )
+        x = norm(x, weight, dtype, float(np.float32(call.attr("qk_norm_epsilon", 1e-6))))
     if not call.attr("do_rotary", 0):
         return x
     half, offset = call.cos_cache.shape[1], call.attr("rotary_offset", 0)
     out = x.copy()
-    cos = call.cos_cache[positions].astype(np.float64)[:, None, :]  # [N, 1, half]
-    sin = call.sin_cache[positions].astype(np.float64)[:, None, :]
+    cos = call.cos_cache[positions][:, None, :]  # [N, 1, half]
+    sin = call.sin_cache[positions][:, None, :]
     for r in range(2 * half):
         if call.attr("rotary_interleaved", 0):
             i, partner, sign = r // 2, r - 1 if r % 2 else r + 1, 1.0 if r % 2 else -1.0
         else:
             i, partner, sign = r % half, r + half if r < half else r - half, -1.0 if r < half else 1.0
-        a, b = x[..., offset + r].astype(np.float64), x[..., offset + partner].astype(np.float64)
-        out[..., offset + r] = round_to((a * cos[..., i] + sign * (b * sin[..., i])).astype(np.float32), dtype)
+        a, b = x[..., offset + r], x[..., offset + partner]
+        out[..., offset + r] = rotate(a, b, cos[..., i], sin[..., i], sign, dtype)
     return out
 
 

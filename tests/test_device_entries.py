@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import run_python
-from fake_ort_api import build_fake_driver
+from fake_ort_api import FAKE_DRIVER_VARIANTS, build_fake_driver
 
 from pakv_onnx import native_lib
 
@@ -33,6 +33,17 @@ def _session(*args: str, env: dict[str, str]) -> str:
 
 def _driver_env(path: str) -> dict[str, str]:
     return {"PAKV_ONNX_CUDA_DRIVER": path, "PAKV_ONNX_CANN_DRIVER": path, "FAKE_DRIVER": path}
+
+
+@pytest.mark.parametrize("variant", list(FAKE_DRIVER_VARIANTS))
+def test_cuda_copies_go_in_one_launch_where_the_driver_allows(variant: str, tmp_path) -> None:
+    """The CUDA entries' Norm copies of one call: one cuMemcpyBatchAsync on a CUDA 13 driver (_v2) and
+    on 12.8 (its first symbol, with failIdx), one launch of the embedded PTX copy kernel on a driver
+    without the batched copy (12.0), one cuMemcpyDtoDAsync per run on one without either (11.0); gathers
+    and scatters bit-exact on every one; PAKV_ONNX_CUDA_COPY forcing a path or naming what is missing."""
+    path = str(build_fake_driver(tmp_path, variant))
+    out = _session("paths", env={**_driver_env(path), "FAKE_VARIANT": variant})
+    assert f"ok paths {variant}:" in out
 
 
 def test_every_op_has_cpu_cuda_and_cann_entries_with_host_resident_index_inputs(fake_driver) -> None:

@@ -15,7 +15,9 @@ What is compared, and how closely:
 from __future__ import annotations
 
 import itertools
+import math
 import re
+from fractions import Fraction
 
 import numpy as np
 import onnxruntime as ort
@@ -219,8 +221,8 @@ def test_quantized_caches(dtype: str, cache_dtype: str, quant: str) -> None:
 @pytest.mark.parametrize("cache_dtype", ["int8", "float8e4m3fn"])
 def test_quantization_rounding_and_saturation(cache_dtype: str) -> None:
     """Keys chosen on the rounding rule's edges (scale 1): ties (to even), the clamps, +-inf, NaN
-    (int8: 0, as CUDA's float-to-int conversion gives; float8: 448, as fminf(448, NaN) gives), and
-    float8's subnormals."""
+    (int8: -128, as the CUDA kernel's fmaxf(q, -128) gives before it rounds; float8: 448, as
+    fminf(q, 448) gives), and float8's subnormals."""
     edges = {
         "int8": [2.5, 3.5, -2.5, -3.5, 126.5, 127.5, -128.5, 1e30, -1e30, np.inf, -np.inf, np.nan, 0.4999, -0.5, 7.0],
         "float8e4m3fn": [1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10, 5 * 2.0**-11, 448.0, 464.0, 500.0, -1e9,
@@ -239,7 +241,7 @@ def test_quantization_rounding_and_saturation(cache_dtype: str) -> None:
     np.testing.assert_array_equal(cache_values(got["key_cache_out"]), want.key_cache)
     written = cache_values(got["key_cache_out"])[int(call.inputs["slot_mapping"][0]) // 4, 0, 0]
     expected = {
-        "int8": [2, 4, -2, -4, 126, 127, -128, 127, -128, 127, -128, 0, 0, 0, 7, 0],
+        "int8": [2, 4, -2, -4, 126, 127, -128, 127, -128, 127, -128, -128, 0, 0, 7, 0],
         "float8e4m3fn": [
             0x38,
             0x3A,
@@ -505,8 +507,13 @@ for name, tensor in call.inputs.items():
         array.tofile(os.path.join(folder, name))
         array = np.memmap(os.path.join(folder, name), dtype=array.dtype, mode="r", shape=array.shape)
     feeds[name] = array
-# No cache outputs: the op writes its cache inputs in place (ORT's contract for this op).
-session = runtime_plugin.make_session(model_for(call, outputs=("output",)))
+# No cache outputs: the op writes its cache inputs in place (ORT's contract for this op). A raw
+# InferenceSession: make_session's own session refuses the memmap (writeable=False) before ORT runs.
+import onnxruntime as ort
+options = ort.SessionOptions()
+runtime_plugin.register(options)
+session = ort.InferenceSession(model_for(call, outputs=("output",)).SerializeToString(), options,
+                               providers=["CPUExecutionProvider"])
 try:
     session.run(None, feeds)
     print("RAN")
@@ -566,3 +573,57 @@ def test_an_initializer_pool_on_the_alias_route_is_refused_by_name() -> None:
     first = session.run(None, feeds)
     second = session.run(None, feeds)
     np.testing.assert_array_equal(first[1], second[1])  # each run starts from the model's constant
+
+
+# ----------------------------------------------------------------------------------------------
+# The rotated key bytes, from first principles (exact rationals): ORT's CUDA arithmetic, not once-rounded
+# ----------------------------------------------------------------------------------------------
+def _nearest(x: Fraction, bits: int, min_step: int) -> Fraction:
+    """x rounded to nearest (ties to even) in a binary format of ``bits`` significand bits whose
+    smallest step is 2^min_step (no overflow: the values here are small)."""
+    if x == 0:
+        return x
+    step = max(math.floor(math.log2(abs(x))) - bits + 1, min_step)
+    while abs(x) >= Fraction(2) ** (step + bits):  # log2's float rounding, corrected
+        step += 1
+    m = x / Fraction(2) ** step
+    r = math.floor(m)
+    if m - r > Fraction(1, 2) or (m - r == Fraction(1, 2) and r % 2):
+        r += 1
+    return r * Fraction(2) ** step
+
+
+def _cuda_rotation(a: Fraction, b: Fraction, c: Fraction, s: Fraction, sign: int, dtype: str) -> Fraction:
+    """``a c + sign b s`` as ORT's CUDA kernel computes it for T (its SASS for sm_90a): float16 one
+    fused multiply-add over a rounded product, bfloat16 every operation in fp32 rounded to bf16."""
+    if dtype == "float16":
+        return _nearest(a * c + _nearest(sign * b * s, 11, -24), 11, -24)
+    bf16 = lambda v: _nearest(v, 8, -133)  # noqa: E731
+    return bf16(_nearest(bf16(a * c) + bf16(sign * b * s), 24, -149))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_rotated_keys_are_the_cuda_kernels_bytes(dtype: str) -> None:
+    """Every rotated key element the plugin writes equals the CUDA kernel's arithmetic computed with
+    exact rationals (no numpy, torch or C), and the case tells that arithmetic from a rotation rounded
+    once from the exact value (the plugin's before issue 36): some elements differ between the two."""
+    call = random_ort_call(36, dtype=dtype, rotary="half", sequences=((5, 4), (0, 6)), slots="given")
+    got = cache_values(run_plugin(call.clone())["key_cache_out"])
+    inputs = {k: None if v is None else v.float().numpy() for k, v in call.inputs.items()}
+    hk, d, bs = call.attributes["kv_num_heads"], inputs["key_cache"].shape[3], inputs["key_cache"].shape[1]
+    half = inputs["cos_cache"].shape[1]
+    positions = [p + j for p, n in ((5, 4), (0, 6)) for j in range(n)]
+    once_rounded_differs = 0
+    for t, position in enumerate(positions):
+        slot = int(call.inputs["slot_mapping"][t])
+        keys = inputs["key"][t].reshape(hk, d)
+        for g in range(hk):
+            for r in range(2 * half):
+                i, partner, sign = r % half, (r + half) % (2 * half), -1 if r < half else 1
+                a, b = Fraction(float(keys[g, r])), Fraction(float(keys[g, partner]))
+                c, s = Fraction(float(inputs["cos_cache"][position, i])), Fraction(float(inputs["sin_cache"][position, i]))
+                want = _cuda_rotation(a, b, c, s, sign, dtype)
+                assert Fraction(float(got[slot // bs, slot % bs, g, r])) == want, (t, g, r)
+                bits = (11, -24) if dtype == "float16" else (8, -133)
+                once_rounded_differs += _nearest(a * c + sign * b * s, *bits) != want
+    assert once_rounded_differs > 0

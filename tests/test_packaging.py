@@ -309,7 +309,8 @@ def test_the_stated_onnxruntime_range_is_the_one_ci_tests() -> None:
 
 # com.microsoft::PagedAttention on a bare runtime: fp32, separate QKV, rotary at past + j, derived
 # slots, a ragged batch (a decode row, a two-token chunk); the caches compared exactly with a numpy
-# write, the output with a numpy attention (1e-5).
+# write (rotary rounded as the CUDA kernel's fused multiply-add: a float64 sum of an exact product and
+# a float32 term, exact for these magnitudes, rounded once), the output with a numpy attention (1e-5).
 BARE_ORT_ATTENTION_SCRIPT = textwrap.dedent(
     """
     import sys
@@ -340,11 +341,13 @@ BARE_ORT_ATTENTION_SCRIPT = textwrap.dedent(
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     output, key_cache, value_cache = session.run(None, feeds)
 
-    def rotate(x, position):  # halves, in float64, rounded to float32
+    def rotate(x, position):  # halves: fp32(a c + fp32(sign b s)), the CUDA kernel's fused form in fp32
         c, s = np.cos(angles[position]), np.sin(angles[position])
         c, s = c.astype(np.float32).astype(np.float64), s.astype(np.float32).astype(np.float64)
         a, b = x[..., :8].astype(np.float64), x[..., 8:].astype(np.float64)
-        return np.concatenate([a * c - b * s, b * c + a * s], -1).astype(np.float32)
+        first = a * c + (-(b * s)).astype(np.float32).astype(np.float64)
+        second = b * c + (a * s).astype(np.float32).astype(np.float64)
+        return np.concatenate([first, second], -1).astype(np.float32)
 
     keys, values, queries = feeds["key_cache"].copy(), feeds["value_cache"].copy(), []
     for b, (start, past) in enumerate(((0, 2), (1, 3))):

@@ -26,7 +26,9 @@ import torch
 from onnx import helper as h
 
 from pakv_onnx import ops
+from pakv_onnx.export.torch_op import meta_routed
 from pakv_onnx.spec import DOMAIN, MS_DOMAIN, MS_OPSET_VERSION, ONNX_TYPE_OF, ORT_ATTENTION
+from pakv_onnx.validator import plan_ort_attention
 
 OP_NAME = "ort_paged_attention"
 FUNCTIONAL_OP_NAME = "ort_paged_attention_functional"
@@ -87,6 +89,9 @@ def _fake(*args, **kwargs) -> torch.Tensor:
 def _functional_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The op on copies of the caches (what a traced graph records; eager code calls the in-place op)."""
     inputs, attributes = _split(args, kwargs)
+    # The rules on the caller's pools first (an input stored inside one is refused by name, as on every
+    # other path): the copies below would share no bytes with anything.
+    plan_ort_attention(inputs, attributes)
     inputs[3] = inputs[3].clone()
     inputs[4] = inputs[4].clone() if inputs[4] is not None else None
     out = ops.ort_paged_attention(*inputs, **attributes)
@@ -104,9 +109,11 @@ _LIBRARY = torch.library.Library(DOMAIN, "FRAGMENT")
 
 
 def _define(name: str, schema: str, kernel, fake):
+    """``torch.ops.pakv.<name>``; a meta tensor among real ones runs ``kernel``, whose validator names it
+    (the fake alone would return uninitialised memory and write nothing)."""
     _LIBRARY.define(name + schema)
     _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{DOMAIN}::{name}", fake, lib=_LIBRARY)
+    torch.library.register_fake(f"{DOMAIN}::{name}", meta_routed(kernel, fake), lib=_LIBRARY)
     return getattr(getattr(torch.ops, DOMAIN), name)
 
 

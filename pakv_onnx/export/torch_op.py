@@ -77,6 +77,15 @@ def _define(name: str, schema: str, kernel, fake, *, meta_needs_data: bool = Fal
     ``meta_needs_data``: an op whose output size depends on index values) runs ``kernel`` instead, whose
     validator names the meta tensor; an all-meta call of a shape-only op keeps the fake (meta in, meta out).
     """
+    _LIBRARY.define(name + schema)
+    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"{DOMAIN}::{name}", meta_routed(kernel, fake, meta_needs_data), lib=_LIBRARY)
+    return getattr(getattr(torch.ops, DOMAIN), name)
+
+
+def meta_routed(kernel, fake, meta_needs_data: bool = False):
+    """The fake kernel to register for an op: ``fake`` under tracing, ``kernel`` for an eager call that
+    has a meta tensor among real ones (see :func:`_define`)."""
     from torch._subclasses.fake_tensor import is_fake
 
     def meta_or_fake(*args, **kwargs):
@@ -85,10 +94,7 @@ def _define(name: str, schema: str, kernel, fake, *, meta_needs_data: bool = Fal
             return kernel(*args, **kwargs)
         return fake(*args, **kwargs)
 
-    _LIBRARY.define(name + schema)
-    _LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"{DOMAIN}::{name}", meta_or_fake, lib=_LIBRARY)
-    return getattr(getattr(torch.ops, DOMAIN), name)
+    return meta_or_fake
 
 
 def _gather_kernel(*args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

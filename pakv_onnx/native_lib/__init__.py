@@ -397,12 +397,14 @@ _SIGNATURES = {
     "pakv_fused_plan_size": ([], ctypes.c_size_t),
     "pakv_fused_call_size": ([], ctypes.c_size_t),
     "pakv_fused_defaults": ([ctypes.c_void_p], None),
+    "pakv_fused_string_attribute": ([ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t], None),
     "pakv_fused_scratch_needed": ([ctypes.c_void_p], ctypes.c_int64),
     "pakv_fused_bind_plan": ([ctypes.c_void_p] * 5, None),
     "pakv_plan_fused": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_check_fused_outputs": ([ctypes.c_void_p], ctypes.c_int),
     "pakv_fused_attention": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_fused_writable": ([ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
+    "pakv_cuda_copy_paths": ([ctypes.c_void_p], None),
     "pakv_attention_threads": ([ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_int),
     "pakv_bind_next_registration": ([ctypes.c_char_p], ctypes.c_int),
     "pakv_bind_next_alias": ([ctypes.c_int], None),
@@ -671,6 +673,12 @@ def fused_defaults(attributes: int) -> None:
     _function("pakv_fused_defaults")(attributes)
 
 
+def fused_string_attribute(field: int, text: bytes) -> None:
+    """A string attribute's bytes into the pakv_fused_attributes field at ``field`` as the C rules see it
+    (cut past FUSED_STRING_LEN - 1 bytes; with a NUL byte inside, described, so the rule refuses it by name)."""
+    _function("pakv_fused_string_attribute")(field, text, len(text))
+
+
 def check_fused_writable(plan_address: int) -> None:
     """``ValueError`` (nothing written) unless the caches of the validated pakv_fused_plan at ``plan_address``
     can be written where its prologue writes (asked of the kernel): what a Python backend calls first."""
@@ -687,3 +695,17 @@ def run_fused(plan_address: int, out: int, query_rows: int, key_cache: int, valu
     error = _scratch.error_address
     if lib.pakv_fused_attention(plan_address, error, ERROR_LEN) != 0:
         raise ValueError(_scratch.error.value.decode(errors="replace"))
+
+
+# How the CUDA entries issued a call's copies (pakv_device.c), in the order the C counters are kept.
+CUDA_COPY_PATHS = ("runs", "batch", "kernel")
+
+
+def cuda_copy_paths() -> dict[str, int]:
+    """Calls of the CUDA device entries since the library loaded, per copy path: ``runs`` (one
+    cuMemcpyDtoDAsync per run: an old driver, a single copy, or ``PAKV_ONNX_CUDA_COPY=runs``),
+    ``batch`` (one cuMemcpyBatchAsync) and ``kernel`` (one launch of the embedded copy kernel).
+    What ORT loaded is this same library file, so its counters are these."""
+    counts = (ctypes.c_longlong * len(CUDA_COPY_PATHS))()
+    load().pakv_cuda_copy_paths(ctypes.addressof(counts))
+    return dict(zip(CUDA_COPY_PATHS, counts))

@@ -56,6 +56,46 @@ typedef pakv_CUresult (*pakv_cuCtxGetCurrent_fn)(pakv_CUcontext* ctx);
 typedef pakv_CUresult (*pakv_cuStreamGetCtx_fn)(pakv_CUstream stream, pakv_CUcontext* ctx);
 typedef pakv_CUresult (*pakv_cuCtxSetCurrent_fn)(pakv_CUcontext ctx);
 
+/* The batched copy (CUDA >= 12.8). Its symbol and parameters changed once: drivers 12.8 / 12.9 export
+ * cuMemcpyBatchAsync with a failIdx parameter before the stream; CUDA 13 headers map the name to
+ * cuMemcpyBatchAsync_v2, without it (and drivers keep exporting the 12.8 symbol). */
+typedef struct {
+  int type; /* CUmemLocationType; 0 (invalid): no hint */
+  int id;
+} pakv_CUmemLocation;
+
+typedef struct {
+  int srcAccessOrder; /* CUmemcpySrcAccessOrder */
+  pakv_CUmemLocation srcLocHint; /* hints for managed memory only */
+  pakv_CUmemLocation dstLocHint;
+  unsigned int flags; /* CUmemcpyFlags */
+} pakv_CUmemcpyAttributes;
+
+/* CUmemcpySrcAccessOrder: the source is read in stream order (after the stream's earlier work). */
+enum { PAKV_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1 };
+
+typedef pakv_CUresult (*pakv_cuMemcpyBatchAsync_v2_fn)(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes,
+                                                       size_t count, pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs,
+                                                       size_t num_attrs, pakv_CUstream stream);
+typedef pakv_CUresult (*pakv_cuMemcpyBatchAsync_v1_fn)(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes,
+                                                       size_t count, pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs,
+                                                       size_t num_attrs, size_t* fail_idx, pakv_CUstream stream);
+
+/* A kernel from PTX (pakv_cuda_copy.cu), launched on the stream, its run list uploaded first into
+ * stream-ordered memory (CUDA >= 11.2). */
+typedef void* pakv_CUmodule;
+typedef void* pakv_CUfunction;
+typedef pakv_CUresult (*pakv_cuModuleLoadData_fn)(pakv_CUmodule* module, const void* image);
+typedef pakv_CUresult (*pakv_cuModuleGetFunction_fn)(pakv_CUfunction* function, pakv_CUmodule module, const char* name);
+typedef pakv_CUresult (*pakv_cuLaunchKernel_fn)(pakv_CUfunction f, unsigned int grid_x, unsigned int grid_y,
+                                                unsigned int grid_z, unsigned int block_x, unsigned int block_y,
+                                                unsigned int block_z, unsigned int shared_bytes, pakv_CUstream stream,
+                                                void** params, void** extra);
+typedef pakv_CUresult (*pakv_cuMemAllocAsync_fn)(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream);
+typedef pakv_CUresult (*pakv_cuMemFreeAsync_fn)(pakv_CUdeviceptr ptr, pakv_CUstream stream);
+typedef pakv_CUresult (*pakv_cuMemcpyHtoDAsync_fn)(pakv_CUdeviceptr dst, const void* src, size_t bytes,
+                                                   pakv_CUstream stream);
+
 /* ------------------------------------------------------------------------------------------- */
 /* AscendCL runtime (libascendcl.so). aclrtStream is an opaque handle.                          */
 /* ------------------------------------------------------------------------------------------- */

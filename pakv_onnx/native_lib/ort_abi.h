@@ -78,7 +78,9 @@ enum {
   PAKV_SLOT_KernelContext_GetGPUComputeStream = 193,    /* API 10 */
   PAKV_SLOT_GetTensorMemoryInfo = 194,                  /* API 10 */
   PAKV_SLOT_MemoryInfoGetDeviceType = 225,              /* API 14 */
+  PAKV_SLOT_KernelInfo_GetOutputCount = 231,            /* API 14 */
   PAKV_SLOT_KernelInfo_GetInputName = 232,              /* API 14 */
+  PAKV_SLOT_KernelInfo_GetOutputName = 233,             /* API 14 */
   PAKV_SLOT_HasSessionConfigEntry = 237,                /* API 14 */
   PAKV_SLOT_GetSessionConfigEntry = 238,                /* API 14 */
   PAKV_SLOT_KernelInfo_GetNodeName = 244,               /* API 15 */
@@ -124,6 +126,9 @@ typedef OrtStatus* (*pakv_KernelContext_ParallelFor_fn)(const OrtKernelContext* 
 typedef void (*pakv_ReleaseTensorTypeAndShapeInfo_fn)(OrtTensorTypeAndShapeInfo* info);
 typedef OrtStatus* (*pakv_KernelInfo_GetInputName_fn)(const OrtKernelInfo* info, size_t index, char* out,
                                                      size_t* size);
+typedef OrtStatus* (*pakv_KernelInfo_GetOutputCount_fn)(const OrtKernelInfo* info, size_t* out);
+typedef OrtStatus* (*pakv_KernelInfo_GetOutputName_fn)(const OrtKernelInfo* info, size_t index, char* out,
+                                                      size_t* size);
 typedef OrtStatus* (*pakv_KernelInfo_GetNodeName_fn)(const OrtKernelInfo* info, char* out, size_t* size);
 typedef OrtStatus* (*pakv_KernelInfoGetConstantInput_tensor_fn)(const OrtKernelInfo* info, size_t index,
                                                                int* is_constant, const OrtValue** out);

@@ -5,6 +5,7 @@
  * The rules follow ORT's paged_attention_helper.h (CheckInputs) and bert_defs.cc; where this CPU
  * kernel differs (float32 tensors, int64 index tensors, no GPU tiling limits, values checked on the
  * host) docs/ort-paged-attention.md says so. */
+#include <stdio.h>
 #include <string.h>
 
 #include "pakv_contract_fused_internal.h"
@@ -35,6 +36,23 @@ int pakv_fused_quant(const char* value) {
   for (int i = 0; i < 3; i++)
     if (strcmp(value, QUANT_NAMES[i]) == 0) return i;
   return -1;
+}
+
+void pakv_fused_string(char* field, const char* text, size_t length) {
+  const char* nul = text ? memchr(text, 0, length) : NULL;
+  if (!text) /* too long to read: described (and refused: no allowed value is that long) */
+    snprintf(field, PAKV_FUSED_STRING_LEN, "(a string of %llu bytes)", (unsigned long long)(length < 99999999 ? length : 99999999));
+  else if (nul) /* "NONE\0X" is not "NONE": described, so the rule refuses it by name */
+    snprintf(field, PAKV_FUSED_STRING_LEN, "(a NUL at byte %u)", (unsigned)(nul - text < 99999 ? nul - text : 99999));
+  else {
+    size_t kept = length < PAKV_FUSED_STRING_LEN ? length : PAKV_FUSED_STRING_LEN - 1; /* cut: matches nothing */
+    memcpy(field, text, kept);
+    field[kept] = 0;
+  }
+}
+
+PAKV_EXPORT void pakv_fused_string_attribute(char* field, const char* text, size_t length) {
+  pakv_fused_string(field, text, length);
 }
 
 int pakv_fused_latent(const pakv_fused_attributes* a) { return strcmp(a->kv_cache_layout, "LATENT") == 0; }
@@ -168,18 +186,23 @@ static int fused_qkv(const pakv_tensor* t, const pakv_fused_attributes* a, pakv_
                      "v_head_size channels of the latent key");
   if (!s->latent && k->present != v->present)
     return pakv_fail(err, "key and value must be both present, or both absent (query is then packed QKV)");
-  int64_t heads = a->num_heads + (s->packed ? 2 * a->kv_num_heads : 0), hidden = q->dims[1];
+  int64_t heads = a->num_heads, hidden = q->dims[1], kv_columns = 0;
+  if (s->packed && (pakv_mul(a->kv_num_heads, 2, &kv_columns) || pakv_add(heads, kv_columns, &heads)))
+    return pakv_fail(err, "num_heads (%lld) + 2 x kv_num_heads (%lld) overflows int64 (query is packed QKV)",
+                     (long long)a->num_heads, (long long)a->kv_num_heads);
   s->num_tokens = q->dims[0];
   s->head_dim = hidden / heads;
   if (hidden % heads || s->head_dim < 1)
     return pakv_fail(err, "query hidden size %lld must be %s = %lld x head_size with head_size >= 1 (query shape %s)",
                      (long long)hidden, s->packed ? "(num_heads + 2 x kv_num_heads) x head_size (packed QKV)" : "num_heads",
                      (long long)heads, SHAPE(q, shape));
+  if (pakv_mul(a->kv_num_heads, s->head_dim, &s->kv_width)) /* never: kv_num_heads <= heads, so <= hidden */
+    return pakv_fail(err, "kv_num_heads (%lld) x head_size (%lld) overflows int64", (long long)a->kv_num_heads,
+                     (long long)s->head_dim);
   if (s->packed) return 0;
-  if (token_matrix(k, PAKV_FUSED_KEY, q, s->num_tokens, a->kv_num_heads * s->head_dim,
-                   "num_tokens, kv_num_heads x head_size", err))
+  if (token_matrix(k, PAKV_FUSED_KEY, q, s->num_tokens, s->kv_width, "num_tokens, kv_num_heads x head_size", err))
     return -1;
-  return v->present ? token_matrix(v, PAKV_FUSED_VALUE, q, s->num_tokens, a->kv_num_heads * s->head_dim,
+  return v->present ? token_matrix(v, PAKV_FUSED_VALUE, q, s->num_tokens, s->kv_width,
                                    "num_tokens, kv_num_heads x head_size", err)
                     : 0;
 }
@@ -293,10 +316,11 @@ static int fused_optional(const pakv_tensor* t, const pakv_fused_attributes* a, 
     }
     if (sin->dims[0] != cos->dims[0] || sin->dims[1] != cos->dims[1])
       return pakv_fail(err, "sin_cache must have cos_cache's shape %s, got %s", SHAPE(cos, shape), SHAPE(sin, sin_shape));
-    int64_t rotary_dim = 2 * cos->dims[1];
-    if (a->rotary_offset + rotary_dim > s->head_dim)
-      return pakv_fail(err, "rotary_offset (%lld) + rotary_dim (%lld = 2 x cos_cache's dim 1) must not exceed head_size %lld",
-                       (long long)a->rotary_offset, (long long)rotary_dim, (long long)s->head_dim);
+    int64_t rotary_dim = 0, rotary_end = 0;
+    if (pakv_mul(cos->dims[1], 2, &rotary_dim) || pakv_add(a->rotary_offset, rotary_dim, &rotary_end) ||
+        rotary_end > s->head_dim)
+      return pakv_fail(err, "rotary_offset (%lld) + rotary_dim (2 x cos_cache's dim 1 = 2 x %lld) must not exceed "
+                       "head_size %lld", (long long)a->rotary_offset, (long long)cos->dims[1], (long long)s->head_dim);
     s->rotary_dim = a->do_rotary ? rotary_dim : 0;
   }
   if (meta->present) {
@@ -332,7 +356,7 @@ static int fused_scale(const pakv_tensor* t, const pakv_fused_attributes* a, con
   if (!scale->present) return pakv_fail(err, "%s must be given when %s is not 'NONE'", name, attr);
   if (scale->elem_type != PAKV_ONNX_FLOAT32)
     return pakv_fail_type(err, "%s must be float32, got %s", name, pakv_type_name(scale->elem_type));
-  int64_t count = pakv_element_count(scale), want = quant == PAKV_QUANT_PER_TENSOR ? 1 : a->kv_num_heads * s->head_dim;
+  int64_t count = pakv_element_count(scale), want = quant == PAKV_QUANT_PER_TENSOR ? 1 : s->kv_width;
   if (quant == PAKV_QUANT_PER_TENSOR && count != 1)
     return pakv_fail(err, "%s must have exactly 1 element for PER_TENSOR, got shape %s", name, SHAPE(scale, shape));
   int64_t dims[3] = {a->kv_num_heads, 1, s->head_dim};
@@ -343,34 +367,61 @@ static int fused_scale(const pakv_tensor* t, const pakv_fused_attributes* a, con
   return pakv_require_host(scale, name, err);
 }
 
+/* The call writes the caches (in place when it has no cache outputs): an input stored inside one would
+ * change under the call, whichever order the rows are written in. Each extent computed once: O(inputs). */
+static int inputs_apart_from_caches(const pakv_tensor* t, pakv_err* err) {
+  uintptr_t first[2] = {0, 0}, end[2] = {0, 0}, a0, a1;
+  for (int c = 0; c < 2; c++) {
+    const pakv_tensor* cache = &t[PAKV_FUSED_KEY_CACHE + c];
+    if (!cache->present || !pakv_byte_extent(cache, pakv_element_size(cache->elem_type), &first[c], &end[c]))
+      first[c] = end[c] = 0; /* no bytes: nothing to share */
+  }
+  for (int src = 0; src < PAKV_FUSED_INPUTS; src++) {
+    if (src == PAKV_FUSED_KEY_CACHE || src == PAKV_FUSED_VALUE_CACHE || !t[src].present ||
+        !pakv_byte_extent(&t[src], pakv_element_size(t[src].elem_type), &a0, &a1))
+      continue;
+    for (int c = 0; c < 2; c++) {
+      const pakv_tensor* cache = &t[PAKV_FUSED_KEY_CACHE + c];
+      if (a0 < end[c] && first[c] < a1 && strncmp(t[src].device, cache->device, PAKV_DEVICE_LEN) == 0)
+        return pakv_fail(err, "%s overlaps %s in memory: the call writes %s, so no input may share bytes with it",
+                         PAKV_FUSED_NAMES[src], PAKV_FUSED_NAMES[PAKV_FUSED_KEY_CACHE + c],
+                         PAKV_FUSED_NAMES[PAKV_FUSED_KEY_CACHE + c]);
+    }
+  }
+  return 0;
+}
+
 int pakv_fused_inputs(const pakv_tensor* t, const pakv_fused_attributes* a, pakv_fused_shape* s, pakv_err* err) {
   memset(s, 0, sizeof(*s));
   for (int i = 0; i < PAKV_FUSED_RECORDS; i++)
-    if (t[i].present && pakv_record_ok(&t[i], PAKV_FUSED_NAMES[i], err)) return -1;
+    if (t[i].present && (pakv_record_ok(&t[i], PAKV_FUSED_NAMES[i], err) || pakv_refuse_meta(&t[i], PAKV_FUSED_NAMES[i], err)))
+      return -1;
   if (pakv_check_fused_attributes(a, err) || fused_qkv(t, a, s, err) || fused_layout(t, a, s, err) ||
       fused_caches(t, a, s, err) || fused_indices(t, err) || fused_optional(t, a, s, err) ||
       fused_scale(t, a, s, 0, err) || fused_scale(t, a, s, 1, err))
     return -1;
-  for (int src = PAKV_FUSED_QUERY; src <= PAKV_FUSED_VALUE; src++)
-    for (int cache = PAKV_FUSED_KEY_CACHE; cache <= PAKV_FUSED_VALUE_CACHE; cache++)
-      if (pakv_overlaps(&t[src], &t[cache]))
-        return pakv_fail(err, "%s overlaps %s in memory: the rows written into a cache must not share bytes with it",
-                         PAKV_FUSED_NAMES[src], PAKV_FUSED_NAMES[cache]);
+  return inputs_apart_from_caches(t, err);
   return 0;
 }
 
 /* ------------------------------------------------------------------------------------------- */
 /* Outputs                                                                                     */
 /* ------------------------------------------------------------------------------------------- */
+int pakv_fused_cache_outputs(int latent, int key_cache_out, int value_cache_out, pakv_err* err) {
+  if (latent && value_cache_out)
+    return pakv_fail(err, "value_cache_out has no place when kv_cache_layout is 'LATENT' (there is one cache)");
+  if (!latent && key_cache_out != value_cache_out)
+    return pakv_fail(err, "key_cache_out and value_cache_out must be both present or both absent");
+  return 0;
+}
+
 int pakv_validate_fused_outputs(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fused_plan* plan, pakv_err* err) {
   const pakv_tensor *out = &t[PAKV_FUSED_OUTPUT], *kco = &t[PAKV_FUSED_KEY_CACHE_OUT], *vco = &t[PAKV_FUSED_VALUE_CACHE_OUT];
   int64_t dims[2] = {plan->num_tokens, plan->num_heads * plan->attention.value_head_dim};
-  if (plan->latent && vco->present)
-    return pakv_fail(err, "value_cache_out has no place when kv_cache_layout is 'LATENT' (there is one cache)");
-  if (!plan->latent && kco->present != vco->present)
-    return pakv_fail(err, "key_cache_out and value_cache_out must be both present or both absent");
+  if (pakv_fused_cache_outputs(plan->latent, kco->present, vco->present, err)) return -1;
   for (int i = PAKV_FUSED_OUTPUT; i < PAKV_FUSED_RECORDS; i++)
-    if (t[i].present && pakv_record_ok(&t[i], PAKV_FUSED_NAMES[i], err)) return -1;
+    if (t[i].present && (pakv_record_ok(&t[i], PAKV_FUSED_NAMES[i], err) || pakv_refuse_meta(&t[i], PAKV_FUSED_NAMES[i], err)))
+      return -1;
   if (out->present && pakv_output_record(out, "output", &t[PAKV_FUSED_QUERY], "query", dims, 2, err)) return -1;
   for (int i = 0; i < 2; i++) {
     const pakv_tensor *o = &t[PAKV_FUSED_KEY_CACHE_OUT + i], *cache = &t[PAKV_FUSED_KEY_CACHE + i];

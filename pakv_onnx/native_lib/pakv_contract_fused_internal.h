@@ -13,11 +13,11 @@
 typedef struct {
   int latent, packed;
   int64_t num_tokens, head_dim, value_head_dim, rotary_dim;
+  int64_t kv_width; /* kv_num_heads x head_dim: the elements of one token's key (or value) row */
   pakv_cache_geometry key, value; /* value = key for LATENT */
 } pakv_fused_shape;
 
 int pakv_fused_quant(const char* value); /* PAKV_QUANT_* of a quant-type attribute, -1 if unknown */
-int pakv_fused_latent(const pakv_fused_attributes* a);
 int pakv_fused_is_quantized(int onnx_type); /* int8 or float8e4m3fn */
 const char* pakv_fused_dtype_name(int onnx_type); /* as k_cache_dtype names it ("float8e4m3fn") */
 

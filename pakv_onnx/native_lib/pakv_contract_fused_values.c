@@ -84,6 +84,22 @@ static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a,
   return 0;
 }
 
+/* Slot of position p of sequence b through block_table: its entry read once, and that value checked
+ * (another thread may change the table after pakv_check_table_reads read it: the slot written is
+ * derived only from the value checked here). */
+static int table_slot(const pakv_tensor* bt, int64_t b, int64_t p, const pakv_fused_shape* s, int64_t* slot,
+                      pakv_err* err) {
+  int64_t bs = s->key.block_size, column = p / bs, block = pakv_table_at(bt, b, column);
+  if (block < 0 || block >= s->key.num_blocks)
+    return pakv_fail(err, "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
+                     "writes its position %lld there (block_tables changed while the call ran?)", (long long)b,
+                     (long long)column, (long long)block, (long long)s->key.num_blocks, (long long)b, (long long)p);
+  if (pakv_mul(block, bs, slot) || pakv_add(*slot, p % bs, slot))
+    return pakv_fail(err, "block_table[%lld, %lld] = %lld x block_size %lld overflows int64", (long long)b,
+                     (long long)column, (long long)block, (long long)bs);
+  return 0;
+}
+
 /* Each token's slot: slot_mapping's (a negative one: not written), or derived from its position
  * through block_table; every slot inside the caches, no slot twice (the token repeating an earlier
  * token's slot is named). */
@@ -96,7 +112,8 @@ static int fused_slots(const pakv_tensor* t, const pakv_fused_shape* s, const in
   for (int64_t b = 0; b < batch; b++)
     for (int64_t token = starts[b]; token < starts[b] + counts[b]; token++) {
       int64_t p = positions[token];
-      slots[token] = sm->present ? pakv_vector_at(sm, token) : pakv_table_at(bt, b, p / bs) * bs + p % bs;
+      if (!sm->present && table_slot(bt, b, p, s, &slots[token], err)) return -1;
+      if (sm->present) slots[token] = pakv_vector_at(sm, token);
       if (slots[token] >= capacity)
         return pakv_fail(err, "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; "
                          "-1 skips the token's write)", (long long)token, (long long)slots[token], (long long)capacity);
@@ -198,6 +215,15 @@ static void fill_attention(const pakv_tensor* t, const pakv_fused_attributes* a,
   at->head_sink = sink;
 }
 
+/* query's, key's and value's token strides in bytes fit int64 (a one-token view may carry any stride). */
+static int token_strides_fit(const pakv_tensor* t, pakv_err* err) {
+  int64_t bytes;
+  for (int i = PAKV_FUSED_QUERY; i <= PAKV_FUSED_VALUE; i++)
+    if (t[i].present && pakv_token_stride(&t[i], PAKV_FUSED_NAMES[i], pakv_element_size(t[i].elem_type), &bytes, err))
+      return -1;
+  return 0;
+}
+
 static void fill_prologue(const pakv_tensor* t, const pakv_fused_attributes* a, const pakv_fused_shape* s,
                           pakv_fused_plan* p) {
   const pakv_tensor *q = &t[PAKV_FUSED_QUERY], *k = &t[PAKV_FUSED_KEY], *v = &t[PAKV_FUSED_VALUE];
@@ -260,10 +286,11 @@ int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fuse
       fused_slots(t, &s, starts, counts, positions, slots, (pakv_slot_pair*)pairs, err) ||
       fused_floats(t, &l, floats, scales, &sink, err) || fused_metadata(&t[PAKV_FUSED_ATTENTION_METADATA], err))
     return -1;
-  if (pakv_mul(s.num_tokens, a->num_heads, &out_bytes) || pakv_mul(out_bytes, s.head_dim, &out_bytes) ||
-      pakv_mul(out_bytes, 4, &out_bytes))
+  if (pakv_mul(a->num_heads, s.head_dim, &out_bytes) || pakv_mul(out_bytes, 4, &out_bytes) ||
+      pakv_mul(out_bytes, s.num_tokens > 0 ? s.num_tokens : 1, &out_bytes))
     return pakv_fail(err, "%lld tokens x %lld heads x %lld channels overflow int64 byte offsets", (long long)s.num_tokens,
                      (long long)a->num_heads, (long long)s.head_dim);
+  if (token_strides_fit(t, err)) return -1;
   memset(plan, 0, sizeof(*plan));
   fill_prologue(t, a, &s, plan);
   plan->slots = slots;

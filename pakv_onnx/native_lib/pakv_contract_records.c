@@ -234,6 +234,11 @@ int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const ch
   return pakv_has_elements(t) ? pakv_require_host(t, name, err) : 0;
 }
 
+int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err) {
+  if (strncmp(t->device, "meta", PAKV_DEVICE_LEN) != 0) return 0;
+  return pakv_fail(err, "%s is on the meta device (a shape with no data to read or write)", name);
+}
+
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
   if (t->host_data) return 0;
   return pakv_fail(err, "%s: its data is not readable on the host (the validator reads it there; it is on %.24s)",
@@ -375,6 +380,10 @@ int pakv_token_layout(const pakv_tensor* t, const char* name, int itemsize, int6
                      "%s must be row-major contiguous within each token (only dim 0, the token axis, may be "
                      "strided); got strides %s for shape %s: pass %s.contiguous()",
                      name, STRIDES(t, strides), SHAPE(t, shape), name);
+  return pakv_token_stride(t, name, itemsize, token_stride, err);
+}
+
+int pakv_token_stride(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err) {
   if (pakv_mul(t->strides[0], itemsize, token_stride))
     return pakv_fail(err, "%s: a token stride of %lld elements overflows int64 byte offsets", name,
                      (long long)t->strides[0]);

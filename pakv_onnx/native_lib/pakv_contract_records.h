@@ -85,6 +85,8 @@ int pakv_check_block_size(const pakv_cache_geometry* k, pakv_err* err);
 int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
 /* The record's data readable on the host (host_data set). */
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
+/* A record on torch's meta device (no data) refused by name. */
+int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err);
 /* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a
  * context of lengths[b] positions: columns up to ceil(length / bs), from the one of the first position
  * its first new token sees: 0, or with a window >= 0 (pakv_attention_plan's) past - window), each in
@@ -120,6 +122,8 @@ int pakv_outputs_apart(const pakv_tensor* t, const char* const* names, int input
 /* A rank-3 [T, H, D] record whose tokens are each row-major (any token stride >= 0: a slice of a
  * fused QKV projection is fine); the token stride in bytes. */
 int pakv_token_layout(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
+/* Dim 0's stride of `t` in bytes (its token stride), or an error naming it when that overflows int64. */
+int pakv_token_stride(const pakv_tensor* t, const char* name, int itemsize, int64_t* token_stride, pakv_err* err);
 
 /* 0, or the error's kind (PAKV_ERR_VALUE / PAKV_ERR_TYPE) with its message copied to err_out. */
 int pakv_report(int rc, const pakv_err* err, char* err_out, size_t err_len);

@@ -9,24 +9,11 @@
 #include <string.h>
 
 #include "device_abi.h"
+#include "pakv_device_internal.h"
 
 /* ------------------------------------------------------------------------------------------- */
 /* Drivers, opened on first use                                                                */
 /* ------------------------------------------------------------------------------------------- */
-typedef struct {
-  void* handle;
-  /* CUDA */
-  pakv_cuMemcpyDtoDAsync_fn cu_memcpy;
-  pakv_cuMemcpy2DAsync_fn cu_memcpy_2d;
-  pakv_cuGetErrorName_fn cu_error_name;     /* optional */
-  pakv_cuCtxGetCurrent_fn cu_ctx_get;       /* optional, with the next two */
-  pakv_cuStreamGetCtx_fn cu_stream_ctx;
-  pakv_cuCtxSetCurrent_fn cu_ctx_set;
-  /* AscendCL */
-  pakv_aclrtMemcpyAsync_fn acl_memcpy;
-  pakv_aclrtMemcpy2dAsync_fn acl_memcpy_2d;
-  pakv_aclGetRecentErrMsg_fn acl_message;   /* optional */
-} pakv_driver;
 
 typedef struct {
   const char* env;
@@ -72,7 +59,11 @@ static int open_driver(int which, pakv_driver* out, pakv_err* err) {
     rc = symbol(h, path, "cuInit", (void**)&init, 1, err) || SYMBOL("cuMemcpyDtoDAsync_v2", cu_memcpy, 1) ||
          SYMBOL("cuMemcpy2DAsync_v2", cu_memcpy_2d, 1) || SYMBOL("cuGetErrorName", cu_error_name, 0) ||
          SYMBOL("cuCtxGetCurrent", cu_ctx_get, 0) || SYMBOL("cuStreamGetCtx", cu_stream_ctx, 0) ||
-         SYMBOL("cuCtxSetCurrent", cu_ctx_set, 0);
+         SYMBOL("cuCtxSetCurrent", cu_ctx_set, 0) || SYMBOL("cuMemcpyBatchAsync_v2", cu_batch_v2, 0) ||
+         SYMBOL("cuMemcpyBatchAsync", cu_batch_v1, 0) || SYMBOL("cuModuleLoadData", cu_module_load, 0) ||
+         SYMBOL("cuModuleGetFunction", cu_module_function, 0) || SYMBOL("cuLaunchKernel", cu_launch, 0) ||
+         SYMBOL("cuMemAllocAsync", cu_alloc_async, 0) || SYMBOL("cuMemFreeAsync", cu_free_async, 0) ||
+         SYMBOL("cuMemcpyHtoDAsync_v2", cu_upload, 0);
     pakv_CUresult result = rc ? 0 : init(0); /* idempotent; ORT's CUDA runtime has normally done it already */
     if (!rc && result != PAKV_CUDA_SUCCESS) rc = pakv_fail(err, "cuInit(0) failed with CUresult %d", result);
   } else {
@@ -116,13 +107,11 @@ typedef struct {
   pakv_err* err;
   const char* op; /* the op whose copies these are, for the messages */
   pending_copy pending[2]; /* Norm: the key's and the value's copy still being extended */
+  pakv_copy_list list;          /* CUDA: every 1-D copy of the call, issued by pakv_cuda_issue_copies */
 } device_copy;
 
 static int cuda_failed(const device_copy* c, const char* call, pakv_CUresult rc) {
-  const char* name = NULL;
-  if (c->d->cu_error_name && c->d->cu_error_name(rc, &name) != PAKV_CUDA_SUCCESS) name = NULL;
-  return pakv_fail(c->err, "%s (CUDAExecutionProvider): %s failed with CUresult %d (%s)", c->op, call, rc,
-                   name ? name : "no name from cuGetErrorName");
+  return pakv_cuda_failed(c->d, c->err, c->op, call, rc);
 }
 
 /* `unaligned`: the failed call was an aclrtMemcpyAsync whose addresses are not 64-byte aligned. */
@@ -176,9 +165,12 @@ static int copy_2d(device_copy* c, uintptr_t dst, size_t dpitch, uintptr_t src, 
   return 0;
 }
 
+/* The pending copy of cache `which`: CUDA collects it (issued at the end), AscendCL issues it now. */
 static int flush(device_copy* c, int which) {
   pending_copy* p = &c->pending[which];
-  int rc = copy_1d(c, p->dst, p->src, p->bytes);
+  int rc = 0;
+  if (p->bytes && c->which == PAKV_DRIVER_CUDA) pakv_copy_list_append(&c->list, p->dst, p->src, p->bytes);
+  else rc = copy_1d(c, p->dst, p->src, p->bytes);
   p->bytes = 0;
   return rc;
 }
@@ -255,8 +247,16 @@ static int start_copies(int which, const char* op, void* stream, pakv_err* err, 
   return 0;
 }
 
+/* The pending copies flushed, then (CUDA) the collected list issued; the list freed either way. */
+static int finish_copies(device_copy* c) {
+  int rc = flush(c, 0) || flush(c, 1);
+  if (!rc && c->which == PAKV_DRIVER_CUDA) return pakv_cuda_issue_copies(c->d, &c->list, c->stream, c->op, c->err);
+  pakv_copy_list_free(&c->list);
+  return rc;
+}
+
 int pakv_device_copy(int which, void* dst, const void* src, size_t bytes, void* stream, pakv_err* err) {
-  device_copy c;
+  device_copy c = {0};
   if (!bytes) return 0;
   if (start_copies(which, "ScatterPaKvCache", stream, err, &c)) return -1;
   return copy_1d(&c, (uintptr_t)dst, (uintptr_t)src, bytes);
@@ -286,7 +286,7 @@ static int scatter_row(device_copy* c, int which, int nz, char* cache, int64_t s
 
 int pakv_device_run_scatter(int which, const pakv_scatter_plan* p, void* stream, pakv_err* err) {
   if (p->num_tokens == 0 || (p->key_row_bytes == 0 && p->value_row_bytes == 0)) return 0;
-  device_copy c;
+  device_copy c = {0};
   if (start_copies(which, "ScatterPaKvCache", stream, err, &c)) return -1;
   const int64_t bs = p->block_size, capacity = p->num_blocks * bs; /* fits: pakv_check_scatter_plan */
   const int nz = p->layout == PAKV_LAYOUT_NZ;
@@ -302,10 +302,12 @@ int pakv_device_run_scatter(int which, const pakv_scatter_plan* p, void* stream,
     if (scatter_row(&c, 0, nz, p->key_cache, p->key_block_stride, p->key_row_bytes, bs, s / bs, s % bs,
                     (const char*)p->key + t * p->key_token_stride) ||
         scatter_row(&c, 1, nz, p->value_cache, p->value_block_stride, p->value_row_bytes, bs, s / bs, s % bs,
-                    (const char*)p->value + t * p->value_token_stride))
+                    (const char*)p->value + t * p->value_token_stride)) {
+      pakv_copy_list_free(&c.list);
       return -1;
+    }
   }
-  if (flush(&c, 0) || flush(&c, 1)) return -1;
+  if (finish_copies(&c)) return -1;
   if (bad)
     return pakv_fail(err, "slot_mapping changed after validation: a slot read during the scatter is outside [0, %lld)",
                      (long long)capacity);
@@ -316,10 +318,14 @@ int pakv_device_run_plan(int which, const pakv_plan* p, void* stream, pakv_err* 
   if (p->num_tokens == 0 || (p->key_row_bytes == 0 && p->value_row_bytes == 0)) return 0; /* nothing to copy */
   if ((p->key_row_bytes > 0 && !p->key_out) || (p->value_row_bytes > 0 && !p->value_out))
     return pakv_fail(err, "a NULL output pointer for a non-empty gather");
-  device_copy c;
+  device_copy c = {0};
   if (start_copies(which, "GatherPaKvCache", stream, err, &c)) return -1;
   c.p = p;
   int64_t bad = 0;
-  if (pakv_for_each_run(p, 0, p->num_tokens, device_run, &c, &bad) || flush(&c, 0) || flush(&c, 1)) return -1;
+  if (pakv_for_each_run(p, 0, p->num_tokens, device_run, &c, &bad)) {
+    pakv_copy_list_free(&c.list);
+    return -1;
+  }
+  if (finish_copies(&c)) return -1;
   return bad ? pakv_fail_changed_tables(p, err) : 0;
 }

@@ -2,18 +2,25 @@
  * written into its slot, the query rows prepared, then the attention core (pakv_attention.c) over the
  * updated caches. No ONNX Runtime, no Python, no libm.
  *
- * A key or query head goes through what ORT's CUDA prologue does (QkNormRotaryTNH, ReshapeAndCache in
- * paged_attention_impl.cu), in this order, rounding where it rounds:
- *   RMSNorm   n_c = T(x_c / sqrt(mean(x^2) + eps) * w_c)                     (when norm weights are given)
- *   rotary    r_c = T(n_c cos_i - n_partner sin_i) or T(n_c cos_i + n_partner sin_i) at the token's
- *             position, over channels [rotary_offset, rotary_offset + rotary_dim); the others pass
- *   store     T rows as they are; int8: clamp(round-half-even(r x (1 / scale)), -128, 127), NaN -> 0;
- *             float8e4m3fn: clamp(r x (1 / scale), -448, 448) (NaN -> 448, as fminf / fmaxf give),
- *             rounded to nearest even; a zero scale stores 0
- * The norm and rotary arithmetic is double (products of two T values are exact there), rounded to
- * fp32 and then to T (round to nearest even each time); quantization is fp32, as ORT's. Values are
- * read from the rows the plan names and never from the caches, so a token's rows may be written in
- * any order (slots are distinct: the validator checked). */
+ * The bytes written are those of ORT's CUDA kernel (paged_attention_impl.cu: QkNormRotaryTNH, then
+ * ReshapeAndCache / QuantizeToCache), operation for operation as onnxruntime-gpu 1.31.1 compiles them
+ * for sm_90a (read from its SASS; docs/ort-paged-attention.md "Cache bytes"). A key or query head:
+ *   RMSNorm   fp32 squares x_c x_c, summed by a tree over the smallest power of two >= max(32, D)
+ *             lanes (lane c adds lane c + stride, stride halving), mean = sum / D, + eps, inverse
+ *             square root (the GPU's is approximate: see inverse_sqrt), then fp32 (x_c x inv) x w_c,
+ *             rounded to T
+ *   rotary    pairs (a, b) with cos c, sin s of the token's position, sign -1 for the pair's first:
+ *             float16 (half arithmetic): T(a c + T(sign b s)), one fused multiply-add
+ *             bfloat16 (through fp32, rounded to T after every operation): T(T(a c) + T(T(sign b) s))
+ *             float32 (not ORT's; the float16 form in fp32): fp32(a c + fp32(sign b s))
+ *             channels outside [rotary_offset, rotary_offset + rotary_dim) pass
+ *   store     T rows as they are; quantized caches q = (scale != 0 ? x / scale : 0) in fp32, then
+ *             int8: max(q, -128) (NaN -> -128), min(., 127), round half to even;
+ *             float8e4m3fn: min(q, 448) (NaN -> 448), max(., -448), rounded to nearest even.
+ * Products of two T values are exact in double, so every fp32 / T rounding here is computed as one
+ * rounding of an exact double value (contraction by the compiler cannot change it). Values are read
+ * from the rows the plan names and never from the caches, so a token's rows may be written in any
+ * order (slots are distinct: the validator checked). */
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
@@ -23,6 +30,8 @@
 
 /* Tokens of a call below this many written elements (N x (Hq + 2 Hk) x D) run on the calling thread. */
 #define PAKV_FUSED_PARALLEL_MIN (1 << 16)
+/* The largest head size whose scratch (2 D + lanes floats) is computed without overflow. */
+#define PAKV_FUSED_MAX_SCRATCH_HEAD ((int64_t)1 << 40)
 /* Elements per part of a parallel prologue. */
 #define PAKV_FUSED_PART_ELEMENTS (1 << 14)
 
@@ -53,11 +62,11 @@ static inline float round_half_even(float v) {
   return v >= 0.0f ? (v + magic) - magic : -((-v + magic) - magic);
 }
 
-static inline int8_t quantize_int8(float v) {
-  if (v != v) return 0; /* NaN: what CUDA's float-to-int conversion gives */
-  if (v >= 127.0f) return 127;
-  if (v <= -128.0f) return -128;
-  return (int8_t)(int)round_half_even(v);
+/* q clamped as ORT's kernel clamps it (fmaxf(q, -128), then fminf(., 127): NaN -> -128), rounded half to even. */
+static inline int8_t quantize_int8(float q) {
+  q = q > -128.0f ? q : -128.0f;
+  q = q < 127.0f ? q : 127.0f;
+  return (int8_t)(int)round_half_even(q);
 }
 
 /* A finite |v| <= 448 as float8e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no inf),
@@ -94,44 +103,114 @@ static void store_row(void* dst, const float* values, int64_t n, int32_t cache_t
   }
   for (int64_t c = 0; c < n; c++) {
     float s = quant == PAKV_QUANT_PER_CHANNEL ? scale[c] : scale[0];
-    float v = values[c] * (s == 0.0f ? 0.0f : 1.0f / s);
-    if (cache_type == PAKV_ONNX_INT8) ((int8_t*)dst)[c] = quantize_int8(v);
-    else ((uint8_t*)dst)[c] = quantize_e4m3fn(v);
+    float q = s != 0.0f ? values[c] / s : 0.0f; /* a division, as the CUDA kernel's (not x times 1 / s) */
+    if (cache_type == PAKV_ONNX_INT8) ((int8_t*)dst)[c] = quantize_int8(q);
+    else ((uint8_t*)dst)[c] = quantize_e4m3fn(q);
   }
 }
 
 /* ------------------------------------------------------------------------------------------- */
 /* One head: norm, rotary                                                                      */
 /* ------------------------------------------------------------------------------------------- */
+/* 2^k as a double, -1022 <= k <= 1023. */
+static inline double power_of_two(int k) {
+  uint64_t bits = (uint64_t)(k + 1023) << 52;
+  double d;
+  memcpy(&d, &bits, sizeof(d));
+  return d;
+}
+
+/* hi + lo (|lo| <= half an ulp of hi, hi a normal double or zero) rounded once, to nearest even, to
+ * a binary format of `bits` significand bits whose smallest step is 2^min_step (float16: 11, -24;
+ * float32: 24, -149). The result is exactly representable there (or beyond its largest value, which
+ * the caller's conversion turns into infinity, as the rounding would). */
+static double round_once(double hi, double lo, int bits, int min_step) {
+  if (hi == 0.0 || hi != hi || hi - hi != 0.0) return hi; /* zero, NaN, infinity */
+  uint64_t b;
+  memcpy(&b, &hi, sizeof(b));
+  int step = (int)((b >> 52) & 0x7FF) - 1023 - (bits - 1);
+  if (step < min_step) step = min_step;
+  double m = hi * power_of_two(-step); /* exact: a power of two */
+  const double magic = 6755399441055744.0; /* 1.5 x 2^52: adding it rounds |m| < 2^51 to an integer, ties even */
+  double r = (m + magic) - magic;
+  /* hi exactly halfway: the exact value is on lo's side of it. */
+  if (m - r == 0.5 && lo > 0.0) r += 1.0;
+  if (m - r == -0.5 && lo < 0.0) r -= 1.0;
+  return r * power_of_two(step);
+}
+
+/* a c + t (a, c T values: the product is exact in double; t a T value) rounded once to T, as one
+ * fused multiply-add in T's arithmetic. */
+static float fused_multiply_add(double a, double c, double t, int32_t type) {
+  double p = a * c, hi = p + t, back = hi - p;
+  double lo = (p - (hi - back)) + (t - back); /* hi + lo == p + t exactly (two-sum) */
+  return type == ONNX_FLOAT16 ? (float)round_once(hi, lo, 11, -24) : (float)round_once(hi, lo, 24, -149);
+}
+
+/* One output channel of the rotation: a c + sign b s at T's operations (see the header). */
+static float rotate(float a, float b, float c, float s, float sign, int32_t type) {
+  if (type == ONNX_BFLOAT16) {
+    float ac = round_to((float)((double)a * c), type);           /* T(a c) */
+    float bs = round_to((float)((double)(sign * b) * s), type);  /* T(T(sign b) s): sign b is exact */
+    return round_to((float)((double)ac + (double)bs), type);     /* T(fp32(ac + bs)) */
+  }
+  float bs = type == ONNX_FLOAT16 ? (float)round_once((double)(sign * b) * s, 0.0, 11, -24)
+                                  : (float)((double)(sign * b) * s);
+  return fused_multiply_add(a, c, bs, type);
+}
+
+/* 1 / sqrt(m) rounded to fp32. ORT's kernel calls rsqrtf, one MUFU.RSQ instruction, whose result is
+ * within 2 units in the last place but not specified to the bit; this is the correctly rounded
+ * value, which it matches where the hardware's rounds the same (docs/ort-paged-attention.md). */
+static inline float inverse_sqrt(float m) { return (float)(1.0 / __builtin_sqrt((double)m)); }
+
+/* Lanes of ORT's norm reduction for head size d: the smallest power of two >= max(32, d). */
+static int64_t reduction_lanes(int64_t d) {
+  int64_t lanes = 32;
+  while (lanes < d && lanes < PAKV_FUSED_MAX_SCRATCH_HEAD) lanes <<= 1;
+  return lanes;
+}
+
+/* The fp32 sum of x_c^2 in ORT's tree order (lanes: reduction_lanes(d) floats of scratch). */
+static float sum_of_squares(const float* x, int64_t d, float* lanes) {
+  int64_t width = reduction_lanes(d);
+  for (int64_t c = 0; c < width; c++) lanes[c] = c < d ? (float)((double)x[c] * x[c]) : 0.0f;
+  for (int64_t stride = width >> 1; stride > 0; stride >>= 1)
+    for (int64_t c = 0; c < stride; c++) lanes[c] = lanes[c] + lanes[c + stride];
+  return lanes[0];
+}
+
 /* The head at src (D elements of T) through the norm (weight may be NULL) and rotary at `position`,
- * into out (D floats, each a T value); `normed` is D floats of scratch. */
+ * into out (D floats, each a T value); `normed` is D floats and `lanes` reduction_lanes(D) floats of
+ * scratch. */
 static void prepare_head(const pakv_fused_plan* p, const void* src, const void* weight, int64_t position, float* normed,
-                         float* out) {
+                         float* lanes, float* out) {
   const int64_t d = p->head_dim;
   const int32_t type = p->query_type;
   for (int64_t c = 0; c < d; c++) normed[c] = element_at(src, c, type);
   if (weight) {
-    double sum = 0.0;
-    for (int64_t c = 0; c < d; c++) sum += (double)normed[c] * (double)normed[c]; /* exact products */
-    double inverse = 1.0 / __builtin_sqrt(sum / (double)d + (double)p->epsilon);
-    for (int64_t c = 0; c < d; c++)
-      normed[c] = round_to((float)((double)normed[c] * inverse * (double)element_at(weight, c, type)), type);
+    float mean = sum_of_squares(normed, d, lanes) / (float)d;
+    float inverse = inverse_sqrt(mean + p->epsilon);
+    for (int64_t c = 0; c < d; c++) {
+      float scaled = (float)((double)normed[c] * inverse);                              /* fp32 x inv */
+      normed[c] = round_to((float)((double)scaled * element_at(weight, c, type)), type); /* fp32 . w, T */
+    }
   }
   memcpy(out, normed, (size_t)d * sizeof(float));
   if (p->rotary_dim == 0) return;
   const int64_t half = p->rotary_dim / 2, offset = p->rotary_offset;
   const int64_t row = position * half; /* cos / sin row of this position */
   /* Pair i (angle i): channels (2i, 2i + 1) interleaved or (i, i + half); the first of a pair takes
-   * a c - b s, the second b c + a s (products exact in double, one rounding to double, then to T). */
+   * a c - b s, the second b c + a s. */
   const int64_t step = p->rotary_interleaved ? 2 : 1, apart = p->rotary_interleaved ? 1 : half;
   const float* in = normed + offset;
   float* rotated = out + offset;
   for (int64_t i = 0; i < half; i++) {
-    double c = element_at(p->cos_cache, row + i, type), s = element_at(p->sin_cache, row + i, type);
+    float c = element_at(p->cos_cache, row + i, type), s = element_at(p->sin_cache, row + i, type);
     int64_t first = i * step, second = first + apart;
-    double a = in[first], b = in[second];
-    rotated[first] = round_to((float)(a * c + -1.0 * (b * s)), type);
-    rotated[second] = round_to((float)(b * c + 1.0 * (a * s)), type);
+    float a = in[first], b = in[second];
+    rotated[first] = rotate(a, b, c, s, -1.0f, type);
+    rotated[second] = rotate(b, a, c, s, 1.0f, type);
   }
 }
 
@@ -147,13 +226,13 @@ static const float* head_scale(const float* scale, int32_t quant, int64_t g, int
 static void prologue_tokens(const pakv_fused_plan* p, int64_t t0, int64_t t1, float* scratch) {
   const int64_t d = p->head_dim, item = p->query_type == ONNX_FLOAT ? 4 : 2;
   const int64_t cache_item = p->cache_type == PAKV_ONNX_INT8 || p->cache_type == PAKV_ONNX_FLOAT8E4M3FN ? 1 : item;
-  float *normed = scratch, *row = scratch + d;
+  float *normed = scratch, *row = scratch + d, *lanes = scratch + 2 * d;
   for (int64_t t = t0; t < t1; t++) {
     int64_t position = p->positions[t], slot = p->slots[t];
     if (p->prepare_query)
       for (int64_t h = 0; h < p->num_heads; h++) {
         prepare_head(p, (const char*)p->query + t * p->query_token_stride + h * d * item, p->q_norm_weight, position,
-                     normed, row);
+                     normed, lanes, row);
         narrow((char*)p->query_rows + (t * p->num_heads + h) * d * item, row, d, p->query_type);
       }
     if (slot < 0) continue;
@@ -162,7 +241,7 @@ static void prologue_tokens(const pakv_fused_plan* p, int64_t t0, int64_t t1, fl
     char* value_row = p->latent ? NULL : (char*)p->value_cache + block * p->value_block_stride + at * p->value_row_bytes;
     for (int64_t g = 0; g < p->num_kv_heads; g++) {
       prepare_head(p, (const char*)p->key + t * p->key_token_stride + g * d * item, p->k_norm_weight, position, normed,
-                   row);
+                   lanes, row);
       store_row(key_row + g * d * cache_item, row, d, p->cache_type, p->key_quant, head_scale(p->key_scale, p->key_quant, g, d));
       if (p->latent) continue;
       for (int64_t c = 0; c < d; c++) row[c] = element_at((const char*)p->value + t * p->value_token_stride + g * d * item, c, p->query_type);
@@ -182,7 +261,9 @@ static void run_part(void* data, size_t index) {
   prologue_run* run = (prologue_run*)data;
   const pakv_fused_plan* p = run->plan;
   int64_t t0 = (int64_t)index * run->tokens_per_part, t1 = t0 + run->tokens_per_part;
-  float* scratch = (float*)malloc((size_t)(2 * p->head_dim) * sizeof(float));
+  float* scratch = p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
+                       ? (float*)malloc((size_t)(2 * p->head_dim + reduction_lanes(p->head_dim)) * sizeof(float))
+                       : NULL; /* no memory holds such a head: out of memory, never an overflowing size */
   if (!scratch) {
     __atomic_store_n(&run->no_memory, 1, __ATOMIC_RELAXED);
     return;
@@ -194,6 +275,15 @@ static void run_part(void* data, size_t index) {
 /* ------------------------------------------------------------------------------------------- */
 /* Checks and the run                                                                          */
 /* ------------------------------------------------------------------------------------------- */
+/* Elements one token's rows hold ((Hq + 2 Hk) x D) and the whole call's; -1 when they overflow int64. */
+static int prologue_elements(const pakv_fused_plan* p, int64_t* per_token, int64_t* elements) {
+  int64_t heads;
+  if (pakv_mul(p->num_kv_heads, 2, &heads) || pakv_add(heads, p->num_heads, &heads) ||
+      pakv_mul(heads, p->head_dim, per_token) || pakv_mul(*per_token, p->num_tokens, elements))
+    return -1;
+  return 0;
+}
+
 static int is_float(int32_t t) { return t == ONNX_FLOAT || t == ONNX_FLOAT16 || t == ONNX_BFLOAT16; }
 
 int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
@@ -209,7 +299,7 @@ int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
                      p->query_type, p->cache_type, p->key_quant, p->value_quant);
   if (p->num_tokens < 0 || p->num_heads < 1 || p->num_kv_heads < 1 || p->num_heads % p->num_kv_heads ||
       p->head_dim < 1 || p->block_size < 1 || p->num_blocks < 0 || p->rotary_dim < 0 || p->rotary_dim % 2 ||
-      p->rotary_offset < 0 || p->rotary_offset + p->rotary_dim > p->head_dim || p->rotary_rows < 0)
+      p->rotary_offset < 0 || p->rotary_offset > p->head_dim - p->rotary_dim || p->rotary_rows < 0)
     return pakv_fail(err, "fused attention plan: sizes out of range (tokens %lld, heads %lld / %lld, head_dim %lld, "
                      "rotary %lld + %lld)", (long long)p->num_tokens, (long long)p->num_heads, (long long)p->num_kv_heads,
                      (long long)p->head_dim, (long long)p->rotary_offset, (long long)p->rotary_dim);
@@ -217,8 +307,11 @@ int pakv_check_fused_plan(const pakv_fused_plan* p, pakv_err* err) {
                         (p->normalize && (!p->q_norm_weight || !p->k_norm_weight)) ||
                         (p->rotary_dim && (!p->cos_cache || !p->sin_cache))))
     return pakv_fail(err, "fused attention plan: a NULL input pointer for %lld tokens", (long long)p->num_tokens);
-  int64_t capacity;
+  int64_t capacity, per_token, elements;
   if (pakv_mul(p->num_blocks, p->block_size, &capacity)) return pakv_fail(err, "fused attention plan: capacity overflows");
+  if (prologue_elements(p, &per_token, &elements))
+    return pakv_fail(err, "fused attention plan: %lld tokens x (%lld + 2 x %lld heads) x %lld channels overflow int64",
+                     (long long)p->num_tokens, (long long)p->num_heads, (long long)p->num_kv_heads, (long long)p->head_dim);
   for (int64_t t = 0; t < p->num_tokens; t++) {
     if (p->slots[t] >= capacity || p->slots[t] < -1 || p->positions[t] < 0 ||
         (p->rotary_dim && p->positions[t] >= p->rotary_rows))
@@ -258,9 +351,9 @@ int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_e
                         (p->prepare_query && (!p->query_rows || p->attention.query != p->query_rows))))
     return pakv_fail(err, "fused attention: the plan is not bound to its caches and query rows (pakv_fused_bind)");
   if (check_caches_writable(p, err)) return -1;
-  int64_t elements = p->num_tokens * (p->num_heads + 2 * p->num_kv_heads) * p->head_dim; /* fits: checked */
+  int64_t per_token = 1, elements = 0;
+  prologue_elements(p, &per_token, &elements); /* fits: pakv_check_fused_plan */
   prologue_run run = {p, p->num_tokens, 0};
-  int64_t per_token = (p->num_heads + 2 * p->num_kv_heads) * p->head_dim;
   run.tokens_per_part = PAKV_FUSED_PART_ELEMENTS / per_token > 0 ? PAKV_FUSED_PART_ELEMENTS / per_token : 1;
   int64_t parts = p->num_tokens / run.tokens_per_part + (p->num_tokens % run.tokens_per_part != 0);
   if (par && parts >= 2 && elements >= PAKV_FUSED_PARALLEL_MIN) {
@@ -271,7 +364,8 @@ int pakv_run_fused_on(const pakv_fused_plan* p, const pakv_parallel* par, pakv_e
     run_part(&run, 0);
   }
   if (run.no_memory)
-    return pakv_fail(err, "fused attention: out of memory for a scratch of %lld floats", (long long)(2 * p->head_dim));
+    return pakv_fail(err, "fused attention: out of memory for a scratch of %lld floats",
+                     (long long)(2 * p->head_dim + reduction_lanes(p->head_dim)));
   return pakv_run_attention_on(&p->attention, par, err);
 }
 

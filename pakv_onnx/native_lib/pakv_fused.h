@@ -12,6 +12,7 @@
 #ifndef PAKV_FUSED_H
 #define PAKV_FUSED_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "pakv_contract.h"
@@ -147,6 +148,10 @@ typedef struct {
 
 /* Contract (pakv_contract_fused.c, pakv_contract_fused_values.c) ------------------------------- */
 void pakv_fused_default_attributes(pakv_fused_attributes* a);
+/* A string attribute of `length` bytes (text NULL: too long to read) into its field as the rules see it:
+ * cut past PAKV_FUSED_STRING_LEN - 1 bytes, or, with a NUL byte inside, described instead. */
+void pakv_fused_string(char* field, const char* text, size_t length);
+int pakv_fused_latent(const pakv_fused_attributes* a); /* kv_cache_layout is 'LATENT' */
 /* Every attribute rule (values, names, combinations the attributes alone decide). */
 int pakv_check_fused_attributes(const pakv_fused_attributes* a, pakv_err* err);
 /* int64 scratch entries a call's plan needs (read from the records' shapes), or -1 (overflow). */
@@ -155,6 +160,8 @@ int64_t pakv_fused_scratch_len(const pakv_tensor t[PAKV_FUSED_RECORDS]);
  * `scratch`, which must outlive the plan). Present outputs are checked too. 0, or -1 with err. */
 int pakv_validate_fused(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fused_attributes* a,
                         pakv_fused_plan* plan, int64_t* scratch, int64_t scratch_len, pakv_err* err);
+/* Which cache outputs a call may have (the rule the node's declared outputs meet before any run). */
+int pakv_fused_cache_outputs(int latent, int key_cache_out, int value_cache_out, pakv_err* err);
 /* The output rules alone, for outputs obtained after planning (ORT's buffers). */
 int pakv_validate_fused_outputs(const pakv_tensor t[PAKV_FUSED_RECORDS], const pakv_fused_plan* plan, pakv_err* err);
 /* Bytes of the query rows buffer a plan needs (0 when it reads the query in place). */

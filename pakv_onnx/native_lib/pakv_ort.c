@@ -173,7 +173,7 @@ typedef struct {
  * creation, naming the node and the input. (Other readers of a pool input are the opted-in host's to rule
  * out: ORT shows a kernel no graph; Python's make_session checks the graph before it opts in.) */
 OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
-                                          size_t first_cache) {
+                                          size_t first_cache, const char* why, const char* remedy) {
   static const char* const names[2] = {"key_cache", "value_cache"};
   for (size_t i = first_cache; i <= first_cache + 1; i++) {
     int constant = 0;
@@ -188,10 +188,9 @@ OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo
     if ((st = PAKV_API(api, KernelInfo_GetInputName)(info, i, input, &size))) PAKV_API(api, ReleaseStatus)(st);
     node[sizeof(node) - 1] = input[sizeof(input) - 1] = 0;
     return pakv_ort_attribute_error(api,
-                           "%s node '%s': %s '%s' is an initializer (a constant of the model), and these "
-                           "SessionOptions opted into the alias route (pakv_onnx.alias_caches = 1), which writes the "
-                           "pool in place: feed the pool as a graph input, or leave the alias route off",
-                           op, node, names[i - first_cache], input);
+                           "%s node '%s': %s '%s' is an initializer (a constant of the model), and %s, which writes "
+                           "the pool in place: feed the pool as a graph input, or %s",
+                           op, node, names[i - first_cache], input, why, remedy);
   }
   return NULL;
 }
@@ -202,7 +201,8 @@ OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, 
   float scale = 0.0f;
   OrtStatus* st = kind == PAKV_OP_ATTENTION ? read_scale(api, info, &scale) : read_cache_mode(api, info, pakv_op_type(kind), &nz);
   if (!st && kind == PAKV_OP_GATHER) st = read_cumsum(api, info, &cumsum);
-  if (!st && ((const pakv_op*)op)->alias) st = pakv_ort_refuse_constant_pools(api, info, "ScatterPaKvCache", 2);
+  if (!st && ((const pakv_op*)op)->alias) st = pakv_ort_refuse_constant_pools(api, info, "ScatterPaKvCache", 2, PAKV_ORT_ALIAS_ROUTE,
+                                                                    "leave the alias route off");
   if (st) return st;
   pakv_kernel* k = (pakv_kernel*)calloc(1, sizeof(pakv_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");

@@ -55,9 +55,12 @@ OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, 
 OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx);
 void pakv_ort_kernel_destroy(void* kernel);
 
-/* On the alias route (the op declares its caches aliased to its outputs), refuse at session creation a
- * cache input (inputs first_cache, first_cache + 1) that is an initializer, naming `op`'s node and it. */
+/* Where a kernel writes its pools in place (the alias route: the op declares its caches aliased to its
+ * outputs; a com.microsoft::PagedAttention node without cache outputs), refuse at session creation a
+ * cache input (inputs first_cache, first_cache + 1) that is an initializer, naming `op`'s node and it,
+ * `why` the pools are written in place and the `remedy` besides feeding the pool as a graph input. */
+#define PAKV_ORT_ALIAS_ROUTE "these SessionOptions opted into the alias route (pakv_onnx.alias_caches = 1)"
 OrtStatus* pakv_ort_refuse_constant_pools(const OrtApi* api, const OrtKernelInfo* info, const char* op,
-                                          size_t first_cache);
+                                          size_t first_cache, const char* why, const char* remedy);
 
 #endif /* PAKV_ORT_H */

@@ -71,18 +71,34 @@ static OrtStatus* read_attribute(const OrtApi* api, const OrtKernelInfo* info, c
   size_t size = 0;
   OrtStatus* st = PAKV_API(api, KernelInfoGetAttribute_string)(info, at->name, NULL, &size);
   if (st) return st;
-  if (size > sizeof(text)) /* longer than any allowed value: described instead, and refused by the validator */
-    snprintf(text, sizeof(text), "(a string of %zu bytes)", size - 1);
-  else if ((st = PAKV_API(api, KernelInfoGetAttribute_string)(info, at->name, text, &size)))
-    return st;
-  text[sizeof(text) - 1] = 0;
-  if (size > 0 && size <= sizeof(text) && strlen(text) + 1 != size) /* "NONE\0more": not "NONE" */
-    snprintf(text, sizeof(text), "(a string of %zu bytes with a NUL byte inside)", size - 1);
-  size_t length = strlen(text); /* cut past 31 bytes: then it matches no allowed value */
-  if (length >= PAKV_FUSED_STRING_LEN) length = PAKV_FUSED_STRING_LEN - 1;
-  memcpy(field, text, length);
-  field[length] = 0;
+  if (size > sizeof(text)) { /* longer than any allowed value: described instead, and refused by the validator */
+    pakv_fused_string(field, NULL, size - 1);
+    return NULL;
+  }
+  if ((st = PAKV_API(api, KernelInfoGetAttribute_string)(info, at->name, text, &size))) return st;
+  pakv_fused_string(field, text, size > 0 ? size - 1 : 0); /* size counts the terminating NUL */
   return NULL;
+}
+
+/* The node's declared cache outputs, before any run: the rule they meet (a LATENT node declaring
+ * value_cache_out would otherwise get no value from ORT for it), and, with none, the caches are written
+ * in place (ORT's contract), so neither may be a constant of the model. */
+static OrtStatus* check_node_outputs(const OrtApi* api, const OrtKernelInfo* info, const pakv_fused_attributes* a) {
+  size_t count = 0;
+  int declared[PAKV_FUSED_OUTPUTS] = {0};
+  OrtStatus* st = PAKV_API(api, KernelInfo_GetOutputCount)(info, &count);
+  for (size_t i = 1; !st && i < count && i < PAKV_FUSED_OUTPUTS; i++) {
+    size_t size = 0; /* the name's bytes and its NUL; an absent optional output is named "" */
+    st = PAKV_API(api, KernelInfo_GetOutputName)(info, i, NULL, &size);
+    declared[i] = size > 1;
+  }
+  if (st) return st;
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  if (pakv_fused_cache_outputs(pakv_fused_latent(a), declared[1], declared[2], &err)) return pakv_ort_call_error(api, &err);
+  if (declared[1] || declared[2]) return NULL;
+  return pakv_ort_refuse_constant_pools(api, info, "PagedAttention", PAKV_FUSED_KEY_CACHE,
+                                        "the node has no cache outputs (ORT's contract: then its caches are updated "
+                                        "in place)", "give the node its cache outputs");
 }
 
 OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
@@ -94,10 +110,12 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
     if (st) return st;
   }
   if (pakv_check_fused_attributes(&a, &err)) return pakv_ort_call_error(api, &err);
-  if (((const pakv_op*)op)->alias) {
-    OrtStatus* st = pakv_ort_refuse_constant_pools(api, info, "PagedAttention", PAKV_FUSED_KEY_CACHE);
-    if (st) return st;
-  }
+  OrtStatus* st = NULL;
+  if (((const pakv_op*)op)->alias)
+    st = pakv_ort_refuse_constant_pools(api, info, "PagedAttention", PAKV_FUSED_KEY_CACHE, PAKV_ORT_ALIAS_ROUTE,
+                                        "leave the alias route off");
+  if (!st) st = check_node_outputs(api, info, &a);
+  if (st) return st;
   fused_kernel* k = (fused_kernel*)calloc(1, sizeof(fused_kernel));
   if (!k) return pakv_ort_status(api, PAKV_ORT_FAIL, "pakv: out of memory creating the kernel");
   k->api = api;

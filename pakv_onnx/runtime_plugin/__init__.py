@@ -27,7 +27,7 @@ import torch
 from pakv_onnx import kernels, native_lib
 from pakv_onnx.native_lib import LibraryNotBuiltError, library_path
 from pakv_onnx.runtime_plugin import _device
-from pakv_onnx.runtime_plugin._alias import alias_hazards
+from pakv_onnx.runtime_plugin._alias import alias_hazards, in_place_pools, node_refusals
 from pakv_onnx.runtime_plugin._tensors import ORT_TYPE_TO_TORCH, onnx_type_of, view
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "bind",
     "library_path",
     "make_session",
+    "node_refusals",
     "register",
     "registered_alias",
     "registered_backend",
@@ -139,6 +140,11 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     host's bound outputs, or a copy of each pool). Given options already registered with the alias
     route, a model it is not safe for is a ``ValueError`` naming the node and the pool.
 
+    Refused too (``ValueError`` naming the node; :func:`node_refusals`): a com.microsoft::PagedAttention
+    attribute the schema does not declare, and an initializer pool of a node that writes it in place (no
+    cache outputs). The session returned refuses, naming the input, a numpy feed with ``writeable=False``
+    for a pool it writes in place (docs/reliability.md).
+
     Args:
         model: an ``onnx.ModelProto``, serialized model bytes, or a path.
         backend: see :func:`register`.
@@ -150,7 +156,11 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
 
     if isinstance(model, os.PathLike):
         model = os.fspath(model)
-    hazards = alias_hazards(check_pakv_opset(model))
+    proto = check_pakv_opset(model)
+    refusals = node_refusals(proto)
+    if refusals:
+        raise ValueError(refusals[0])
+    hazards = alias_hazards(proto)
     options = ort_kwargs.pop("sess_options", None) or ort.SessionOptions()
     if hazards and registered_alias(options):
         raise ValueError(
@@ -161,7 +171,40 @@ def make_session(model: Any, backend: str = NATIVE, **ort_kwargs: Any):
     ort_kwargs.setdefault("providers", ["CPUExecutionProvider"])
     if hasattr(model, "SerializeToString"):
         model = model.SerializeToString()
-    return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
+    pools = in_place_pools(proto, alias=not hazards)
+    if not pools:
+        return ort.InferenceSession(model, sess_options=options, **ort_kwargs)
+    return _pool_guarded_session_type()(pools, model, sess_options=options, **ort_kwargs)
+
+
+_POOL_GUARDED = None
+
+
+def _pool_guarded_session_type() -> type:
+    """``onnxruntime.InferenceSession`` whose ``run`` refuses, by name, a numpy feed with
+    ``writeable=False`` for a pool the session writes in place (the kernel sees an address, not numpy's
+    flag): made once, onnxruntime imported lazily."""
+    global _POOL_GUARDED
+    if _POOL_GUARDED is None:
+        import onnxruntime as ort
+
+        class PoolGuardedSession(ort.InferenceSession):
+            def __init__(self, pools: dict[str, str], *args: Any, **kwargs: Any) -> None:
+                super().__init__(*args, **kwargs)
+                self.pakv_in_place_pools = pools
+
+            def run(self, output_names, input_feed, run_options=None):
+                for name, writer in self.pakv_in_place_pools.items():
+                    flags = getattr(input_feed.get(name), "flags", None)
+                    if flags is not None and not flags.writeable:
+                        raise ValueError(
+                            f"{name} is a read-only numpy array (writeable=False), and {writer} writes it in "
+                            f"place: pass a writable array (or a copy)"
+                        )
+                return super().run(output_names, input_feed, run_options)
+
+        _POOL_GUARDED = PoolGuardedSession
+    return _POOL_GUARDED
 
 
 def check_pakv_opset(model: Any):

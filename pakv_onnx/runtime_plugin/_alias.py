@@ -95,3 +95,68 @@ def alias_hazards(model: onnx.ModelProto) -> list[str]:
         if any(_is_write(n) or any(_writes_inside(g) for g in _subgraphs(n)) for n in function.node):
             hazards.append(f"function {function.domain}::{function.name} has a write")
     return hazards
+
+
+# --------------------------------------------------------------------------------------------- #
+# What a node writes in place whatever the route, and what make_session refuses of it
+# --------------------------------------------------------------------------------------------- #
+def _is_fused(node: onnx.NodeProto) -> bool:
+    return (node.domain, node.op_type) == (MS_DOMAIN, ORT_ATTENTION.op_type)
+
+
+def _pools(node: onnx.NodeProto) -> list[tuple[str, str]]:
+    """(pool name in the op's schema, the node's input name) of each pool the node has."""
+    names = WRITES[(node.domain, node.op_type)]
+    found = []
+    for what in POOL_NAMES:
+        position = names.index(what)
+        if position < len(node.input) and node.input[position]:
+            found.append((what, node.input[position]))
+    return found
+
+
+def writes_inputs_in_place(node: onnx.NodeProto) -> bool:
+    """A com.microsoft::PagedAttention node without cache outputs: ORT's contract updates its cache inputs
+    in place (whatever the route)."""
+    return _is_fused(node) and not any(node.output[1:3])
+
+
+def node_refusals(model: onnx.ModelProto) -> list[str]:
+    """What ``make_session`` refuses in ``model``, one line each naming the node: an attribute the
+    com.microsoft::PagedAttention schema does not declare (ORT's schema check refuses those for its
+    contrib ops; a custom-op kernel is shown no list of its node's attributes), and a node writing its
+    pools in place (no cache outputs) whose pool is an initializer (the model's constant would change
+    under every later run)."""
+    graph = model.graph
+    initializers = {t.name for t in graph.initializer} | {t.values.name for t in graph.sparse_initializer}
+    refusals = []
+    for index, node in enumerate(graph.node):
+        if not _is_fused(node):
+            continue
+        label = _label(node, index)
+        unknown = [a.name for a in node.attribute if a.name not in ORT_ATTENTION.attribute_defaults]
+        refusals += [f"{label}: unknown attribute {name!r} (PagedAttention has no such attribute)" for name in unknown]
+        if writes_inputs_in_place(node):
+            refusals += [
+                f"{label}: {what} {name!r} is an initializer (a constant of the model), and the node has no cache "
+                f"outputs (ORT's contract: then its caches are updated in place): feed the pool as a graph input, "
+                f"or give the node its cache outputs"
+                for what, name in _pools(node)
+                if name in initializers
+            ]
+    return refusals
+
+
+def in_place_pools(model: onnx.ModelProto, alias: bool) -> dict[str, str]:
+    """The graph inputs a session of ``model`` writes in place (``alias``: registered with the alias
+    route, which writes every pool of every write) -> the node and pool that writes each."""
+    graph = model.graph
+    inputs = {i.name for i in graph.input}
+    pools = {}
+    for index, node in enumerate(graph.node):
+        if not _is_write(node) or not (alias or writes_inputs_in_place(node)):
+            continue
+        for what, name in _pools(node):
+            if name in inputs:
+                pools.setdefault(name, f"{_label(node, index)}: {what}")
+    return pools

@@ -23,6 +23,11 @@ Scenarios:
               never below it; the library's own threads on API 16
     scatter   ScatterPaKvCache through the CUDA and CANN entries (the copy route), bit-exact vs the
               per-token reference over every dtype and layout, every driver call on ORT's stream
+    paths     the CUDA entries' copy paths on the driver FAKE_VARIANT (fake_ort_api.FAKE_DRIVER_VARIANTS):
+              a call's Norm copies in one cuMemcpyBatchAsync (_v2 on CUDA 13, the 12.8 symbol before),
+              else one launch of the PTX copy kernel, else one cuMemcpyDtoDAsync per run (CUDA 11);
+              PAKV_ONNX_CUDA_COPY forcing each, and naming what the driver lacks; gathers and
+              scatters bit-exact, the library's own path counters agreeing
     bridge    a Python backend (golden) on the device entries: the callback gets the caches and
               ORT's outputs labelled with the entry's device ("cuda:0" / "npu:0"; turned into
               tensors by runtime_plugin._device, here host views since the fake's device memory is
@@ -49,13 +54,14 @@ SCENARIO = sys.argv[1]
 API = int(sys.argv[2]) if len(sys.argv) > 2 else 17
 STREAM = 0x5EED0
 DEVICE_OF = {"CUDAExecutionProvider": DEVICE_GPU, "CANNExecutionProvider": DEVICE_NPU}
-COPY_CALLS = {  # (EP, layout) -> the driver function its copies use
-    ("CUDAExecutionProvider", CacheMode.NORM): "cuMemcpyDtoDAsync_v2",
-    ("CUDAExecutionProvider", CacheMode.PA_NZ): "cuMemcpy2DAsync_v2",
-    ("CANNExecutionProvider", CacheMode.NORM): "aclrtMemcpyAsync",
-    ("CANNExecutionProvider", CacheMode.PA_NZ): "aclrtMemcpy2dAsync",
+COPY_CALLS = {  # (EP, layout) -> the driver functions its copies may use (the fake is a CUDA 13 driver)
+    ("CUDAExecutionProvider", CacheMode.NORM): {"cuMemcpyBatchAsync_v2", "cuMemcpyDtoDAsync_v2"},
+    ("CUDAExecutionProvider", CacheMode.PA_NZ): {"cuMemcpy2DAsync_v2"},
+    ("CANNExecutionProvider", CacheMode.NORM): {"aclrtMemcpyAsync"},
+    ("CANNExecutionProvider", CacheMode.PA_NZ): {"aclrtMemcpy2dAsync"},
 }
-ALL_COPY_CALLS = sorted(set(COPY_CALLS.values()))
+# Every call that moves bytes (the batched copies, the kernel launch, the per-run copies).
+ALL_COPY_CALLS = sorted(set().union(*COPY_CALLS.values(), {"cuMemcpyBatchAsync", "cuLaunchKernel"}))
 
 runtime = FakeRuntime(api_version=API, stream=STREAM)
 lib = native_lib.load()
@@ -209,7 +215,9 @@ def matrix() -> str:
             got = counts()
             assert got["misuse"] == 0 and got["wrong_stream"] == 0, (ep, case.summary(), got)
             used = {name for name in ALL_COPY_CALLS if got[name]}
-            assert used <= {COPY_CALLS[ep, mode]}, (ep, mode, got)
+            assert used <= COPY_CALLS[ep, mode], (ep, mode, got)
+            if (ep, mode) == ("CUDAExecutionProvider", CacheMode.NORM):  # one launch per call
+                assert got["cuMemcpyBatchAsync_v2"] + got["cuMemcpyDtoDAsync_v2"] <= 1, got
             runs += 1
         for seed in range(8):  # key and value caches of different dtypes (each output its own)
             case = with_value_dtype(random_case(100 + seed), CACHE_DTYPES[seed % len(CACHE_DTYPES)].torch_dtype, seed)
@@ -229,7 +237,8 @@ def matrix() -> str:
     driver.reset(STREAM)
     key, value = run("CUDAExecutionProvider", case, inputs=(kc, vc, tables, lens, None))
     assert bitwise_equal(key, kc.reshape(nb * bs, *kc.shape[2:])) and bitwise_equal(value, vc.reshape(nb * bs, *vc.shape[2:]))
-    assert driver.count("cuMemcpyDtoDAsync_v2") == 2, driver.count("cuMemcpyDtoDAsync_v2")
+    assert driver.count("cuMemcpyBatchAsync_v2") == 1 and driver.count("batch_entries") == 2, counts()
+    assert driver.count("cuMemcpyDtoDAsync_v2") == 0
     return f"{runs} device runs"
 
 
@@ -249,16 +258,16 @@ def errors() -> str:
     for case in (norm, nz):
         assert case.golden()[0].shape[0] > 0
     # A failing driver call: an ORT error naming the call and its code.
-    for ep, case, text in (
-        ("CUDAExecutionProvider", norm, "cuMemcpyDtoDAsync_v2 failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
-        ("CUDAExecutionProvider", nz, "cuMemcpy2DAsync_v2 failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
-        ("CANNExecutionProvider", norm, "aclrtMemcpyAsync failed with aclError 700: fake driver: copy 0 failed"),
-        ("CANNExecutionProvider", nz, "aclrtMemcpy2dAsync failed with aclError 700: fake driver: copy 0 failed"),
+    for ep, case, call, text in (
+        ("CUDAExecutionProvider", norm, "cuMemcpyBatchAsync_v2", "failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
+        ("CUDAExecutionProvider", nz, "cuMemcpy2DAsync_v2", "failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
+        ("CANNExecutionProvider", norm, "aclrtMemcpyAsync", "failed with aclError 700: fake driver: copy 0 failed"),
+        ("CANNExecutionProvider", nz, "aclrtMemcpy2dAsync", "failed with aclError 700: fake driver: copy 0 failed"),
     ):
         driver.reset(STREAM)
         driver.fail_at(0, 700)
-        expect_error(lambda: run(ep, case), ep, text)
-        assert driver.count(COPY_CALLS[ep, case.cache_mode]) == 1, "the copy went on after a failed call"
+        expect_error(lambda: run(ep, case), ep, f"{call} {text}")
+        assert sum(counts()[name] for name in ALL_COPY_CALLS) == 1, "the copy went on after a failed call"
     # The validator's refusal (the same message on every entry) happens before any output or copy.
     kc, vc, tables, lens, offsets = norm.inputs()
     bad = tables.clone()
@@ -327,6 +336,98 @@ def parallel() -> str:
     return f"parallel calls {runtime.parallel_calls}"
 
 
+def paths() -> str:
+    """The variant's expected path for multi-run gathers and scatters, then each forced path."""
+    variant = os.environ["FAKE_VARIANT"]
+    expected = {"cuda13": "batch", "cuda12.8": "batch", "cuda12.0": "kernel", "cuda11.0": "runs"}[variant]
+    launch_call = {"cuda13": "cuMemcpyBatchAsync_v2", "cuda12.8": "cuMemcpyBatchAsync", "cuda12.0": "cuLaunchKernel",
+                   "cuda11.0": None}[variant]  # fmt: skip
+    ep = "CUDAExecutionProvider"
+
+    def gathers() -> int:
+        """Norm gathers of every dtype, bit-exact; returns how many had more than one copy."""
+        multi = 0
+        for seed, dtype in enumerate(d.torch_dtype for d in CACHE_DTYPES):
+            case = random_case(500 + seed, dtype=dtype, cache_mode=CacheMode.NORM, max_blocks=16)
+            driver.reset(STREAM)
+            before = native_lib.cuda_copy_paths()
+            check_exact(ep, case, f"{variant} {case.summary()}")
+            got, after = counts(), native_lib.cuda_copy_paths()
+            assert got["misuse"] == 0 and got["wrong_stream"] == 0, got
+            launches = sum(got[name] for name in ALL_COPY_CALLS if name != "cuMemcpyDtoDAsync_v2")
+            copies = got["cuMemcpyDtoDAsync_v2"]
+            if launches + copies == 0:
+                continue  # nothing to copy
+            path = next(p for p in after if after[p] != before[p])
+            if path == "runs" and copies == 1 and expected != "runs":
+                continue  # a single copy is issued as itself
+            multi += 1
+            assert path == expected, (variant, path, got)
+            assert launches == (0 if expected == "runs" else 1) and got.get(launch_call, 1) >= 1, (variant, got)
+            assert copies == (0 if expected != "runs" else copies), got
+        return multi
+
+    multi = gathers()
+    assert multi >= 5, multi
+    # One run longer than a kernel piece (64 KiB): consecutive blocks of a wide float32 cache.
+    case = random_case(7, dtype=torch.float32, cache_mode=CacheMode.NORM, with_seq_offset=False, max_blocks=64)
+    kc, vc, _tables, _lens, _ = case.inputs()
+    nb, bs = kc.shape[0], kc.shape[1]
+    tables, lens = torch.arange(nb, dtype=torch.int32).reshape(1, nb), torch.tensor([0, nb * bs], dtype=torch.int32)
+    driver.reset(STREAM)
+    key, value = run(ep, case, inputs=(kc, vc, tables, lens, None))
+    assert bitwise_equal(key, kc.reshape(nb * bs, *kc.shape[2:])) and bitwise_equal(value, vc.reshape(nb * bs, *vc.shape[2:]))
+    if expected == "kernel":
+        pieces = -(-kc.numel() * kc.element_size() // 65536) + -(-vc.numel() * vc.element_size() // 65536)
+        assert driver.count("kernel_pieces") == pieces, (driver.count("kernel_pieces"), pieces)
+    assert driver.count("live_allocations") == 0, "the run list's device memory was not freed"
+    # The scatter's device entry: the pool copied to the output, then its rows in one launch.
+    from per_token_reference import scatter_per_token
+
+    from pakv_onnx.cases import random_scatter_case
+
+    for seed, dtype in enumerate((torch.float16, torch.int8, torch.float32)):
+        case = random_scatter_case(600 + seed, dtype=dtype, cache_mode=CacheMode.NORM, num_tokens=9)
+        key, value, key_cache, value_cache, slots = case.inputs()
+        driver.reset(STREAM)
+        feeds = [fake(key.contiguous(), DEVICE_GPU), fake(value.contiguous(), DEVICE_GPU), fake(key_cache, DEVICE_GPU),
+                 fake(value_cache, DEVICE_GPU), fake(slots)]  # fmt: skip
+        op = runtime.find_op(ep, ONNX_ELEMENT_TYPE_OF[key.dtype], ONNX_ELEMENT_TYPE_OF[value.dtype], "ScatterPaKvCache")
+        kernel = runtime.create_kernel(op, {"cache_mode": CacheMode.NORM.value})
+        try:
+            outputs = runtime.compute(op, kernel, feeds, out_device=(DEVICE_GPU, 0))
+        finally:
+            runtime.destroy_kernel(op, kernel)
+        want = scatter_per_token(*case.inputs(), cache_mode=CacheMode.NORM)
+        got = (as_torch(outputs[0], key_cache.dtype), as_torch(outputs[1], value_cache.dtype))
+        assert bitwise_equal(got[0], want[0]) and bitwise_equal(got[1], want[1]), (variant, dtype)
+        used = counts()
+        assert used["misuse"] == 0 and used["wrong_stream"] == 0, used
+        if launch_call:
+            assert used[launch_call] == 1, (variant, used)
+    # Forcing a path: the one asked for, or an error naming what the driver lacks.
+    case = random_case(505, dtype=torch.float16, cache_mode=CacheMode.NORM, max_blocks=16)
+    results = []
+    for forced in ("runs", "batch", "kernel"):
+        os.environ["PAKV_ONNX_CUDA_COPY"] = forced
+        try:
+            driver.reset(STREAM)
+            available = forced == "runs" or (forced == "batch" and variant in ("cuda13", "cuda12.8")) or (
+                forced == "kernel" and variant != "cuda11.0")
+            if available:
+                before = native_lib.cuda_copy_paths()
+                check_exact(ep, case, f"forced {forced}")
+                after = native_lib.cuda_copy_paths()
+                assert after[forced] == before[forced] + 1, (forced, before, after)
+            else:
+                expect_error(lambda: run(ep, case), f"PAKV_ONNX_CUDA_COPY={forced}, but the")
+                assert sum(counts()[name] for name in ALL_COPY_CALLS) == 0
+            results.append(f"{forced}:{'ran' if available else 'refused'}")
+        finally:
+            del os.environ["PAKV_ONNX_CUDA_COPY"]
+    return f"{variant}: {multi} multi-copy gathers by {expected}, forced {' '.join(results)}"
+
+
 def bridge() -> str:
     import contextlib
 
@@ -358,4 +459,4 @@ def bridge() -> str:
 
 
 print("ok", SCENARIO, {"bridge": bridge, "entries": entries, "matrix": matrix, "errors": errors, "missing": missing,
-                       "parallel": parallel, "scatter": scatter}[SCENARIO](), flush=True)  # fmt: skip
+                       "parallel": parallel, "scatter": scatter, "paths": paths}[SCENARIO](), flush=True)  # fmt: skip

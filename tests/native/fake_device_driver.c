@@ -5,21 +5,32 @@
  * (memory types, copy kind, a 2-D width wider than a pitch, a short destMax) and is counted per
  * function, with the streams it got; the tests read the counts and can make the n-th copy fail.
  *
+ * The CUDA side is a CUDA 13 driver by default: besides the per-run copies it has the batched copy
+ * (cuMemcpyBatchAsync_v2 and the 12.8 cuMemcpyBatchAsync) and what the copy kernel needs
+ * (cuModuleLoadData ... cuLaunchKernel, stream-ordered memory). The kernel is "launched" by doing on
+ * the host what pakv_cuda_copy.cu does on the device, after checking the module is the library's PTX
+ * and its run list lives in memory from cuMemAllocAsync, uploaded and not yet freed. Built with
+ * -DFAKE_NO_BATCH_V2, -DFAKE_NO_BATCH_V1, -DFAKE_NO_KERNEL it is an older driver without them.
+ *
  * build: gcc -shared -fPIC -I pakv_onnx/native_lib -o libfake_device_driver.so fake_device_driver.c
  * use:   PAKV_ONNX_CUDA_DRIVER=/path/libfake_device_driver.so (and PAKV_ONNX_CANN_DRIVER) */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "device_abi.h"
 
 #define EXPORT __attribute__((visibility("default")))
 
-enum { F_CU_1D, F_CU_2D, F_ACL_1D, F_ACL_2D, F_CU_INIT, F_CU_SET_CTX, F_MISUSE, F_WRONG_STREAM, F_COUNT };
+enum { F_CU_1D, F_CU_2D, F_ACL_1D, F_ACL_2D, F_CU_INIT, F_CU_SET_CTX, F_MISUSE, F_WRONG_STREAM, F_CU_BATCH_V2,
+       F_CU_BATCH_V1, F_BATCH_ENTRIES, F_CU_LAUNCH, F_KERNEL_PIECES, F_MODULE_LOAD, F_UPLOAD, F_LIVE, F_COUNT };
 static const char* const NAMES[F_COUNT] = {"cuMemcpyDtoDAsync_v2", "cuMemcpy2DAsync_v2", "aclrtMemcpyAsync",
                                            "aclrtMemcpy2dAsync", "cuInit", "cuCtxSetCurrent", "misuse",
-                                           "wrong_stream"};
+                                           "wrong_stream", "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync",
+                                           "batch_entries", "cuLaunchKernel", "kernel_pieces", "cuModuleLoadData",
+                                           "cuMemcpyHtoDAsync_v2", "live_allocations"};
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_counts[F_COUNT];
@@ -32,7 +43,9 @@ static char g_recent[128];
 
 EXPORT void fake_driver_reset(void* expected_stream, int has_context) {
   pthread_mutex_lock(&g_lock);
+  long live = g_counts[F_LIVE];
   memset(g_counts, 0, sizeof(g_counts));
+  g_counts[F_LIVE] = live; /* stream-ordered allocations outlive a reset */
   g_copies = 0;
   g_fail_at = -1;
   g_expected_stream = expected_stream;
@@ -130,6 +143,157 @@ EXPORT pakv_CUresult cuCtxSetCurrent(pakv_CUcontext ctx) {
   pthread_mutex_unlock(&g_lock);
   return PAKV_CUDA_SUCCESS;
 }
+
+/* Add n to a counter. */
+static void add(int which, long n) {
+  pthread_mutex_lock(&g_lock);
+  g_counts[which] += n;
+  pthread_mutex_unlock(&g_lock);
+}
+
+/* Copies of one launch must not write overlapping bytes (their order is unspecified). */
+static int overlapping(const pakv_CUdeviceptr* dsts, const size_t* sizes, size_t count) {
+  for (size_t i = 0; i < count; i++)
+    for (size_t j = i + 1; j < count; j++)
+      if (dsts[i] < dsts[j] + sizes[j] && dsts[j] < dsts[i] + sizes[i]) return 1;
+  return 0;
+}
+
+static int batch_misuse(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes, size_t count,
+                        pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs, pakv_CUstream stream) {
+  if (!stream || !count || !dsts || !srcs || !sizes || !attrs || !attrs_idxs || num_attrs != 1 || attrs_idxs[0] != 0 ||
+      attrs[0].srcAccessOrder != PAKV_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+    return 1;
+  for (size_t i = 0; i < count; i++)
+    if (!dsts[i] || !srcs[i]) return 1;
+  return overlapping(dsts, sizes, count);
+}
+
+__attribute__((unused)) static pakv_CUresult batch(int which, pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes, size_t count,
+                           pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs, pakv_CUstream stream) {
+  int rc = enter(which, stream, batch_misuse(dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream),
+                 PAKV_CUDA_ERROR_INVALID_VALUE);
+  if (rc) return rc;
+  add(F_BATCH_ENTRIES, (long)count);
+  for (size_t i = 0; i < count; i++) memcpy((void*)(uintptr_t)dsts[i], (const void*)(uintptr_t)srcs[i], sizes[i]);
+  return PAKV_CUDA_SUCCESS;
+}
+
+#ifndef FAKE_NO_BATCH_V2
+EXPORT pakv_CUresult cuMemcpyBatchAsync_v2(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                           pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                           pakv_CUstream stream) {
+  return batch(F_CU_BATCH_V2, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream);
+}
+#endif
+
+#ifndef FAKE_NO_BATCH_V1
+EXPORT pakv_CUresult cuMemcpyBatchAsync(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                        pakv_CUmemcpyAttributes* attrs, size_t* attrs_idxs, size_t num_attrs,
+                                        size_t* fail_idx, pakv_CUstream stream) {
+  if (!fail_idx) return enter(F_CU_BATCH_V1, stream, 1, PAKV_CUDA_ERROR_INVALID_VALUE);
+  return batch(F_CU_BATCH_V1, dsts, srcs, sizes, count, attrs, attrs_idxs, num_attrs, stream);
+}
+#endif
+
+#ifndef FAKE_NO_KERNEL
+/* Stream-ordered "device memory": host blocks, remembered until freed. */
+#define MAX_LIVE 64
+static void* g_live[MAX_LIVE];
+static size_t g_live_bytes[MAX_LIVE];
+static int g_module_token, g_function_token;
+
+/* The live allocation [p, p + bytes) lies in, or -1. */
+static int live_index(uintptr_t p, size_t bytes) {
+  for (int i = 0; i < MAX_LIVE; i++)
+    if (g_live[i] && p >= (uintptr_t)g_live[i] && p + bytes <= (uintptr_t)g_live[i] + g_live_bytes[i]) return i;
+  return -1;
+}
+
+EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream) {
+  pthread_mutex_lock(&g_lock);
+  int slot = -1;
+  for (int i = 0; i < MAX_LIVE && slot < 0; i++)
+    if (!g_live[i]) slot = i;
+  void* p = slot >= 0 && bytes ? malloc(bytes) : NULL;
+  if (p) {
+    g_live[slot] = p;
+    g_live_bytes[slot] = bytes;
+    g_counts[F_LIVE]++;
+  }
+  if (stream != g_expected_stream) g_counts[F_WRONG_STREAM]++;
+  pthread_mutex_unlock(&g_lock);
+  *ptr = (pakv_CUdeviceptr)(uintptr_t)p;
+  return p ? PAKV_CUDA_SUCCESS : 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+}
+
+EXPORT pakv_CUresult cuMemFreeAsync(pakv_CUdeviceptr ptr, pakv_CUstream stream) {
+  pthread_mutex_lock(&g_lock);
+  int i = live_index((uintptr_t)ptr, 0);
+  int ok = i >= 0 && (uintptr_t)g_live[i] == (uintptr_t)ptr;
+  if (ok) {
+    free(g_live[i]);
+    g_live[i] = NULL;
+    g_counts[F_LIVE]--;
+  } else {
+    g_counts[F_MISUSE]++;
+  }
+  if (stream != g_expected_stream) g_counts[F_WRONG_STREAM]++;
+  pthread_mutex_unlock(&g_lock);
+  return ok ? PAKV_CUDA_SUCCESS : PAKV_CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT pakv_CUresult cuMemcpyHtoDAsync_v2(pakv_CUdeviceptr dst, const void* src, size_t bytes, pakv_CUstream stream) {
+  pthread_mutex_lock(&g_lock);
+  int ok = src && live_index((uintptr_t)dst, bytes) >= 0;
+  g_counts[F_UPLOAD]++;
+  if (!ok) g_counts[F_MISUSE]++;
+  if (stream != g_expected_stream) g_counts[F_WRONG_STREAM]++;
+  pthread_mutex_unlock(&g_lock);
+  if (ok) memcpy((void*)(uintptr_t)dst, src, bytes);
+  return ok ? PAKV_CUDA_SUCCESS : PAKV_CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The module must be the library's copy kernel in PTX. */
+EXPORT pakv_CUresult cuModuleLoadData(pakv_CUmodule* module, const void* image) {
+  add(F_MODULE_LOAD, 1);
+  const char* ptx = (const char*)image;
+  int ok = ptx && strstr(ptx, ".entry pakv_copy_runs(") && strstr(ptx, ".version ") && strstr(ptx, ".target sm_");
+  *module = ok ? &g_module_token : NULL;
+  return ok ? PAKV_CUDA_SUCCESS : 218; /* CUDA_ERROR_INVALID_PTX */
+}
+
+EXPORT pakv_CUresult cuModuleGetFunction(pakv_CUfunction* function, pakv_CUmodule module, const char* name) {
+  int ok = module == &g_module_token && strcmp(name, "pakv_copy_runs") == 0;
+  *function = ok ? &g_function_token : NULL;
+  return ok ? PAKV_CUDA_SUCCESS : 500; /* CUDA_ERROR_NOT_FOUND */
+}
+
+/* pakv_copy_runs(const {dst, src, bytes}* runs, unsigned long long count), done on the host. */
+EXPORT pakv_CUresult cuLaunchKernel(pakv_CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
+                                    unsigned int block_x, unsigned int block_y, unsigned int block_z,
+                                    unsigned int shared_bytes, pakv_CUstream stream, void** params, void** extra) {
+  pakv_CUdeviceptr runs = params ? *(pakv_CUdeviceptr*)params[0] : 0;
+  unsigned long long count = params ? *(unsigned long long*)params[1] : 0;
+  pthread_mutex_lock(&g_lock);
+  int bad = f != &g_function_token || !grid_x || grid_y != 1 || grid_z != 1 || !block_x || block_x > 1024 ||
+            block_y != 1 || block_z != 1 || extra || !count || live_index((uintptr_t)runs, count * 24) < 0;
+  pthread_mutex_unlock(&g_lock);
+  int rc = enter(F_CU_LAUNCH, stream, bad, PAKV_CUDA_ERROR_INVALID_VALUE);
+  if (rc) return rc;
+  const uint64_t* piece = (const uint64_t*)(uintptr_t)runs;
+  pakv_CUdeviceptr* dsts = (pakv_CUdeviceptr*)malloc(count * sizeof(*dsts));
+  size_t* sizes = (size_t*)malloc(count * sizeof(*sizes));
+  for (unsigned long long i = 0; dsts && sizes && i < count; i++) dsts[i] = piece[3 * i], sizes[i] = piece[3 * i + 2];
+  if (!dsts || !sizes || overlapping(dsts, sizes, count)) add(F_MISUSE, 1);
+  free(dsts);
+  free(sizes);
+  for (unsigned long long i = 0; i < count; i++)
+    memcpy((void*)(uintptr_t)piece[3 * i], (const void*)(uintptr_t)piece[3 * i + 1], piece[3 * i + 2]);
+  add(F_KERNEL_PIECES, (long)count);
+  return PAKV_CUDA_SUCCESS;
+}
+#endif
 
 /* --- AscendCL --------------------------------------------------------------------------------- */
 EXPORT pakv_aclError aclrtMemcpyAsync(void* dst, size_t dest_max, const void* src, size_t count, int kind,

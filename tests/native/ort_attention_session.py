@@ -314,8 +314,141 @@ def outputs_over_inputs() -> None:
     raise AssertionError("cache outputs bound over the other cache were not refused")
 
 
+# ----------------------------------------------------------------------------------------------------
+# Issue 35: an adversarial user's calls, each refused cleanly (nothing written), and the slot race
+# ----------------------------------------------------------------------------------------------------
+def attack_model(inputs: dict, outputs: tuple, attributes: dict, initializers: dict | None = None) -> bytes:
+    """A one-node float32 model of ``inputs`` (numpy arrays; None: absent), the given outputs."""
+    from onnx import numpy_helper
+
+    names = [n if inputs.get(n) is not None else "" for n in NAMES]
+    while not names[-1]:
+        names.pop()
+    node = helper.make_node("PagedAttention", names, list(outputs), domain="com.microsoft", **attributes)
+    initializers = initializers or {}
+    typed = {np.float32: TensorProto.FLOAT, np.int32: TensorProto.INT32, np.int64: TensorProto.INT64}
+    graph_inputs = [helper.make_tensor_value_info(n, typed[inputs[n].dtype.type], None) for n in names if n and n not in initializers]
+    graph_outputs = [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs if o]
+    graph = helper.make_graph([node], "attack", graph_inputs, graph_outputs,
+                              initializer=[numpy_helper.from_array(v, n) for n, v in initializers.items()])
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
+
+
+def attack_run(inputs: dict, outputs: tuple, attributes: dict, bound: bool = True) -> None:
+    """One run, every input bound in place; cache outputs (when the node has them) bound to the pools
+    (``bound``) or left to ORT."""
+    s = session(attack_model(inputs, outputs, attributes), 1)
+    binding = s.io_binding()
+    for name, array in inputs.items():
+        if array is not None:
+            binding.bind_input(name, "cpu", 0, array.dtype.type, list(array.shape), array.ctypes.data)
+    for name in outputs:
+        pool = inputs.get(name.removesuffix("_out"))
+        if name != "output" and bound and pool is not None:
+            binding.bind_output(name, "cpu", 0, np.float32, list(pool.shape), pool.ctypes.data)
+        else:
+            binding.bind_output(name, "cpu")
+    s.run_with_iobinding(binding)
+
+
+def attack_call(tokens: int = 1, blocks: int = 4, batch: int = 1, index=np.int32) -> dict:
+    """``tokens`` new tokens of sequence 0 (from position 0; one head of 16), ``batch - 1`` idle ones."""
+    table = np.full((batch, 1), -1, index)
+    table[0, 0] = 1
+    cu = np.full(batch + 1, tokens, index)
+    cu[0] = 0
+    return {"query": np.ones((tokens, 16), np.float32), "key": np.ones((tokens, 16), np.float32),
+            "value": np.ones((tokens, 16), np.float32), "key_cache": np.zeros((blocks, 16, 1, 16), np.float32),
+            "value_cache": np.zeros((blocks, 16, 1, 16), np.float32), "cumulative_sequence_length": cu,
+            "past_seqlens": np.zeros(batch, index), "block_table": table}  # fmt: skip
+
+
+def attack_refusals() -> int:
+    """Each call of issue 35 that reaches ORT, through each node form: refused by its rule, no pool byte
+    changed, and (ASan + UBSan) no overflow on the way."""
+    heads = {"num_heads": 1, "kv_num_heads": 1}
+    forms = (("output", "key_cache_out", "value_cache_out"), ("output",))
+    refused = 0
+
+    def refuse(inputs: dict, attributes: dict, text: str, outputs: tuple, bound: bool = True) -> None:
+        nonlocal refused
+        pools = {n: inputs[n].copy() for n in ("key_cache", "value_cache") if inputs.get(n) is not None}
+        try:
+            attack_run(inputs, outputs, attributes, bound)
+        except ORT_ERRORS as exc:
+            assert text in str(exc), (text, str(exc)[:400])
+            assert all(np.array_equal(pools[n], inputs[n]) for n in pools), ("written", text)
+            refused += 1
+            return
+        raise AssertionError(f"not refused: {text}")
+
+    for outputs in forms:
+        for bound in (True, False):
+            rotary = attack_call()
+            rotary.update(cos_cache=np.ones((4, 4096), np.float32), sin_cache=np.zeros((4, 4096), np.float32))
+            refuse(rotary, {**heads, "do_rotary": 1, "rotary_offset": 2**63 - 8}, "rotary_offset (9223372036854775800)",
+                   outputs, bound)
+            packed = attack_call()
+            packed.update(key=None, value=None)
+            refuse(packed, {"num_heads": 2**62, "kv_num_heads": 2**62}, "overflows int64 (query is packed QKV)",
+                   outputs, bound)
+            inside = attack_call()
+            inside["cos_cache"] = inside["key_cache"].reshape(-1)[:64].reshape(8, 8)
+            inside["sin_cache"] = np.zeros((8, 8), np.float32)
+            refuse(inside, heads, "cos_cache overlaps key_cache in memory", outputs, bound)
+    latent = attack_call()
+    latent.update(value=None, value_cache=None)
+    for attributes, outputs, text in (
+        ({**heads, "kv_cache_layout": "LATENT", "v_head_size": 8, "scale": 0.5}, ("output", "key_cache_out", "value_cache_out"),
+         "value_cache_out has no place when kv_cache_layout is 'LATENT'"),
+        ({**heads, "k_quant_type": "NONE\x00X"}, ("output",), "got '(a NUL at byte 4)'"),
+    ):
+        call = latent if "LATENT" in attributes.values() else attack_call()
+        try:
+            session(attack_model(call, outputs, attributes), 1)
+            raise AssertionError(f"session created: {text}")
+        except ORT_ERRORS as exc:
+            assert text in str(exc), (text, str(exc)[:400])
+            refused += 1
+    constant = attack_call()
+    try:
+        session(attack_model(constant, ("output",), heads, initializers={"key_cache": constant["key_cache"]}), 1)
+        raise AssertionError("a constant pool written in place was accepted")
+    except ORT_ERRORS as exc:
+        assert "is an initializer" in str(exc) and "no cache outputs" in str(exc), str(exc)[:400]
+        refused += 1
+    return refused
+
+
+def slot_race(seconds: float = 2.0) -> dict:
+    """A native thread (tests/table_flipper.py) flips an int64 block_table entry between its block and
+    2**62 (x block_size overflows int64: UBSan's report on the old code) while a node without cache
+    outputs runs in place over a batch whose validation pass is long: each run completes or is refused,
+    and no block but the named one is ever written."""
+    from table_flipper import Flipping
+
+    call = attack_call(batch=1 << 18, blocks=8, index=np.int64)
+    counts = {"ran": 0, "refused": 0}
+    with Flipping(call["block_table"].ctypes.data, 2**62, 1):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                attack_run(call, ("output",), {"num_heads": 1, "kv_num_heads": 1})
+                counts["ran"] += 1
+            except ORT_ERRORS as exc:
+                assert "4611686018427387904" in str(exc) or "block_tables changed" in str(exc), str(exc)[:400]
+                counts["refused"] += 1
+            for cache in (call["key_cache"], call["value_cache"]):
+                written = cache.reshape(8, -1).any(axis=1)
+                assert not written[[0, *range(2, 8)]].any(), ("a block no table names was written", written)
+    assert counts["ran"] + counts["refused"] > 0, counts
+    return counts
+
+
 if __name__ == "__main__":
     count = int(sys.argv[3]) if len(sys.argv) > 3 else 200
     result = {"valid": valid_calls(count), "refused": broken_calls(count // 2), "race": race()}
     outputs_over_inputs()
+    result.update(attack=attack_refusals(), slot_race=slot_race())
     print("clean", result, flush=True)
