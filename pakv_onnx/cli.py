@@ -33,6 +33,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.generate",
     "pakv_onnx.commands.export",
     "pakv_onnx.commands.genai_cpu",
+    "pakv_onnx.commands.serve",
     "pakv_onnx.commands.cache",
 )
 

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -248,3 +249,35 @@ def perturbed_norms(model, seed: int = 0):
             if "norm" in name:
                 parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
     return model
+
+
+# --- pakv-onnx serve: one exported sample folder and one server for the whole session -------------------
+SERVE_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def serve_folder(tmp_path_factory) -> Path:
+    """The sample Llama (seeded weights, word-level tokenizer, chat template) as `pakv-onnx export` writes
+    it: block size 4, 64 blocks (257 tokens at most per request), batches of 8, one intra-op thread."""
+    from serve_helpers import needs
+
+    from pakv_onnx import cli
+    from pakv_onnx.models.hf import save_sample_folder
+
+    for module in ("fastapi", "uvicorn", "openai", "onnxruntime_genai"):
+        needs(module)
+    root = tmp_path_factory.mktemp("serve")
+    hf = save_sample_folder(root / "hf", "llama", 0)
+    out = root / "tiny-llama-genai"
+    args = ["--block-size", "4", "--num-blocks", "64", "--max-batch-size", "8", "--threads", "1"]
+    assert cli.main(["export", str(hf), str(out), *args]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def served(serve_folder: Path):
+    """`pakv-onnx serve` of :func:`serve_folder` with an API key, on a free loopback port; killed at the end."""
+    from serve_helpers import running_server
+
+    with running_server(serve_folder, "--api-key", SERVE_API_KEY, "--max-queue", "256") as server:
+        yield server

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         f"{done.config['model']['decoder']['session_options']['custom_ops_library']}"
     )
     print(f"serve it: og.Engine(og.Model({str(args.out_dir)!r}))  (pip install 'pakv-onnx[genai]')")
+    print(f"or over HTTP: pakv-onnx serve {args.out_dir}  (OpenAI API; pip install 'pakv-onnx[serve]')")
     return 0
 
 
