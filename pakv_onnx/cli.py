@@ -6,8 +6,9 @@ Each subcommand is one module of :mod:`pakv_onnx.commands` with ``add_parser(sub
 Exit codes, the same in every command: 0 success; 1 a check failed; 2 a usage error (argparse's
 code: bad arguments, unknown case ids, a backend that cannot run here) or an environment problem
 this run cannot get past (an unwritable directory, no place for the cache), printed as one line;
-130 interrupted (Ctrl-C), also one line, never a traceback, within seconds wherever the command was
-(:mod:`pakv_onnx.commands._interrupt`).
+130 interrupted (Ctrl-C), also one line, never a traceback, within seconds wherever the command was,
+leaving none of its outputs (:mod:`pakv_onnx.commands._interrupt`, :mod:`pakv_onnx.commands._outputs`).
+Folder options are checked before the command runs (:func:`pakv_onnx.commands._args.path_problem`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import errno
 import importlib
 import os
 import sys
+import threading
 from collections.abc import Sequence
 
 from pakv_onnx import __version__
@@ -31,6 +33,7 @@ COMMAND_MODULES = (
     "pakv_onnx.commands.generate",
     "pakv_onnx.commands.export",
     "pakv_onnx.commands.genai_cpu",
+    "pakv_onnx.commands.serve",
     "pakv_onnx.commands.cache",
 )
 
@@ -87,12 +90,14 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the subcommand; returns the exit code (see the module docstring)."""
+    """Parse ``argv`` (default: the process's command line, after which SIGINT stays ignored while the
+    process exits) and run the subcommand; returns the exit code (see the module docstring)."""
+    as_program = argv is None  # the process's own command line: it exits when this returns
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--version"]:
         print(f"pakv-onnx {__version__}")  # without loading the subcommands
         return 0
-    with _interrupt.handling() as interrupt:
+    with _interrupt.handling(then_ignore=as_program) as interrupt:
         command = None
         try:
             try:
@@ -102,18 +107,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                     return 0 if done.code is None else int(done.code)
                 raise
             command = args.command
-            return args.run(args)
+            problem = _args.path_problem(args)  # before the command imports torch or does any work
+            code = _args.usage_error(command, problem) if problem else args.run(args)
         except BaseException as err:
-            # Plain attribute reads and a store first: nothing here lets a pending SIGINT run its handler.
-            if interrupt.requested:  # whatever Ctrl-C turned into on its way here (see _interrupt)
-                interrupt.acknowledged = True
-                print(_interrupt.MESSAGE, file=sys.stderr)
-                return EXIT_INTERRUPTED
+            if interrupt.requested and not interrupt.committed:  # a safe point's KeyboardInterrupt, or on its way
+                return _interrupted(interrupt)
             message = environment_message(err) if isinstance(err, OSError) else None
             if message is None:
                 raise
             return _args.usage_error(command, message)
+        if interrupt.requested and not interrupt.committed:  # Ctrl-C after the last safe point
+            return _interrupted(interrupt)
+        return code
 
+
+def _interrupted(interrupt: _interrupt.State) -> int:
+    """The one line and 130, unless the watchdog's hard exit is printing it (then wait for it)."""
+    if not _interrupt.end_run(interrupt):
+        threading.Event().wait()  # os._exit comes from the watchdog
+    print(_interrupt.MESSAGE, file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -21,6 +21,7 @@ One-node models for the runtime plugin are in ``onnx_graphs.py``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -29,8 +30,8 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
-import onnxruntime as ort
 import pytest
 import torch
 from per_token_reference import gather_per_token
@@ -40,15 +41,20 @@ from pakv_onnx.cases import GatherCase, random_cache
 from pakv_onnx.paths import CACHE_DIR_ENV, cache_dir
 from pakv_onnx.spec import OUTPUT_NAMES, CacheMode, bitwise_equal, block_size_axis, nz_last_dim
 
-# session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
-# session creation raises onnxruntime's own exception types.
-ORT_ERRORS = (
-    RuntimeError,
-    ort.capi.onnxruntime_pybind11_state.Fail,
-    ort.capi.onnxruntime_pybind11_state.InvalidArgument,
-    ort.capi.onnxruntime_pybind11_state.RuntimeException,
-    ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-)
+
+def __getattr__(name: str):
+    """:data:`ORT_ERRORS`, on first use: onnxruntime writes ``$TMPDIR/.ses`` when imported, so it is
+    imported only after :func:`pytest_sessionstart` has pointed TMPDIR under pytest's folder."""
+    if name != "ORT_ERRORS":
+        raise AttributeError(name)
+    import onnxruntime as ort
+
+    # session.run_with_iobinding re-raises kernel failures as RuntimeError("Error in execution: ...");
+    # session creation raises onnxruntime's own exception types.
+    state = ort.capi.onnxruntime_pybind11_state
+    return (RuntimeError, state.Fail, state.InvalidArgument, state.RuntimeException, state.InvalidGraph)
+
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Where temporary files go, and the two caches a test run would otherwise fill outside it:
@@ -67,7 +73,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     tempfile.tempdir = None  # tempfile reads TMPDIR again on next use
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which removes a green run's base temp dir
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    _remove_empty_pytest_root(session.config._tmp_path_factory)
     if not _saved_temp_settings:
         return
     tempdir, saved = _saved_temp_settings.pop()
@@ -77,6 +85,21 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         else:
             os.environ[name] = value
     tempfile.tempdir = tempdir
+
+
+def _remove_empty_pytest_root(factory: pytest.TempPathFactory) -> None:
+    """pytest puts its base temp dir in ``$TMPDIR/pytest-of-$USER/pytest-N``; a green run removes
+    ``pytest-N`` (tmp_path_retention_policy) but not its parent. Remove the parent too when nothing
+    else is in it: only its dead ``pytest-current`` link (another session's folder keeps it, and so
+    does a failed run's). Not for a ``--basetemp`` the caller chose."""
+    if factory._given_basetemp is not None or factory._basetemp is None or factory._basetemp.exists():
+        return
+    root = factory._basetemp.parent
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            if entry.is_symlink() and not entry.exists():
+                entry.unlink(missing_ok=True)
+        root.rmdir()  # fails, harmlessly, while anything else is in it
 
 
 def run_python(
@@ -226,3 +249,35 @@ def perturbed_norms(model, seed: int = 0):
             if "norm" in name:
                 parameter.copy_(torch.empty_like(parameter).normal_(1.0, 0.2, generator=generator))
     return model
+
+
+# --- pakv-onnx serve: one exported sample folder and one server for the whole session -------------------
+SERVE_API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def serve_folder(tmp_path_factory) -> Path:
+    """The sample Llama (seeded weights, word-level tokenizer, chat template) as `pakv-onnx export` writes
+    it: block size 4, 64 blocks (257 tokens at most per request), batches of 8, one intra-op thread."""
+    from serve_helpers import needs
+
+    from pakv_onnx import cli
+    from pakv_onnx.models.hf import save_sample_folder
+
+    for module in ("fastapi", "uvicorn", "openai", "onnxruntime_genai"):
+        needs(module)
+    root = tmp_path_factory.mktemp("serve")
+    hf = save_sample_folder(root / "hf", "llama", 0)
+    out = root / "tiny-llama-genai"
+    args = ["--block-size", "4", "--num-blocks", "64", "--max-batch-size", "8", "--threads", "1"]
+    assert cli.main(["export", str(hf), str(out), *args]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def served(serve_folder: Path):
+    """`pakv-onnx serve` of :func:`serve_folder` with an API key, on a free loopback port; killed at the end."""
+    from serve_helpers import running_server
+
+    with running_server(serve_folder, "--api-key", SERVE_API_KEY, "--max-queue", "256") as server:
+        yield server

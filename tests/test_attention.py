@@ -239,7 +239,8 @@ def test_export_runs_in_the_plugin_and_on_stock_ort(exporter: str) -> None:
     from pakv_onnx import export as pe
 
     case = random_attention_case(12, scale=0.25)
-    model = pe.export(_Attend(), case.inputs()) if exporter == "dynamo" else pe.export_legacy(_Attend(), case.inputs())
+    attend = _Attend().eval()  # as a user exports: in eval mode (torch warns otherwise)
+    model = pe.export(attend, case.inputs()) if exporter == "dynamo" else pe.export_legacy(attend, case.inputs())
     nodes = [n for n in model.graph.node if n.domain == "pakv"]
     assert [n.op_type for n in nodes] == ["PagedAttention"]
     assert [(a.name, a.f) for a in nodes[0].attribute] == [("scale", 0.25)]

@@ -56,7 +56,7 @@ def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
     names = {"query": "qkv", "key_cache": "past_key_values.0.key", "value_cache": "past_key_values.0.value",
              "cumulative_sequence_length": "cumulative_sequence_lengths", "past_seqlens": "past_sequence_lengths",
              "block_table": "block_table"}  # fmt: skip
-    node = ort_attention_node(names, ("out",), num_heads=2, kv_num_heads=1)
+    node = ort_attention_node(names, ("logits",), num_heads=2, kv_num_heads=1)
     node.op_type = op_type
     pool = [TensorProto.FLOAT16, ["num_blocks", "block_size", 1, 8]]
     graph = h.make_graph(
@@ -65,7 +65,7 @@ def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
          h.make_tensor_value_info("past_key_values.0.key", *pool),
          h.make_tensor_value_info("past_key_values.0.value", *pool),
          *(h.make_tensor_value_info(n, TensorProto.INT32, None) for n in list(names.values())[3:])],
-        [h.make_tensor_value_info("out", TensorProto.FLOAT16, None)],
+        [h.make_tensor_value_info("logits", TensorProto.FLOAT16, None)],
     )  # fmt: skip
     root.mkdir(parents=True, exist_ok=True)
     onnx.save_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("com.microsoft", 1)]),
@@ -121,6 +121,59 @@ def test_genai_cpu_refuses_a_folder_that_is_not_a_genai_paged_model(tmp_path, ca
     assert after == before and not (folder / native_lib.LIBRARY_NAME).exists()
 
 
+def two_layer_folder(root: Path, *, logits_from: int, width: int = 16, vocab: int | None = None) -> Path:
+    """A builder-shaped folder of two PagedAttention layers whose ``logits`` read layer ``logits_from``'s
+    output (the builder's vocab-256 trap wires them to the first layer)."""
+    folder = paged_folder(root)
+    names = {"key_cache": "past_key_values.%d.key", "value_cache": "past_key_values.%d.value",
+             "cumulative_sequence_length": "cumulative_sequence_lengths", "past_seqlens": "past_sequence_lengths",
+             "block_table": "block_table"}  # fmt: skip
+    nodes = []
+    for layer in range(2):
+        inputs = {k: v % layer if "%" in v else v for k, v in names.items()}
+        node = ort_attention_node({"query": "qkv" if layer == 0 else "h0", **inputs}, (f"h{layer}",),
+                                  num_heads=2, kv_num_heads=1)  # fmt: skip
+        node.name = f"/model/layers.{layer}/attn/PagedAttention"
+        nodes.append(node)
+    nodes.append(h.make_node("Identity", [f"h{logits_from}"], ["logits"], name="/lm_head/MatMul"))
+    pool = [TensorProto.FLOAT16, ["num_blocks", "block_size", 1, 8]]
+    graph = h.make_graph(
+        nodes, "g",
+        [h.make_tensor_value_info("qkv", TensorProto.FLOAT16, ["n", 32]),
+         *(h.make_tensor_value_info(f"past_key_values.{i}.{kv}", *pool) for i in range(2) for kv in ("key", "value")),
+         *(h.make_tensor_value_info(n, TensorProto.INT32, None) for n in list(names.values())[2:])],
+        [h.make_tensor_value_info("logits", TensorProto.FLOAT16, ["n", width])],
+    )  # fmt: skip
+    onnx.save_model(h.make_model(graph, opset_imports=[h.make_opsetid("", 20), h.make_opsetid("com.microsoft", 1)]),
+                    str(folder / "model.onnx"))  # fmt: skip
+    _edit(folder, lambda c: c["model"].update({"vocab_size": vocab or width}))
+    _edit(folder, lambda c: c["model"]["decoder"].update({"num_hidden_layers": 2}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda root: two_layer_folder(root, logits_from=0),
+         "its logits are computed from 1 of its 2 layers \\(its LM head /lm_head/MatMul reads h0\\)\\. ORT GenAI's "
+         "builder does this when another layer is as wide as the vocabulary"),
+        (lambda root: two_layer_folder(root, logits_from=1, width=16, vocab=32),
+         "its logits are 16 wide, model.vocab_size is 32"),
+    ],
+    ids=["logits-from-layer-0", "logits-not-vocab-wide"],
+)  # fmt: skip
+def test_genai_cpu_refuses_a_graph_that_is_not_the_model_its_config_describes(tmp_path, capsys, make, message) -> None:
+    import re
+
+    folder = make(tmp_path / "m")
+    before = (folder / "genai_config.json").read_bytes()
+    assert cli.main(["genai-cpu", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"is not the model its genai_config.json describes: {message}", err), err
+    assert (folder / "genai_config.json").read_bytes() == before and not (folder / native_lib.LIBRARY_NAME).exists()
+    assert cli.main(["genai-cpu", str(two_layer_folder(tmp_path / "good", logits_from=1))]) == 0
+
+
 def _edit(folder: Path, change) -> None:
     config = json.loads((folder / "genai_config.json").read_text())
     change(config)
@@ -134,14 +187,34 @@ def builder_folder(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("builder")
     hf = save_sample_folder(root / "hf", "llama", 0, vocab_size=512)  # 512: no other Linear's width (builder)
     out = root / "paged"
+    run_builder(hf, out, root / "cache")
+    assert cli.main(["genai-cpu", str(out), "--num-blocks", "32", "--block-size", "16"]) == 0
+    return hf, out
+
+
+def run_builder(hf: Path, out: Path, cache: Path) -> None:
+    """ORT GenAI's builder: ``hf`` -> a paged fp16 model folder ``out`` (for CUDA, as its docs say)."""
     done = subprocess.run(
         [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out), "-p", "fp16",
-         "-e", "cuda", "-c", str(root / "cache"), "--extra_options", "use_paged_attention=true"],
+         "-e", "cuda", "-c", str(cache), "--extra_options", "use_paged_attention=true"],
         capture_output=True, text=True, check=False, timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert cli.main(["genai-cpu", str(out), "--num-blocks", "32", "--block-size", "16"]) == 0
-    return hf, out
+
+
+@pytest.mark.slow  # the builder (about 10 s)
+def test_genai_cpu_refuses_the_builders_vocab_256_trap(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The sample Llama at vocab 256 (= its intermediate_size): the builder takes the MLP's 256-wide
+    layers for the LM head and wires logits to layer 0; genai-cpu refuses it, naming the cause."""
+    onnxruntime_genai()
+    hf = save_sample_folder(tmp_path / "hf", "llama", 0)  # vocab_size 256, intermediate_size 256
+    run_builder(hf, tmp_path / "paged", tmp_path / "cache")
+    before = (tmp_path / "paged" / "genai_config.json").read_bytes()
+    assert cli.main(["genai-cpu", str(tmp_path / "paged")]) == 2
+    err = capsys.readouterr().err
+    assert "is not the model its genai_config.json describes: its logits are computed from 1 of its 2 layers" in err
+    assert "as wide as the vocabulary (256)" in err
+    assert (tmp_path / "paged" / "genai_config.json").read_bytes() == before
 
 
 WORKLOAD = Workload(
@@ -179,3 +252,9 @@ def test_genai_paged_fp16_logits_are_transformers_within_fp16(builder_folder) ->
     reference = generate_reference(load_hf_model(hf), Workload(WORKLOAD.prompts, [1, 1, 1]))
     want = torch.stack([row[0] for row in reference.logits]).numpy()
     assert np.abs(logits - want).max() <= FP16_LOGIT_ATOL
+
+
+def test_the_command_knows_the_config_file_by_the_module_name() -> None:
+    from pakv_onnx.commands import genai_cpu as command  # checks MODEL_DIR before importing onnx
+
+    assert command.GENAI_CONFIG == genai_cpu.GENAI_CONFIG

@@ -249,7 +249,7 @@ def test_pypto_cpu_runner_is_picked_up_by_name_when_small(monkeypatch: pytest.Mo
         (["--arch", "llama", "--new-tokens", "-3"], "must be in 1..512"),
         (["--arch", "llama", "--block-size", "x"], "want an integer, got 'x'"),
         (["--arch", "llama", "--backend", "native,nope"], "backend 'nope' is unknown"),
-        ([], "--arch"),
+        (["--arch", "llama", "--block-size", "2048"], "must be in 1..1024"),
     ],
 )
 def test_generate_refuses_bad_arguments(argv, message, capsys: pytest.CaptureFixture) -> None:

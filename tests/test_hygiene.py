@@ -40,3 +40,17 @@ def test_torch_compile_cache_goes_under_pytests_folder(tmp_path_factory: pytest.
 
 def test_a_green_run_removes_its_temporary_folder(request: pytest.FixtureRequest) -> None:
     assert request.config.getini("tmp_path_retention_policy") == "failed"
+
+
+def test_a_green_run_leaves_nothing_in_the_temporary_directory(tmp_path: Path) -> None:
+    """A whole pytest session (one quick test of this suite, through tests/conftest.py) with TMPDIR
+    pointed at an empty folder leaves it empty: pytest's pytest-of-$USER folder goes too."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_hygiene.py::test_a_green_run_removes_its_temporary_folder"],
+        check=False, capture_output=True, text=True, cwd=root, env={**os.environ, "TMPDIR": str(tmp)}, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert sorted(p.name for p in tmp.iterdir()) == []

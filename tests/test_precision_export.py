@@ -51,7 +51,11 @@ WORKLOAD = Workload(
     ],
 )  # fmt: skip
 def test_export_refuses_impossible_options_before_loading_anything(tmp_path, options, message):
-    """Refused from the options alone: no HF folder needed, nothing written, torch not imported."""
+    """Refused from the options alone (HF_DIR holds a config and a weights file that are never read): nothing
+    written, torch not imported."""
+    (tmp_path / "hf").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "hf" / name).write_text("{}")
     code = (
         "import sys; from pakv_onnx import cli; "
         f"rc = cli.main(['export', {str(tmp_path / 'hf')!r}, {str(tmp_path / 'out')!r}, *{options!r}]); "

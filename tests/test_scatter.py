@@ -261,7 +261,8 @@ def test_exported_step_runs_in_the_plugin_in_place_and_on_stock_ort(exporter: st
     lens = torch.tensor([0, case.key_cache.shape[0] * case.key_cache.shape[1]])
     args = (*case.inputs(), tables, lens)
     want = _Step()(*case.fresh().inputs(), tables, lens)
-    model = pe.export(_Step(), args) if exporter == "dynamo" else pe.export_legacy(_Step(), args)
+    step = _Step().eval()  # as a user exports: in eval mode (torch warns otherwise)
+    model = pe.export(step, args) if exporter == "dynamo" else pe.export_legacy(step, args)
     assert [n.op_type for n in model.graph.node if n.domain == "pakv"] == ["ScatterPaKvCache", "GatherPaKvCache"]
     names = [i.name for i in model.graph.input]
     pools = case.fresh()

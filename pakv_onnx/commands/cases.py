@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     builders += [(f"random-{args.seed + i}", lambda s=args.seed + i: random_case(s)) for i in range(args.random)]
     failures, ran = 0, []
     for index, (case_id, build) in enumerate(builders, 1):
-        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run before the next case
+        _interrupt.check()  # a safe point: our own code, before each case
         start = time.perf_counter()
         case = build()
         try:
@@ -136,5 +136,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help="also run N random small cases (all dtypes and layouts)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="first seed of the random cases (default: 0)")
+    _args.add_seed(parser, help="first seed of the random cases")
     parser.set_defaults(run=run)

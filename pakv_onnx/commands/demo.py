@@ -4,42 +4,24 @@ With ``--out DIR`` each graph is kept as ``DIR/<graph>.onnx`` next to its sample
 ``DIR/<graph>.inputs/<input>.pb`` (the feeds the demo ran) and ``DIR/<graph>.expected/<output>.pb``
 (the torch reference outputs), one ONNX ``TensorProto`` file per tensor, named after the graph
 input or output and keeping its element type (bf16 caches stay bf16). ``onnx.load_tensor(path)``
-reads one; ``raw_data`` holds the little-endian bytes. A graph's files appear in ``DIR`` only once
-they are complete: they are written in a hidden staging directory inside ``DIR`` that an
-interrupted or failed run removes.
+reads one; ``raw_data`` holds the little-endian bytes. ``DIR`` is new or empty (``--force``: files
+of the same names are replaced). The files appear in ``DIR`` only when every graph has run: they
+are written in a staging folder (:mod:`pakv_onnx.commands._outputs`) that an interrupted run removes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt
+from pakv_onnx.commands import _args, _interrupt, _outputs
 
-STAGING_PREFIX = ".pakv-onnx-partial-"
 # Without --backend: these, and pypto-cpu where pypto is installed (demo.run_graph's add_pypto_cpu).
 DEFAULT_BACKENDS = ("native", "golden")
-
-
-def writable_dir(text: str) -> Path:
-    """argparse type for ``--out``: a directory that exists or can be made, and can be written.
-
-    Checked before any model is built, so a bad path costs nothing; the refusal names the path.
-    """
-    path = Path(text).expanduser().absolute()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=STAGING_PREFIX)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as err:
-        raise argparse.ArgumentTypeError(f"cannot write to {path}: {err.strerror or err}") from None
-    return path
 
 
 def save_tensors(directory: Path, tensors: Mapping[str, object]) -> None:
@@ -49,7 +31,7 @@ def save_tensors(directory: Path, tensors: Mapping[str, object]) -> None:
 
     from pakv_onnx.runtime_plugin._tensors import onnx_type_of
 
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(exist_ok=True)  # never its parents: a staging folder removed by Ctrl-C stays removed
     for name, tensor in tensors.items():
         if tensor is None:  # an absent optional input
             continue
@@ -59,18 +41,10 @@ def save_tensors(directory: Path, tensors: Mapping[str, object]) -> None:
         (directory / f"{name}.pb").write_bytes(proto.SerializeToString())
 
 
-def _publish(staging: Path, out_dir: Path) -> None:
-    """Move every entry of ``staging`` into ``out_dir``, replacing entries of the same name."""
-    for entry in sorted(staging.iterdir()):
-        target = out_dir / entry.name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        os.replace(entry, target)
-
-
 def run(args: argparse.Namespace) -> int:
     from pakv_onnx import demo  # imports torch.onnx/onnxruntime: only when the command runs
 
+    _interrupt.check()
     graphs = demo.MODEL_CHOICES[args.model]
     need, have = demo.estimated_peak_bytes(graphs, args.tokens, seed=args.seed), _physical_memory_bytes()
     if have and need > have:
@@ -81,17 +55,15 @@ def run(args: argparse.Namespace) -> int:
         )
 
     def progress(message: str) -> None:
-        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
+        _interrupt.check()  # a safe point: our own code, between steps
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
-    try:
-        # With --out: stage inside DIR (same filesystem: publishing is a rename); else a temp dir.
-        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX if args.out else "pakv-onnx-demo-", dir=args.out))
-    except OSError as err:
-        where = args.out or "the temporary directory (TMPDIR)"
-        return _args.usage_error("demo", f"cannot write to {where}: {err.strerror or err}")
-    _interrupt.on_hard_exit(lambda: shutil.rmtree(staging, ignore_errors=True))
-    try:
+    with contextlib.ExitStack() as stack:
+        # With --out: staged beside DIR and published when every graph has run; else a temporary folder.
+        if args.out:
+            staging = stack.enter_context(_outputs.staged_folder(args.out))
+        else:
+            staging = stack.enter_context(_outputs.temporary_folder("pakv-onnx-demo-"))
         all_passed = True
         for name in graphs:
             graph = demo.SAMPLE_GRAPHS[name]
@@ -111,14 +83,11 @@ def run(args: argparse.Namespace) -> int:
                 on_data=keep_data if args.out else None,
                 add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
             )
+            _interrupt.check()
             print(demo.format_table(graph, args.tokens, results), flush=True)
             all_passed &= all(r.passed for r in results)
-            if args.out:
-                _publish(staging, args.out)
-        if args.out:
-            print(f"ONNX files and their sample inputs/expected outputs kept in {args.out}")
-    finally:  # an interrupted or failed run leaves nothing half-written behind
-        shutil.rmtree(staging, ignore_errors=True)
+    if args.out:
+        print(f"ONNX files and their sample inputs/expected outputs kept in {args.out}")
     print(f"gather outputs bit-exact, attention max abs error <= {demo.ATTENTION_ATOL:g}")
     print("PASS" if all_passed else "FAIL")
     return 0 if all_passed else 1
@@ -167,14 +136,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "must be able to run here (default: native,golden, and pypto-cpu where pypto is installed: its rows "
         "take seconds per run)",
     )
-    parser.add_argument(
-        "--out",
-        metavar="DIR",
-        type=writable_dir,
-        help="keep the exported .onnx files and their sample inputs and expected outputs in DIR "
-        "(default: a temporary directory)",
+    _args.add_output_folder(
+        parser,
+        help="keep the exported .onnx files and their sample inputs and expected outputs in DIR, new or empty "
+        "(default: a temporary folder, removed at the end)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, caches and block tables (default: 0)")
+    _args.add_seed(parser, help="seed of the weights, caches and block tables")
     parser.add_argument(
         "--tokens",
         type=_args.positive_int,

@@ -1,20 +1,20 @@
 """``pakv-onnx export HF_DIR OUT_DIR``: a Hugging Face model folder -> an ORT GenAI paged model folder.
 
-Everything the command line can check is checked before torch is imported or a weight is read:
-HF_DIR holds a config and weights, and OUT_DIR is new or empty (``--force``: a folder with files
-in it, whose files of the export's names are replaced; others are left).
+Everything the command line can check is checked before torch is imported or a weight is read
+(:func:`pakv_onnx.commands._args.path_problem`): HF_DIR holds a config and weights, and OUT_DIR is
+new or empty (``--force``: a folder with files in it, whose files of the export's names are
+replaced; others are left). The export is written to a staging folder and published at the end
+(:mod:`pakv_onnx.commands._outputs`): an interrupted export leaves nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt
+from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
 
-MAX_BLOCK_SIZE = 1024
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
 KV_CACHE_CHOICES = ("int8", "fp8")  # models.hf.ort_layer.KV_CACHE_DTYPES (a test ties them)
 ATTENTION_LABELS = {
@@ -28,36 +28,11 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 
 def source_problem(hf_dir: Path) -> str | None:
-    """Why ``hf_dir`` is not a model folder the export can load (``None``: it is)."""
-    if not hf_dir.is_dir():
-        return f"{hf_dir}: no such folder (want a Hugging Face model folder, as save_pretrained writes it)"
+    """What ``hf_dir`` (a folder) lacks to be a model folder the export can load (``None``: nothing)."""
     if not (hf_dir / "config.json").is_file():
-        return f"{hf_dir}: no config.json (want a folder as save_pretrained writes it)"
+        return "no config.json (want a Hugging Face model folder, as save_pretrained writes it)"
     if not any((hf_dir / name).is_file() for name in WEIGHT_FILES):
-        return f"{hf_dir}: no weights (none of {', '.join(WEIGHT_FILES)}; nothing is downloaded)"
-    return None
-
-
-def out_dir_problem(out_dir: Path, hf_dir: Path, *, force: bool) -> str | None:
-    """Why the export must not write ``out_dir`` (``None``: it may): a file, a folder with files in it
-    (unless ``force``), HF_DIR itself, or a place this user cannot write."""
-    if out_dir.resolve() == hf_dir.resolve():
-        return f"{out_dir}: OUT_DIR is HF_DIR; give the exported model a folder of its own"
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            return f"{out_dir}: exists and is not a folder"
-        if not force and any(out_dir.iterdir()):
-            return (
-                f"{out_dir}: exists and is not empty; pass --force to write into it (files of the export's "
-                "names are replaced, others are left)"
-            )
-        writable = out_dir
-    else:
-        writable = next(parent for parent in out_dir.absolute().parents if parent.exists())
-        if not writable.is_dir():
-            return f"{out_dir}: {writable} is not a folder"
-    if not os.access(writable, os.W_OK | os.X_OK):
-        return f"{out_dir}: cannot write to {writable}"
+        return f"no weights (none of {', '.join(WEIGHT_FILES)}; nothing is downloaded)"
     return None
 
 
@@ -72,43 +47,42 @@ def options_problem(args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    problem = (
-        options_problem(args)
-        or source_problem(args.hf_dir)
-        or out_dir_problem(args.out_dir, args.hf_dir, force=args.force)
-    )
+    problem = options_problem(args)  # before anything is imported or written
     if problem:
         return _args.usage_error("export", problem)
-    try:
+    try:  # HF_DIR and OUT_DIR were checked before (cli.main: _args.path_problem)
         from pakv_onnx.models.hf import genai  # imports torch and transformers: only when the command runs
     except ImportError as err:
         return _args.usage_error("export", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
+    _interrupt.check()
+    _libraries.quiet_transformers()
 
     def progress(message: str) -> None:
-        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
+        _interrupt.check()  # a safe point: our own code, between steps
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
     try:
-        done = genai.export_genai(
-            args.hf_dir,
-            args.out_dir,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            max_batch_size=args.max_batch_size,
-            intra_op_threads=args.threads,
-            external_data=True if args.external_data else None,
-            fuse=not args.no_fuse,
-            attention=args.attention,
-            kv_cache=args.kv_cache,
-            prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
-            precision=args.precision,
-            execution_provider=args.execution_provider,
-            progress=progress,
-        )
+        with _outputs.staged_folder(args.out_dir, replace=(genai.MODEL_FILE, genai.EXTERNAL_DATA_FILE)) as staging:
+            done = genai.export_genai(
+                args.hf_dir,
+                staging,
+                block_size=args.block_size,
+                num_blocks=args.num_blocks,
+                max_batch_size=args.max_batch_size,
+                intra_op_threads=args.threads,
+                external_data=True if args.external_data else None,
+                fuse=not args.no_fuse,
+                attention=args.attention,
+                kv_cache=args.kv_cache,
+                prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
+                precision=args.precision,
+                execution_provider=args.execution_provider,
+                progress=progress,
+            )
     except genai.UnsupportedModelError as err:
         return _args.usage_error("export", str(err))
     batching = done.config["engine"]["dynamic_batching"]
-    print(f"wrote {done.out_dir} in {done.seconds:.1f}s: {', '.join(done.files)}")
+    print(f"wrote {args.out_dir} in {done.seconds:.1f}s: {', '.join(done.files)}")
     print(f"attention: {ATTENTION_LABELS[done.attention]}" + (
         f"; KV cache {done.kv_quant.kind} (per-channel scales calibrated on {CALIBRATION_PROMPTS} prompts of "
         f"{CALIBRATION_TOKENS} random tokens)" if done.kv_quant else ""))  # fmt: skip
@@ -122,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
         f"paged: block_size {batching['block_size']}, num_blocks {batching['num_blocks']}, "
         f"max_batch_size {batching['max_batch_size']}; precision {done.precision}; runs on {runs_on}"
     )
-    print(f"serve it: og.Engine(og.Model({str(done.out_dir)!r}))  (pip install 'pakv-onnx[genai]')")
+    print(f"serve it: og.Engine(og.Model({str(args.out_dir)!r}))  (pip install 'pakv-onnx[genai]')")
+    print(f"or over HTTP: pakv-onnx serve {args.out_dir}  (OpenAI API; pip install 'pakv-onnx[serve]')")
     return 0
 
 
@@ -156,32 +131,18 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "./tiny-llama ./tiny-llama-fp16 --precision fp16  # the same model.onnx, on the CPU",
         ],
     )
-    parser.add_argument("hf_dir", type=Path, metavar="HF_DIR", help="Hugging Face model folder (config.json + weights)")
-    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="the ORT GenAI model folder to write")
-    parser.add_argument(
-        "--block-size",
-        type=_args.int_in(1, MAX_BLOCK_SIZE),
-        default=16,
-        help=f"tokens per cache block (1..{MAX_BLOCK_SIZE}; default 16; fixed in the graph)",
+    _args.add_input_folder(
+        parser, "HF_DIR", help="Hugging Face model folder (config.json + weights)", check=source_problem
     )
-    parser.add_argument(
-        "--num-blocks",
-        type=_args.positive_int,
+    _args.add_output_folder(parser, positional="OUT_DIR", help="the ORT GenAI model folder to write (new or empty)")
+    _args.add_block_size(parser, help="fixed in the graph")
+    _args.add_num_blocks(
+        parser,
         default=256,
         help="blocks per layer pool og.Engine allocates (engine.dynamic_batching.num_blocks; default 256)",
     )
-    parser.add_argument(
-        "--max-batch-size",
-        type=_args.positive_int,
-        default=16,
-        help="requests og.Engine batches together at most (default 16)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=_args.positive_int,
-        default=None,
-        help="ORT intra-op threads written into genai_config.json (default: ORT chooses)",
-    )
+    _args.add_max_batch_size(parser, default=16, help="requests og.Engine batches together at most (default 16)")
+    _args.add_threads(parser, help="ORT intra-op threads written into genai_config.json (default: ORT chooses)")
     parser.add_argument(
         "--external-data",
         action="store_true",
@@ -204,8 +165,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         f"calibrated on the float32 model ({CALIBRATION_PROMPTS} prompts of {CALIBRATION_TOKENS} seeded random "
         "tokens), with any --precision; default: pools of the --precision's attention type",
     )
-    _args.add_precision_option(parser, what="the weights, activations, com.microsoft::PagedAttention's T and the pools")
-    _args.add_execution_provider_option(parser)
+    _args.add_precision(parser, what="the weights, activations, com.microsoft::PagedAttention's T and the pools")
+    _args.add_execution_provider(parser)
     parser.add_argument(
         "--prefix-caching",
         choices=("on", "off"),
@@ -218,11 +179,5 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="keep RMS norms and rotary embeddings as exported (default: fused into ORT contrib ops, "
         "com.microsoft SkipSimplifiedLayerNormalization and RotaryEmbedding)",
-    )
-    parser.add_argument(
-        "--force",
-        action="store_true",
-        help="write into OUT_DIR even when it has files in it (those of the export's names are replaced, "
-        "others are left; default: OUT_DIR must be new or empty)",
     )
     parser.set_defaults(run=run)

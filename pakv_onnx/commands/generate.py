@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
-import tempfile
-from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt
+from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
 
 ARCH_CHOICES = ("llama", "qwen2", "mistral", "qwen3", "deepseek")  # models.hf.configs.ARCHS (a test ties them)
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
 MAX_BATCH = 32
 MAX_NEW_TOKENS = 512  # prompts are <= 40 tokens; the models know 1024 positions
-MAX_BLOCK_SIZE = 1024
 # Without --backend: these, and pypto-cpu where it can run the step and the case is small.
 DEFAULT_BACKENDS = ("native", "golden")
 
@@ -29,14 +27,18 @@ def run(args: argparse.Namespace) -> int:
         from pakv_onnx.models.hf import check  # imports transformers: only when the command runs
     except ImportError as err:
         return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
+    _interrupt.check()
+    _libraries.quiet_transformers()
 
     def progress(message: str) -> None:
-        _interrupt.check()  # a Ctrl-C that a library swallowed ends the run at the next step
+        _interrupt.check()  # a safe point: our own code, between steps
         print(f"  .. {message}", file=sys.stderr, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="pakv-onnx-generate-") as tmp:
-        out_dir = Path(args.out) if args.out else Path(tmp)
-        out_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:  # --out: staged, published at the end; else a temporary folder
+        if args.out:
+            out_dir = stack.enter_context(_outputs.staged_folder(args.out))
+        else:
+            out_dir = stack.enter_context(_outputs.temporary_folder("pakv-onnx-generate-"))
         report = check.run_check(
             arch=args.arch,
             batch=args.batch,
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
             precision=args.precision,
         )
+        _interrupt.check()
     if args.json:
         runners = {r.runner: check.json_entry(r) for r in report.results}
         print(json.dumps({"arch": report.arch, "runners": runners}))
@@ -96,13 +99,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "Prints a table (or --json) and PASS/FAIL; exit 0/1."
         ),
         examples=[
-            "--arch llama",
+            "  # Llama (the default --arch)",
             "--arch deepseek --batch 6 --new-tokens 24 --block-size 32 --json",
             "--arch mistral --attention pakv",
             "--arch qwen3 --precision bf16",
         ],
     )
-    parser.add_argument("--arch", choices=ARCH_CHOICES, required=True, help="model family")
+    parser.add_argument("--arch", choices=ARCH_CHOICES, default="llama", help="model family (default llama)")
     parser.add_argument(
         "--attention",
         choices=ATTENTION_CHOICES,
@@ -123,12 +126,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=16,
         help=f"tokens the longest sequence generates; others stop earlier (1..{MAX_NEW_TOKENS}; default 16)",
     )
-    parser.add_argument(
-        "--block-size",
-        type=_args.int_in(1, MAX_BLOCK_SIZE),
-        default=16,
-        help=f"tokens per cache block (1..{MAX_BLOCK_SIZE}; default 16)",
-    )
+    _args.add_block_size(parser)
     parser.add_argument(
         "--backend",
         type=_args.runnable_backend_list,
@@ -136,10 +134,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="comma-separated plugin backends to generate on, besides stock ORT, exactly these (default: "
         "native,golden, and pypto-cpu where it has a kernel for each op of the step and the case is small)",
     )
-    _args.add_precision_option(parser, what="the exported step (--attention ort)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the weights, prompts and block order (default 0)")
-    parser.add_argument(
-        "--out", metavar="DIR", help="keep the exported .onnx step in DIR (default: a temporary directory)"
+    _args.add_precision(parser, what="the exported step (--attention ort)")
+    _args.add_seed(parser, help="seed of the weights, prompts and block order")
+    _args.add_output_folder(
+        parser, help="keep the exported .onnx step in DIR, new or empty (default: a temporary folder, removed at the end)"
     )
     parser.add_argument(
         "--json",

@@ -430,7 +430,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     shape.add_argument("--key-dim", type=_args.positive_int, default=DEFAULT_SHAPE["key_dim"])
     shape.add_argument("--value-heads", type=_args.positive_int, default=DEFAULT_SHAPE["value_heads"])
     shape.add_argument("--value-dim", type=_args.positive_int, default=DEFAULT_SHAPE["value_dim"])
-    shape.add_argument("--block-size", type=_args.positive_int, default=128)
+    _args.add_block_size(shape, default=128)
     shape.add_argument("--q", type=_args.positive_int, default=4, help="sequences (default: 4)")
     shape.add_argument(
         "--tokens", type=_args.positive_int, default=55, help="total tokens T, split evenly (default: 55)"

@@ -254,7 +254,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         metavar="N",
         help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="first N of the kernel-N cases (default: 0)")
+    _args.add_seed(parser, help="first N of the kernel-N cases")
     parser.add_argument("--list", action="store_true", help="list the default cases with T and their shapes, and exit")
     parser.add_argument("--device", choices=("cpu", "npu"), default="cpu", help="where the kernel runs (default: cpu)")
     parser.add_argument(

@@ -142,16 +142,36 @@ def cache_geometry(config, *, same_shape: bool = False, latent_pool: bool = Fals
     return CacheGeometry((config.num_key_value_heads, head_dim), (config.num_key_value_heads, head_dim))
 
 
-def save_sample_folder(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+# The sample folders' chat template: each message as its role's marker token, its content, and t4 (end
+# of turn); the generation prompt is the assistant's marker. Markers are words of the sample vocabulary.
+SAMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ {'system': 't5', 'user': 't6', 'assistant': 't7'}.get(m['role'], 't8') }} "
+    "{{ m['content'] }} t4 {% endfor %}{% if add_generation_prompt %}t7{% endif %}"
+)
+
+
+def save_sample_folder(
+    path: str | os.PathLike,
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    chat_template: str | None = SAMPLE_CHAT_TEMPLATE,
+    **overrides,
+) -> Path:
     """Write :func:`build_model`'s model as ``save_pretrained`` writes it, plus a word-level
     tokenizer over its vocabulary (``tokenizer.json``; ORT GenAI's model builder wants tokenizer
-    files, and ``t<i>`` is token i): a Hugging Face folder without a hub. Returns ``path``."""
-    from tokenizers import Tokenizer, models
+    files; ``t<i>`` is token i, words split at whitespace, decoded joined by spaces) with
+    ``chat_template`` (None: none): a Hugging Face folder without a hub. Returns ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     model = build_model(arch, seed, **overrides)
     model.save_pretrained(path)
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")))
+    words = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return Path(path)

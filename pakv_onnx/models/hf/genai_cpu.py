@@ -24,6 +24,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -39,6 +40,11 @@ ELEMENT_BYTES = {onnx.TensorProto.FLOAT: 4, onnx.TensorProto.FLOAT16: 2, onnx.Te
 
 class NotAGenaiPagedModelError(ValueError):
     """The folder is not an ORT GenAI paged model (the message names what is missing)."""
+
+
+class MisbuiltModelError(ValueError):
+    """The folder's graph is not the model its genai_config.json describes (the message says how it
+    differs, the likely cause and the fix)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +98,88 @@ def read_paged_config(folder: Path) -> dict:
     return config
 
 
-def paged_pool_type(folder: Path, decoder: dict) -> int:
+def paged_pool_type(folder: Path, decoder: dict, graph: onnx.GraphProto | None = None) -> int:
     """The ONNX element type of the model's first key pool, after checking the graph holds a
-    ``com.microsoft::PagedAttention`` (read without the weights).
+    ``com.microsoft::PagedAttention`` (``graph``: the decoder's, else read without the weights).
 
     Raises:
         NotAGenaiPagedModelError: no model file, no such node, or no such pool input.
     """
-    path = folder / decoder.get("filename", "model.onnx")
-    if not path.is_file():
-        raise _refuse(folder, f"no model file {path.name}")
-    graph = onnx.load(str(path), load_external_data=False).graph
+    graph = graph if graph is not None else load_decoder_graph(folder, decoder)
+    name = decoder.get("filename", "model.onnx")
     if not any(n.op_type == "PagedAttention" and n.domain == "com.microsoft" for n in graph.node):
-        raise _refuse(folder, f"{path.name} has no com.microsoft::PagedAttention node")
+        raise _refuse(folder, f"{name} has no com.microsoft::PagedAttention node")
     key = decoder["inputs"].get("past_key_names", "past_key_values.%d.key") % 0
     pool = next((i for i in graph.input if i.name == key), None)
     if pool is None:
-        raise _refuse(folder, f"{path.name} has no input {key}")
+        raise _refuse(folder, f"{name} has no input {key}")
     return pool.type.tensor_type.elem_type
+
+
+def load_decoder_graph(folder: Path, decoder: dict) -> onnx.GraphProto:
+    """The decoder's graph, read without its weights. Raises NotAGenaiPagedModelError: no model file."""
+    path = folder / decoder.get("filename", "model.onnx")
+    if not path.is_file():
+        raise _refuse(folder, f"no model file {path.name}")
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def check_matches_config(folder: Path, config: dict, graph: onnx.GraphProto) -> None:
+    """Check the graph is the model genai_config.json describes: its ``logits`` are as wide as
+    ``model.vocab_size`` and are computed from every layer's ``com.microsoft::PagedAttention``.
+
+    ORT GenAI's builder (0.18) finds a checkpoint's LM head by its width: when another Linear is as
+    wide as the vocabulary (the sample Llama's MLP at vocab_size = intermediate_size = 256), it
+    takes that layer for the LM head and wires ``logits`` to the middle of the first layer; every
+    step runs, and the tokens are wrong. Such a folder is refused here.
+
+    Raises:
+        MisbuiltModelError: naming the difference, the likely cause and the fix.
+    """
+    logits_name = config["model"]["decoder"].get("outputs", {}).get("logits", "logits")
+    logits = next((o for o in graph.output if o.name == logits_name), None)
+    if logits is None:
+        raise _refuse(folder, f"its graph has no output {logits_name}")
+    vocab = config["model"].get("vocab_size")
+    dims = logits.type.tensor_type.shape.dim
+    width = dims[-1].dim_value if dims and dims[-1].HasField("dim_value") else None
+    if vocab is not None and width is not None and width != int(vocab):
+        raise MisbuiltModelError(
+            f"{folder} is not the model its {GENAI_CONFIG} describes: its {logits_name} are {width} wide, "
+            f"model.vocab_size is {vocab}; rebuild the folder from the Hugging Face model"
+        )
+    attention = [n.name for n in graph.node if n.op_type == "PagedAttention" and n.domain == "com.microsoft"]
+    feeding = _producers_of(graph, logits_name)
+    used = [name for name in attention if name in feeding]
+    layers = int(config["model"]["decoder"].get("num_hidden_layers", len(attention)))
+    if len(used) < layers:
+        head = _producer(graph, logits_name)
+        reads = f" (its LM head {head.name} reads {head.input[0]})" if head is not None and head.input else ""
+        raise MisbuiltModelError(
+            f"{folder} is not the model its {GENAI_CONFIG} describes: its {logits_name} are computed from "
+            f"{len(used)} of its {layers} layers{reads}. ORT GenAI's builder does this when another layer is "
+            f"as wide as the vocabulary ({vocab}): it takes that layer for the LM head. Its tokens would be "
+            "wrong; build the folder from a model whose vocab_size differs from every other layer's width "
+            "(e.g. intermediate_size)"
+        )
+
+
+def _producer(graph: onnx.GraphProto, name: str) -> onnx.NodeProto | None:
+    return next((n for n in graph.node if name in n.output), None)
+
+
+def _producers_of(graph: onnx.GraphProto, output: str) -> set[str]:
+    """Names of the nodes ``output`` depends on (walking back from it through node inputs)."""
+    producer = {o: n for n in graph.node for o in n.output if o}
+    seen: set[str] = set()
+    stack = [output]
+    while stack:
+        node = producer.get(stack.pop())
+        if node is None or node.name in seen:
+            continue
+        seen.add(node.name)
+        stack.extend(i for i in node.input if i)
+    return seen
 
 
 def serve_on_cpu(
@@ -118,15 +188,19 @@ def serve_on_cpu(
     num_blocks: int | None = None,
     block_size: int | None = None,
     max_batch_size: int | None = None,
+    before_writing: Callable[[], None] = lambda: None,
 ) -> CpuServing:
     """Edit ``folder``'s genai_config.json so og.Engine serves its paged model on the CPU with the
     plugin (see the module docstring) and copy the plugin library in. ``num_blocks`` (default: one
     request at the model's whole context, ``ceil(context_length / block_size)``), ``block_size``
     and ``max_batch_size`` (default: the builder's) go into ``engine.dynamic_batching``. Running it
-    again on the folder changes only what differs.
+    again on the folder changes only what differs. ``before_writing`` is called after every check
+    and before the first write (the command line's last safe point); each file is replaced whole
+    (written beside it, then renamed over it).
 
     Raises:
         NotAGenaiPagedModelError: :func:`read_paged_config`, :func:`paged_pool_type`.
+        MisbuiltModelError: :func:`check_matches_config`.
         ValueError: a count below 1.
     """
     folder = Path(folder)
@@ -135,7 +209,10 @@ def serve_on_cpu(
             raise ValueError(f"{name} must be >= 1, got {value}")
     config = read_paged_config(folder)
     decoder = config["model"]["decoder"]
-    element = paged_pool_type(folder, decoder)
+    graph = load_decoder_graph(folder, decoder)
+    element = paged_pool_type(folder, decoder, graph)
+    check_matches_config(folder, config, graph)
+    del graph
     batching = config["engine"]["dynamic_batching"]
     changes: list[tuple[str, object, object]] = []
 
@@ -156,12 +233,23 @@ def serve_on_cpu(
         put(batching, "max_batch_size", max_batch_size, "engine.dynamic_batching.max_batch_size")
     if "gpu_utilization_factor" in batching:
         changes.append(("engine.dynamic_batching.gpu_utilization_factor", batching.pop("gpu_utilization_factor"), None))
-    shutil.copyfile(library_path(), folder / LIBRARY_NAME)
-    (folder / GENAI_CONFIG).write_text(json.dumps(config, indent=4) + "\n")
+    before_writing()
+    _replace(folder / LIBRARY_NAME, lambda path: shutil.copyfile(library_path(), path))
+    _replace(folder / GENAI_CONFIG, lambda path: path.write_text(json.dumps(config, indent=4) + "\n"))
     layers, kv_heads, head_size = (int(decoder[k]) for k in ("num_hidden_layers", "num_key_value_heads", "head_size"))
     pool_bytes = layers * 2 * batching["num_blocks"] * block_size * kv_heads * head_size * ELEMENT_BYTES.get(element, 4)
     return CpuServing(changes, layers, kv_heads, head_size, onnx.TensorProto.DataType.Name(element).lower(),
                       batching["num_blocks"], block_size, pool_bytes)  # fmt: skip
+
+
+def _replace(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` whole: ``write`` a file beside it, then rename it over ``path``."""
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        write(partial)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def describe(folder: Path, done: CpuServing) -> str:
