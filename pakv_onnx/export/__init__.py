@@ -28,7 +28,6 @@ import importlib
 from pakv_onnx.export.builder import (
     DEFAULT_OPSET,
     attention_node,
-    cap_ir_version,
     gather_node,
     make_attention_model_for,
     make_gather_model,
@@ -36,6 +35,7 @@ from pakv_onnx.export.builder import (
     make_scatter_model_for,
     scatter_node,
 )
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.ort_attention import (
     make_ort_attention_model_for,
     ort_attention_node,

@@ -30,13 +30,13 @@ from onnx import TensorProto
 from onnx import helper as h
 
 from pakv_onnx import spec
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.spec import CacheMode
 
 __all__ = [
     "DEFAULT_OPSET",
     "attention_node",
-    "cap_ir_version",
     "gather_node",
     "make_attention_model_for",
     "make_gather_model",
@@ -57,15 +57,6 @@ _KEY_CACHE, _VALUE_CACHE, _BLOCK_TABLES, _SEQ_LENS, _SEQ_OFFSET = spec.INPUT_NAM
 _CACHE_INPUTS = (_KEY_CACHE, _VALUE_CACHE)
 _INT32_INDICES = (torch.int32,) * len(spec.INPUT_NAMES[2:])
 _OP_NAME = f"{spec.DOMAIN}::{spec.OP_TYPE}"
-
-
-def cap_ir_version(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` (in place, and returned) stating IR version at most :data:`pakv_onnx.spec.MAX_IR_VERSION`,
-    whatever onnx made it: every ``make_model`` / export / save of the package goes through here, so the
-    oldest supported ONNX Runtime reads what it writes."""
-    if not model.ir_version or model.ir_version > spec.MAX_IR_VERSION:
-        model.ir_version = spec.MAX_IR_VERSION
-    return model
 
 
 def _symbolic_shapes(mode: CacheMode, is_seq_lens_cumsum: bool) -> dict[str, list[str]]:

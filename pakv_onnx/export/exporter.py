@@ -13,7 +13,8 @@ from typing import Any
 import onnx
 import torch
 
-from pakv_onnx.export.builder import DEFAULT_OPSET, cap_ir_version
+from pakv_onnx.export.builder import DEFAULT_OPSET
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.fallback import MIN_OPSET, attach_fallback
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.translation import register_legacy_symbolic, translation_table

@@ -26,7 +26,7 @@ import torch
 from onnx import helper as h
 
 from pakv_onnx import ops
-from pakv_onnx.export.builder import cap_ir_version
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.torch_op import meta_routed
 from pakv_onnx.spec import DOMAIN, MS_DOMAIN, MS_OPSET_VERSION, ONNX_TYPE_OF, ORT_ATTENTION
 from pakv_onnx.validator import plan_ort_attention
