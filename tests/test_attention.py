@@ -371,3 +371,13 @@ def test_the_fallback_refuses_what_the_contract_refuses(override: dict, rule: st
     )
     with pytest.raises(ORT_ERRORS, match=rule):
         runtime_plugin.run(session, inputs)
+
+
+@pytest.mark.parametrize("entry", ["plan_attention", "make_attention_model_for"])
+def test_positional_entry_points_bind_exactly_the_six_inputs(entry):
+    """plan_attention and make_attention_model_for take the op's inputs positionally through the one
+    binder (spec.ATTENTION.inputs_of): one too few is a TypeError naming the inputs in order."""
+    call = pakv_onnx.plan_attention if entry == "plan_attention" else make_attention_model_for
+    inputs = random_attention_case(0).inputs()
+    with pytest.raises(TypeError, match="takes 6 inputs \\(query, key_cache, value_cache, block_table"):
+        call(*inputs[:5])
