@@ -32,6 +32,7 @@ are read in place (no copy), so a read past a cache or the query is reported too
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -98,6 +99,26 @@ def reference(kc, vc, bt, sl, so, nz, cumsum):
         shape = (cache.shape[1] * cache.shape[3],) if nz else cache.shape[2:]
         out.append(np.stack(rows) if rows else np.zeros((0, *shape), cache.dtype))
     return out
+
+
+@contextlib.contextmanager
+def flipping(table, good, huge):
+    """While the block runs, a thread rewrites ``table`` in place, all ``huge`` then ``good`` again
+    (a host racing the validator and the kernels over a bound block table)."""
+    stop = []
+
+    def writer():
+        while not stop:
+            table[...] = huge
+            table[...] = good
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.append(1)
+        thread.join()
 
 
 def random_gather(corrupt_lengths):
@@ -211,26 +232,16 @@ def race(seconds=1.0):
         binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
     binding.bind_output("key", "cpu")
     binding.bind_output("value", "cpu")
-    stop = []
-
-    def writer():
-        while not stop:
-            table[...] = huge
-            table[...] = good
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     counts = {"ok": 0, "refused": 0}
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        try:
-            s.run_with_iobinding(binding)
-            counts["ok"] += 1
-        except ORT_ERRORS as exc:
-            assert "block_tables" in str(exc), str(exc)
-            counts["refused"] += 1
-    stop.append(1)
-    thread.join()
+    with flipping(table, good, huge):
+        while time.perf_counter() < deadline:
+            try:
+                s.run_with_iobinding(binding)
+                counts["ok"] += 1
+            except ORT_ERRORS as exc:
+                assert "block_tables" in str(exc), str(exc)
+                counts["refused"] += 1
     return counts
 
 
@@ -779,31 +790,20 @@ def attention_race(seconds=1.0):
     want = s.run(None, dict(a))[0]
     binding = bind_attention(s, a)
     binding.bind_output("output", "cpu")
-    stop = []
-
-    def writer():
-        while not stop:
-            table[...] = huge
-            table[...] = good
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     counts = {"ok": 0, "validator": 0, "plan": 0, "core": 0}  # who refused (the core: mid-run)
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        try:
-            s.run_with_iobinding(binding)
-        except ORT_ERRORS as exc:
-            text = str(exc)
-            assert "block_table" in text, text
-            counts[
-                "core" if "while the attention ran" in text else "plan" if "after validation" in text else "validator"
-            ] += 1
-            continue
-        assert np.array_equal(binding.copy_outputs_to_cpu()[0], want)
-        counts["ok"] += 1
-    stop.append(1)
-    thread.join()
+    with flipping(table, good, huge):
+        while time.perf_counter() < deadline:
+            try:
+                s.run_with_iobinding(binding)
+            except ORT_ERRORS as exc:
+                text = str(exc)
+                assert "block_table" in text, text
+                who = "plan" if "after validation" in text else "validator"
+                counts["core" if "while the attention ran" in text else who] += 1
+                continue
+            assert np.array_equal(binding.copy_outputs_to_cpu()[0], want)
+            counts["ok"] += 1
     assert counts["ok"] < sum(counts.values()), counts
     return counts
 
