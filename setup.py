@@ -6,6 +6,7 @@ custom-op library and that the ``native`` backend calls through ctypes, both for
 and editable installs (``pip install -e .`` builds it in place).
 
 Sources (pakv_onnx/native_lib/):
+    pakv_err.c       errors: a failed check's message and kind (the lowest unit: it stands on none)
     pakv_core.c      the copy core: memory-safety checks, memcpy runs, thread split (no ORT, no Python)
     pakv_writable.c  whether the bytes a write goes to can be written, asked of the kernel (never a signal)
     pakv_attention.c the attention core's run: a checked plan cut into parts, on ORT's pool or this thread
@@ -43,7 +44,7 @@ from setuptools.command.build_ext import build_ext
 LIBRARY = "pakv_onnx.native_lib.libpakv_ort"
 FRONT = "pakv_onnx.native_lib._front"
 LIBRARY_DIR = os.path.join("pakv_onnx", "native_lib")
-SOURCES = ["pakv_core.c", "pakv_writable.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_attention_walk.c", "pakv_attention_walk16.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_device_cuda.c", "pakv_ep.c"]
+SOURCES = ["pakv_err.c", "pakv_core.c", "pakv_writable.c", "pakv_attention.c", "pakv_attention_check.c", "pakv_attention_part.c", "pakv_attention_walk.c", "pakv_attention_walk16.c", "pakv_contract_records.c", "pakv_contract_gather.c", "pakv_contract_scatter.c", "pakv_contract_attention.c", "pakv_contract_fused.c", "pakv_contract_fused_values.c", "pakv_fused.c", "pakv_ort.c", "pakv_ort_fused.c", "pakv_ort_register.c", "pakv_bridge.c", "pakv_device.c", "pakv_device_cuda.c", "pakv_ep.c"]
 HEADERS = [
     "ort_abi.h",
     "pakv_core.h",

@@ -219,28 +219,27 @@ def agreement(folders, vocab) -> dict:
     return result
 
 
+def _print_variants_table(rows: list, title: str, label: str, which: int, digits: int) -> None:
+    """One table of the four variants' times (``which``: 0 prefill, 1 decode step; seconds -> ms) and their ratios."""
+    if not rows:
+        return
+    print(f"\n### {title}\n")
+    print(f"| size | threads (clock) | {label} | GenAI og.Generator | og.Engine (ours) | **engine / genai** | "
+          "dense run | paged run | **paged / dense run** |")  # fmt: skip
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for _, size, threads, clock, row, r in rows:
+        g, e, d, p = (r[v][which] * 1e3 for v in VARIANTS)
+        print(f"| {size} | {threads} ({clock}) | {row} | {g:.{digits}f} | {e:.{digits}f} | **{e / g:.2f}** | "
+              f"{d:.{digits}f} | {p:.{digits}f} | **{p / d:.2f}** |")  # fmt: skip
+
+
 def print_tables(rows: list, load: tuple[float, float]) -> None:
     print(f"\nload average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end")
-    decode = [r for r in rows if r[0] == "decode"]
-    if decode:
-        print("\n### Decode, ms per step (ratios < 1: the exported model is faster)\n")
-        print("| size | threads (clock) | row | GenAI og.Generator | og.Engine (ours) | **engine / genai** | "
-              "dense run | paged run | **paged / dense run** |")  # fmt: skip
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-        for _, size, threads, clock, row, r in decode:
-            g, e, d, p = (r[v][1] * 1e3 for v in VARIANTS)
-            print(f"| {size} | {threads} ({clock}) | {row} | {g:.3f} | {e:.3f} | **{e / g:.2f}** | {d:.3f} | {p:.3f} | "
-                  f"**{p / d:.2f}** |")  # fmt: skip
-    prefill = [r for r in rows if r[0] == "prefill"]
-    if prefill:
-        print("\n### Prefill: time to the first token, ms (one prompt)\n")
-        print("| size | threads (clock) | prompt | GenAI og.Generator | og.Engine (ours) | **engine / genai** | "
-              "dense run | paged run | **paged / dense run** |")  # fmt: skip
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-        for _, size, threads, clock, row, r in prefill:
-            g, e, d, p = (r[v][0] * 1e3 for v in VARIANTS)
-            print(f"| {size} | {threads} ({clock}) | {row} | {g:.1f} | {e:.1f} | **{e / g:.2f}** | {d:.1f} | {p:.1f} | "
-                  f"**{p / d:.2f}** |")  # fmt: skip
+    for part, title, label, which, digits in (
+        ("decode", "Decode, ms per step (ratios < 1: the exported model is faster)", "row", 1, 3),
+        ("prefill", "Prefill: time to the first token, ms (one prompt)", "prompt", 0, 1),
+    ):
+        _print_variants_table([r for r in rows if r[0] == part], title, label, which, digits)
     kv = [r for r in rows if r[0] == "kv"]
     if kv:
         print("\n### Quantized KV cache: decode ms per step (paged run), pool bytes per token per layer\n")

@@ -3,7 +3,8 @@
 :func:`pakv_onnx.validator.plan_gather` / :func:`~pakv_onnx.validator.plan_scatter` /
 :func:`~pakv_onnx.validator.plan_attention` / :func:`~pakv_onnx.validator.plan_ort_attention` make a
 :class:`GatherPlan` / :class:`ScatterPlan` / :class:`AttentionPlan` / :class:`OrtAttentionPlan` from the
-validator's C plan; every backend's kernel takes a plan and its op's
+validator's C plan (each: everything a backend needs for one validated call besides the tensors
+themselves); every backend's kernel takes a plan and its op's
 tensor bundle (:class:`GatherTensors`, :class:`ScatterTensors`, :class:`AttentionTensors`), so no
 two tensors can be swapped by position. The contract itself (names, dtype and layout tables) is
 :mod:`pakv_onnx.spec`; its rules are the C validator's.
@@ -24,9 +25,7 @@ from pakv_onnx.spec import CacheMode
 
 @dataclasses.dataclass(frozen=True)
 class GatherPlan:
-    """A validated gather: everything a backend needs besides the tensors themselves.
-
-    Made by :func:`pakv_onnx.validator.plan_gather` from what the C validator returned.
+    """One GatherPaKvCache call, validated (:func:`pakv_onnx.validator.plan_gather`).
 
     Attributes:
         cache_mode: layout of both caches.
@@ -190,9 +189,7 @@ class GatherTensors(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class ScatterPlan:
-    """A validated ScatterPaKvCache: everything a backend needs besides the tensors themselves.
-
-    Made by :func:`pakv_onnx.validator.plan_scatter` from what the C validator returned.
+    """One ScatterPaKvCache call, validated (:func:`pakv_onnx.validator.plan_scatter`).
 
     Attributes:
         cache_mode: layout of both caches.
@@ -243,9 +240,7 @@ class ScatterTensors(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class AttentionPlan:
-    """A validated PagedAttention: everything a backend needs besides the tensors themselves.
-
-    Made by :func:`pakv_onnx.validator.plan_attention` from what the C validator returned.
+    """One pakv::PagedAttention call, validated (:func:`pakv_onnx.validator.plan_attention`).
 
     Attributes:
         num_blocks, block_size: cache geometry (Norm ``[nb, bs, Hk, D]`` / ``[nb, bs, Hk, Dv]``).
@@ -276,13 +271,8 @@ class AttentionPlan:
     tables: torch.Tensor = dataclasses.field(repr=False)
     native: Any = dataclasses.field(default=None, repr=False, compare=False)
 
-    @property
-    def key_dtype(self) -> torch.dtype:  # the backend registry asks every plan for both caches' dtypes
-        return self.dtype
-
-    @property
-    def value_dtype(self) -> torch.dtype:
-        return self.dtype
+    # The backend registry asks every plan for both caches' dtypes: here one dtype serves both.
+    key_dtype = value_dtype = property(lambda self: self.dtype, doc="Both caches' element type.")
 
     @property
     def out_shape(self) -> tuple[int, int, int]:
@@ -315,8 +305,8 @@ class AttentionTensors(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class OrtAttentionPlan:
-    """A validated com.microsoft::PagedAttention (ORT's fused op): everything a backend needs besides
-    the tensors themselves. Made by :func:`pakv_onnx.validator.plan_ort_attention`.
+    """One com.microsoft::PagedAttention call (ORT's fused op), validated
+    (:func:`pakv_onnx.validator.plan_ort_attention`).
 
     Attributes:
         num_tokens, num_heads, num_kv_heads: N, Hq, Hk (query head h reads kv head ``h // (Hq // Hk)``).
@@ -374,13 +364,8 @@ class OrtAttentionPlan:
     tables: torch.Tensor = dataclasses.field(repr=False)
     native: Any = dataclasses.field(default=None, repr=False, compare=False)
 
-    @property
-    def key_dtype(self) -> torch.dtype:  # the backend registry asks every plan for both caches' dtypes
-        return self.cache_dtype
-
-    @property
-    def value_dtype(self) -> torch.dtype:
-        return self.cache_dtype
+    # The backend registry asks every plan for both caches' dtypes: here one dtype serves both.
+    key_dtype = value_dtype = property(lambda self: self.cache_dtype, doc="Both caches' element type.")
 
     @property
     def out_shape(self) -> tuple[int, int]:

@@ -5,6 +5,10 @@ it, parses every module of ``pakv_onnx`` with ``ast`` (module-level and lazy imp
 ``importlib.import_module("pakv_onnx...")`` calls included) and fails on an import of a unit that
 is not strictly below the importer's layer. The checker itself is tested on synthetic modules and
 on a copy of the package with an upward import added.
+
+Within a layer the house has no circles either: files are rooms, imports (Python) and the use of a
+function or table another C file defines (the library's units: what the linker resolves between
+them) are arrows, and no two rooms reach each other. Shared names move down a floor instead.
 """
 
 from __future__ import annotations
@@ -203,6 +207,130 @@ def _assertion_text(call) -> str:
     with pytest.raises(AssertionError) as info:
         call()
     return str(info.value)
+
+
+# --------------------------------------------------------------------------- #
+# No circles: no two rooms (files) reach each other through imports / calls
+# --------------------------------------------------------------------------- #
+def circles(arrows: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one room in ``arrows`` (room -> rooms it uses), each
+    sorted: rooms that reach each other (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(room: str) -> None:
+        index[room] = low[room] = len(index)
+        stack.append(room)
+        for other in sorted(arrows.get(room, ())):
+            if other not in index:
+                visit(other)
+                low[room] = min(low[room], low[other])
+            elif other in stack:
+                low[room] = min(low[room], index[other])
+        if low[room] == index[room]:
+            group = []
+            while not group or group[-1] != room:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for room in sorted(arrows):
+        if room not in index:
+            visit(room)
+    return sorted(found)
+
+
+def python_arrows(package_dir: Path) -> dict[str, set[str]]:
+    """module -> the package modules it imports (anywhere in the file), itself left out."""
+    modules = package_modules(package_dir)
+    known = set(modules)
+    return {
+        module: {i.target for i in imports_of(module, path.read_text(), known, path.name == "__init__.py")} - {module}
+        for module, path in modules.items()
+    }
+
+
+_C_TOKENS = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|/\*.*?\*/|//[^\n]*', re.S)
+_C_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+def c_code(text: str) -> str:
+    """C source without comments, string / char contents and preprocessor lines."""
+    text = _C_TOKENS.sub(lambda m: '""' if m.group(0)[0] in "\"'" else " ", text)
+    return re.sub(r"^\s*#[^\n]*(\\\n[^\n]*)*", " ", text, flags=re.M)
+
+
+def _top_level_statements(code: str):
+    """Each file-scope declaration or definition of ``code`` (a function with its body)."""
+    depth, start = 0, 0
+    for i, ch in enumerate(code):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+            if depth == 0 and ch == "}" and not code[i + 1 :].lstrip().startswith(";") and "=" not in code[start:i].split("{")[0]:
+                yield code[start : i + 1]
+                start = i + 1
+        elif ch == ";" and depth == 0:
+            yield code[start : i + 1]
+            start = i + 1
+
+
+def c_definitions(code: str) -> set[str]:
+    """The functions and tables ``code`` defines for other files (file-scope, not static)."""
+    names = set()
+    for statement in _top_level_statements(code):
+        head = statement.split("{", 1)[0]
+        if {"static", "extern", "typedef"} & set(_C_IDENTIFIER.findall(head)):
+            continue
+        if "=" in head:
+            match = re.search(r"(\w+)\s*(\[[^\]]*\]\s*)*=", head)
+        else:
+            match = re.search(r"(\w+)\s*\(", head) if "{" in statement else None
+        if match:
+            names.add(match.group(1))
+    return names
+
+
+def c_arrows(folder: Path) -> dict[str, set[str]]:
+    """C file (its stem) -> the C files whose functions or tables it uses."""
+    codes = {path.stem: c_code(path.read_text()) for path in sorted(folder.glob("*.c"))}
+    owner = {name: room for room, code in codes.items() for name in c_definitions(code)}
+    return {
+        room: {owner[w] for w in set(_C_IDENTIFIER.findall(code)) if w in owner and owner[w] != room}
+        for room, code in codes.items()
+    }
+
+
+def test_no_import_circle_among_the_python_modules() -> None:
+    assert circles(python_arrows(ROOT / PACKAGE)) == []
+
+
+def test_no_circle_among_the_c_units() -> None:
+    assert circles(c_arrows(ROOT / PACKAGE / "native_lib")) == []
+
+
+def test_the_circle_checks_find_a_circle(tmp_path: Path) -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+    package = tmp_path / "pakv_onnx"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "one.py").write_text("def f():\n    from pakv_onnx.sub.two import g\n")
+    (package / "sub" / "two.py").write_text("from pakv_onnx.sub import one\n")
+    assert circles(python_arrows(package)) == [["pakv_onnx.sub.one", "pakv_onnx.sub.two"]]
+    library = tmp_path / "lib"
+    library.mkdir()
+    (library / "low.c").write_text('#include "x.h"\nint low_fail(int e) { return -e; }\n/* high_run() */\n')
+    (library / "mid.c").write_text('static int helper(void) { return 1; }\nconst char* const NAMES[] = {"a // b"};\n'
+                                   "int mid_run(void) { return low_fail(helper()); }\n")
+    (library / "high.c").write_text("int high_run(void) {\n  return mid_run() + (int)sizeof(NAMES);\n}\n")
+    assert c_arrows(library) == {"low": set(), "mid": {"low"}, "high": {"mid"}} and circles(c_arrows(library)) == []
+    (library / "low.c").write_text("int low_fail(int e) { return e ? high_run() : 0; }\n")
+    assert circles(c_arrows(library)) == [["high", "low", "mid"]]
 
 
 # --------------------------------------------------------------------------- #

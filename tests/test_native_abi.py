@@ -92,12 +92,20 @@ def test_front_extension_writes_records_of_the_mirrors_size_and_is_refused_other
         native_lib.front.cache_clear()
 
 
+def test_each_mirror_is_exported_under_its_own_name() -> None:
+    from pakv_onnx.native_lib import _abi
+
+    assert len(_abi.MIRRORS) == 11
+    for name, cls in _abi.MIRRORS.items():
+        assert getattr(native_lib, name) is cls and cls.__name__ == name
+
+
 def test_library_exports_exactly_what_the_loader_declares() -> None:
     nm = shutil.which("nm")
     assert nm, "nm (binutils) is needed to list the library's exports"
     listing = subprocess.run([nm, "-D", "--defined-only", native_lib.library_path()], capture_output=True, text=True)
     exported = {line.split()[-1] for line in listing.stdout.splitlines() if " T " in line}
-    assert exported == {"RegisterCustomOps", *native_lib._SIGNATURES}
+    assert exported == {"RegisterCustomOps", *native_lib.SIGNATURES}
 
 
 def test_ort_slot_numbers_are_written_only_in_ort_abi_h() -> None:

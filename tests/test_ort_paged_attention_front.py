@@ -125,7 +125,7 @@ REFUSALS = {
     "cu float": (_set("cumulative_sequence_length", lambda c: c.inputs["cumulative_sequence_length"].float()), TypeError, r"^cumulative_sequence_length must be int32 or int64, got float32$"),
     "table rows": (_set("block_table", lambda c: c.inputs["block_table"][:3]), ValueError, r"^block_table must have batch_size = 4 rows, got shape \[3, \d+\]$"),
     "cu start": (_pos("cumulative_sequence_length", (0,), 1), ValueError, r"^cumulative_sequence_length must start at 0"),
-    "cu decreasing": (_pos("cumulative_sequence_length", (2,), 0), ValueError, r"^cumulative_sequence_length must be non-decreasing and end at num_tokens = 9"),
+    "cu decreasing": (_pos("cumulative_sequence_length", (2,), 0), ValueError, r"^cumulative_sequence_length must be non-decreasing, got cumulative_sequence_length\[2\] = 0 < cumulative_sequence_length\[1\] = \d+$"),
     "cu end": (_pos("cumulative_sequence_length", (4,), 8), ValueError, r"^cumulative_sequence_length must end at num_tokens = 9 \(query's rows\)"),
     "past negative": (_pos("past_seqlens", (0,), -1), ValueError, r"^past_seqlens must be non-negative, got past_seqlens\[0\] = -1$"),
     "table short": (_pos("past_seqlens", (0,), 20), ValueError, r"^block_table row 0 is too short: sequence 0's context of 21 tokens"),

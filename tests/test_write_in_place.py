@@ -319,7 +319,7 @@ def test_outputs_bound_to_read_only_memory_are_refused(bound: str, tmp_path) -> 
 
 
 # --------------------------------------------------------------------------- #
-# The probe where a seccomp policy refuses process_vm_writev: the pipe fallback
+# The probe needs no process_vm_writev (a seccomp policy may refuse it): it asks through a pipe
 # --------------------------------------------------------------------------- #
 NO_VM_WRITEV = r"""
 #define _GNU_SOURCE
@@ -357,7 +357,7 @@ print("OK")
 """
 
 
-def test_the_probe_falls_back_to_a_pipe_where_process_vm_writev_is_refused(tmp_path) -> None:
+def test_the_probe_works_where_process_vm_writev_is_refused(tmp_path) -> None:
     shim = tmp_path / "no_vm_writev.so"
     source = tmp_path / "no_vm_writev.c"
     source.write_text(NO_VM_WRITEV)
@@ -366,5 +366,38 @@ def test_the_probe_falls_back_to_a_pipe_where_process_vm_writev_is_refused(tmp_p
     result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
                             timeout=120, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-1500:]
-    assert "process_vm_writev refused" in result.stderr  # the library asked it, then took the pipe
+    assert "process_vm_writev refused" not in result.stderr  # never asked: the pipe is the probe
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
+
+
+def test_the_writability_probe_names_the_first_unwritable_byte_and_keeps_every_value() -> None:
+    """The probe (pakv_writable.c, through native_lib.check_buffer_writable: a buffer's first and last
+    byte): a buffer whose last page is read-only, or unreadable, is refused naming it; the bytes probed
+    keep their values; a probe that failed half-way leaves nothing behind for the next one (its pipe
+    drained), in this process and in a forked child."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 3 * page, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    area[:] = bytes(range(256)) * (3 * page // 256)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    native_lib.check_buffer_writable(base, 3 * page, "whole")  # all writable: no error
+    for protection in (mmap.PROT_READ, 0):  # read-only, then PROT_NONE (unreadable too)
+        assert libc.mprotect(base + 2 * page, page, protection) == 0
+        with pytest.raises(ValueError, match=r"^half: the buffer is not writable memory .*nothing was written"):
+            native_lib.check_buffer_writable(base + page // 2, 2 * page, "half")
+        native_lib.check_buffer_writable(base, 2 * page, "first two pages")  # the pipe holds nothing stale
+        assert libc.mprotect(base + 2 * page, page, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+    assert area[:] == bytes(range(256)) * (3 * page // 256)
+    pid = os.fork()
+    if pid == 0:  # the child probes through its own pipe
+        try:
+            native_lib.check_buffer_writable(base, 3 * page, "child")
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    assert os.waitpid(pid, 0)[1] == 0
+    native_lib.check_buffer_writable(base, 3 * page, "parent after fork")

@@ -39,7 +39,6 @@ not taken). :func:`attach_fallback` therefore gives such nodes an explicit all-z
 from __future__ import annotations
 
 import functools
-import re
 
 import onnx
 from onnx import TensorProto
@@ -48,6 +47,9 @@ from onnxscript import opset19 as op
 from onnxscript import script
 from onnxscript.values import Opset
 
+from pakv_onnx.export.fallback_attention import make_attention_function
+from pakv_onnx.export.fallback_function import function_for, function_template
+from pakv_onnx.export.fallback_scatter import make_scatter_function
 from pakv_onnx.spec import (
     ATTENTION,
     ATTR_CACHE_MODE,
@@ -93,7 +95,6 @@ CHECKS: dict[str, str] = {
     "key_rows_read": "block_tables entry used by a sequence is outside [0, num_blocks) (key rows)",
     "value_rows_read": "block_tables entry used by a sequence is outside [0, num_blocks) (value rows)",
 }
-CHECK_PREFIX = "pakv check: "
 
 # Rules of the validator that the function does not check, and why.
 UNCHECKED_RULES: dict[str, str] = {
@@ -261,46 +262,11 @@ def GatherPaKvCache(  # noqa: N802 (the ONNX op name)
     return key, value
 
 
-def _check_signature(function: onnx.FunctionProto) -> None:
-    """The onnxscript signature (Python names and defaults) must be the contract's."""
-    defaults = {a.name: onnx.helper.get_attribute_value(a) for a in function.attribute_proto}
-    expected = {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value.encode(), ATTR_IS_SEQ_LENS_CUMSUM: int(DEFAULT_IS_SEQ_LENS_CUMSUM)}
-    if (function.domain, function.name) != (DOMAIN, OP_TYPE) or list(function.input) != list(INPUT_NAMES):
-        raise AssertionError(f"fallback signature {function.domain}::{function.name}{list(function.input)} is not the contract's")
-    if defaults != expected:
-        raise AssertionError(f"fallback attribute defaults {defaults} are not the contract's {expected}")
-
-
-def _base_name(value_name: str) -> str:
-    """onnxscript renames values assigned in If branches (``key_rows_read_12``): the Python name."""
-    return re.sub(r"_\d+$", "", value_name)
-
-
-def name_checks(graph_nodes, checks: dict[str, str]) -> None:
-    """Name every check node after its rule (recursively into If branches): a node is a check
-    when its first output is a key of ``checks`` (the gather's :data:`CHECKS`, or the scatter's)."""
-    for node in graph_nodes:
-        output = node.output[0] if node.output else ""
-        rule = checks.get(output) or checks.get(_base_name(output))
-        if rule is not None:
-            node.name = CHECK_PREFIX + rule
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                name_checks(attr.g.node, checks)
-
-
 @functools.cache
 def _function_template() -> bytes:
-    function = GatherPaKvCache.to_function_proto()
-    _check_signature(function)
-    name_checks(function.node, CHECKS)
-    # Formal outputs named as the contract's (onnxscript numbers If outputs).
-    renames = dict(zip(function.output, OUTPUT_NAMES))
-    for node in function.node:
-        node.output[:] = [renames.get(o, o) for o in node.output]
-    function.output[:] = list(OUTPUT_NAMES)
-    function.doc_string = "Stock-ONNX fallback body of pakv::GatherPaKvCache (see pakv_onnx.export.fallback)."
-    return function.SerializeToString()
+    defaults = {ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value.encode(), ATTR_IS_SEQ_LENS_CUMSUM: int(DEFAULT_IS_SEQ_LENS_CUMSUM)}
+    return function_template(GatherPaKvCache, op_type=OP_TYPE, inputs=INPUT_NAMES, outputs=OUTPUT_NAMES,
+                             defaults=defaults, checks=CHECKS, module=__name__)  # fmt: skip
 
 
 def make_function(opset_version: int) -> onnx.FunctionProto:
@@ -311,11 +277,7 @@ def make_function(opset_version: int) -> onnx.FunctionProto:
     """
     if opset_version < MIN_OPSET:
         raise ValueError(f"the fallback function needs opset >= {MIN_OPSET}, the model uses {opset_version}")
-    function = onnx.FunctionProto()
-    function.ParseFromString(_function_template())
-    del function.opset_import[:]
-    function.opset_import.append(h.make_opsetid("", opset_version))
-    return function
+    return function_for(_function_template(), opset_version)
 
 
 # --------------------------------------------------------------------------- #
@@ -379,8 +341,6 @@ def attach_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
     Also imports the ``pakv`` opset and gives nodes without ``seq_offset`` an all-zero one
     (same result; see the module doc). Needs a default-domain opset >= 19.
     """
-    from pakv_onnx.export.fallback_attention import make_attention_function
-    from pakv_onnx.export.fallback_scatter import make_scatter_function
 
     opset = _default_opset(model)
     functions = [make_function(opset)]

@@ -27,6 +27,7 @@ from onnxscript import opset19 as op
 from onnxscript import script
 from onnxscript.values import Opset
 
+from pakv_onnx.export.fallback_function import function_for, function_template
 from pakv_onnx.spec import ATTENTION, ATTR_SCALE, DOMAIN, INT64_MAX, OP_TYPE, OPSET_VERSION
 
 _I64, _F32 = TensorProto.INT64, TensorProto.FLOAT
@@ -126,32 +127,14 @@ def PagedAttention(  # noqa: N802 (the ONNX op name)
 
 @functools.cache
 def _template() -> bytes:
-    from pakv_onnx.export.fallback import name_checks
-
-    function = PagedAttention.to_function_proto()
-    defaults = {a.name: onnx.helper.get_attribute_value(a) for a in function.attribute_proto}
-    if (function.name, list(function.input)) != (ATTENTION.op_type, list(ATTENTION.input_names)) or defaults != {
-        ATTR_SCALE: ATTENTION.attribute_defaults[ATTR_SCALE]
-    }:
-        raise AssertionError(f"attention fallback signature {function.name}{list(function.input)} is not the contract's")
-    name_checks(function.node, ATTENTION_CHECKS)
-    renames = dict(zip(function.output, ATTENTION.output_names))
-    for node in function.node:
-        node.output[:] = [renames.get(o, o) for o in node.output]
-    function.output[:] = list(ATTENTION.output_names)
-    function.doc_string = "Stock-ONNX fallback body of pakv::PagedAttention (see pakv_onnx.export.fallback_attention)."
-    return function.SerializeToString()
+    return function_template(PagedAttention, op_type=ATTENTION.op_type, inputs=ATTENTION.input_names, outputs=ATTENTION.output_names,
+                             defaults={ATTR_SCALE: ATTENTION.attribute_defaults[ATTR_SCALE]}, checks=ATTENTION_CHECKS, module=__name__)  # fmt: skip
 
 
 def make_attention_function(opset_version: int) -> onnx.FunctionProto:
     """The fallback ``FunctionProto`` for ``pakv::PagedAttention`` against default-domain ``opset_version``
     (it calls ``pakv::GatherPaKvCache``, whose function :func:`~pakv_onnx.export.fallback.attach_fallback` adds too)."""
-    function = onnx.FunctionProto()
-    function.ParseFromString(_template())
-    del function.opset_import[:]
-    function.opset_import.append(onnx.helper.make_opsetid("", opset_version))
-    function.opset_import.append(onnx.helper.make_opsetid(DOMAIN, OPSET_VERSION))
-    return function
+    return function_for(_template(), opset_version, calls_pakv=True)
 
 
 assert OP_TYPE == "GatherPaKvCache"  # the body's gather call names it literally (onnxscript needs the attribute)

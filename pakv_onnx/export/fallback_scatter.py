@@ -24,6 +24,7 @@ from onnxscript import opset19 as op
 from onnxscript import script
 from onnxscript.values import Opset
 
+from pakv_onnx.export.fallback_function import function_for, function_template
 from pakv_onnx.spec import ATTR_CACHE_MODE, DEFAULT_CACHE_MODE, DOMAIN, OPSET_VERSION, SCATTER, CacheMode
 
 _I64 = TensorProto.INT64
@@ -127,27 +128,10 @@ def ScatterPaKvCache(key, value, key_cache, value_cache, slot_mapping, cache_mod
 
 @functools.cache
 def _template() -> bytes:
-    from pakv_onnx.export.fallback import name_checks
-
-    function = ScatterPaKvCache.to_function_proto()
-    defaults = {a.name: onnx.helper.get_attribute_value(a) for a in function.attribute_proto}
-    if (function.name, list(function.input)) != (SCATTER.op_type, list(SCATTER.input_names)) or defaults != {
-        ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value.encode()
-    }:
-        raise AssertionError(f"scatter fallback signature {function.name}{list(function.input)} is not the contract's")
-    name_checks(function.node, SCATTER_CHECKS)
-    renames = dict(zip(function.output, SCATTER.output_names))
-    for node in function.node:
-        node.output[:] = [renames.get(o, o) for o in node.output]
-    function.output[:] = list(SCATTER.output_names)
-    function.doc_string = "Stock-ONNX fallback body of pakv::ScatterPaKvCache (see pakv_onnx.export.fallback_scatter)."
-    return function.SerializeToString()
+    return function_template(ScatterPaKvCache, op_type=SCATTER.op_type, inputs=SCATTER.input_names, outputs=SCATTER.output_names,
+                             defaults={ATTR_CACHE_MODE: DEFAULT_CACHE_MODE.value.encode()}, checks=SCATTER_CHECKS, module=__name__)  # fmt: skip
 
 
 def make_scatter_function(opset_version: int) -> onnx.FunctionProto:
     """The fallback ``FunctionProto`` for ``pakv::ScatterPaKvCache`` against default-domain ``opset_version``."""
-    function = onnx.FunctionProto()
-    function.ParseFromString(_template())
-    del function.opset_import[:]
-    function.opset_import.append(onnx.helper.make_opsetid("", opset_version))
-    return function
+    return function_for(_template(), opset_version)

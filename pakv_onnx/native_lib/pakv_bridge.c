@@ -1,6 +1,6 @@
 #define _POSIX_C_SOURCE 200809L /* nanosleep */
 /* The Python bridge (see pakv_bridge.h): backend registry, the callback, exit handling, and the
- * two helpers the callback uses to get ORT outputs and to report an error. */
+ * helper the callback uses to report an error (its outputs: pakv_request_output, in pakv_ort.c). */
 #include "pakv_bridge.h"
 
 #include <pthread.h>
@@ -77,18 +77,6 @@ int pakv_call_python(int slot, pakv_request* req) {
   atomic_fetch_sub(&g_python_inflight, 1);
   if (rc != 0 && !req->error[0]) snprintf(req->error, sizeof(req->error), "Python backend failed");
   return rc != 0 ? -1 : 0;
-}
-
-PAKV_EXPORT void* pakv_request_output(pakv_request* req, int index, const int64_t* dims, int ndim) {
-  pakv_err err;
-  if (!req) return NULL;
-  if (index < 0 || index >= PAKV_NUM_OUTPUTS || ndim < 0 || ndim > PAKV_MAX_RANK || (ndim > 0 && !dims)) {
-    snprintf(req->error, sizeof(req->error), "bad output request (index %d, rank %d)", index, ndim);
-    return NULL;
-  }
-  void* p = pakv_ort_output(req->api, req->ctx, index, dims, ndim, &err);
-  if (!p) snprintf(req->error, sizeof(req->error), "%s", err.msg);
-  return p;
 }
 
 PAKV_EXPORT void pakv_request_set_error(pakv_request* req, const char* msg) {

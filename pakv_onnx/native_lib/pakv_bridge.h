@@ -41,9 +41,7 @@ int pakv_backend_slot(const char* name);
 const char* pakv_backend_name(int slot);
 /* Hand a request to the Python callback; 0 on success, else req->error says why. */
 int pakv_call_python(int slot, pakv_request* req);
-
-/* Provided by the ORT glue: an output buffer of the kernel call `req` belongs to. */
-void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
-                      pakv_err* err);
+/* The callback's way to its outputs, pakv_request_output (exported), is the ORT glue's (pakv_ort.c): the
+ * bridge stands below the glue and never calls into it. */
 
 #endif /* PAKV_BRIDGE_H */

@@ -68,30 +68,22 @@ static int attention_sequences(const pakv_tensor* t, int64_t N, int64_t bs, int6
                                int64_t* counts, int64_t* lengths, pakv_err* err) {
   const pakv_tensor *bt = &t[PAKV_ATTENTION_BLOCK_TABLE], *cu = &t[PAKV_ATTENTION_CU_SEQ_LENS],
                     *past = &t[PAKV_ATTENTION_PAST_LENS];
-  int64_t B = bt->dims[0], a = pakv_vector_at(cu, 0);
-  if (a != 0)
-    return pakv_fail(err, "cumulative_sequence_lengths must start at 0, got cumulative_sequence_lengths[0] = %lld",
-                     (long long)a);
+  int64_t B = bt->dims[0], total = 0;
+  if (pakv_cumulative_counts(cu, "cumulative_sequence_lengths", "cumulative_sequence_lengths", B, starts, counts, &total,
+                             err))
+    return -1;
   for (int64_t b = 0; b < B; b++) { /* each entry read once: a snapshot */
-    int64_t next = pakv_vector_at(cu, b + 1), before = pakv_vector_at(past, b);
-    if (next < a)
-      return pakv_fail(err,
-                       "cumulative_sequence_lengths must be non-decreasing, got cumulative_sequence_lengths[%lld] = "
-                       "%lld < cumulative_sequence_lengths[%lld] = %lld",
-                       (long long)(b + 1), (long long)next, (long long)b, (long long)a);
+    int64_t before = pakv_vector_at(past, b);
     if (before < 0)
       return pakv_fail(err, "past_sequence_lengths must be non-negative, got past_sequence_lengths[%lld] = %lld",
                        (long long)b, (long long)before);
-    starts[b] = a;
-    counts[b] = next - a; /* 0 <= a <= next: no overflow */
     if (pakv_add(before, counts[b], &lengths[b]))
       return pakv_fail(err, "past_sequence_lengths[%lld] = %lld plus its %lld new tokens overflows int64", (long long)b,
                        (long long)before, (long long)counts[b]);
-    a = next;
   }
-  if (a != N)
+  if (total != N)
     return pakv_fail(err, "cumulative_sequence_lengths must end at query's %lld tokens, got cumulative_sequence_lengths[%lld] = %lld",
-                     (long long)N, (long long)B, (long long)a);
+                     (long long)N, (long long)B, (long long)total);
   return pakv_check_table_reads(bt, counts, lengths, bs, nb, -1, err);
 }
 
@@ -147,12 +139,7 @@ int pakv_validate_attention(const pakv_tensor t[PAKV_ATTENTION_RECORDS], float s
   plan->causal = 1;
   plan->window = -1;
   plan->tables64 = bt->elem_type == PAKV_ONNX_INT64;
-  plan->num_blocks = k.num_blocks;
-  plan->block_size = k.block_size;
-  plan->key_cache = pakv_plan_address(kc);
-  plan->value_cache = pakv_plan_address(vc);
-  plan->key_block_stride = k.block_stride;
-  plan->value_block_stride = v.block_stride;
+  PAKV_PLAN_CACHES(plan, k, v, pakv_plan_address(kc), pakv_plan_address(vc));
   plan->key_head_stride = k.token_dims[1] * k.itemsize; /* Norm [nb, bs, Hk, D]: heads dense in a row */
   plan->value_head_stride = v.token_dims[1] * v.itemsize;
   plan->key_row_stride = k.row_bytes;

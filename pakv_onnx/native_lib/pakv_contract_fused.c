@@ -332,6 +332,16 @@ static int fused_optional(const pakv_tensor* t, const pakv_fused_attributes* a, 
   return 0;
 }
 
+static const char* dtype_attribute_name(int onnx_type) { /* as k_cache_dtype names it ("float8e4m3fn") */
+  switch (onnx_type) {
+    case PAKV_ONNX_FLOAT16: return "float16";
+    case PAKV_ONNX_BFLOAT16: return "bfloat16";
+    case PAKV_ONNX_INT8: return "int8";
+    case PAKV_ONNX_FLOAT8E4M3FN: return "float8e4m3fn";
+    default: return pakv_type_name(onnx_type);
+  }
+}
+
 /* One side's k_scale / v_scale and k_quant_type / k_cache_dtype against its cache. */
 static int fused_scale(const pakv_tensor* t, const pakv_fused_attributes* a, const pakv_fused_shape* s, int side,
                        pakv_err* err) {
@@ -341,7 +351,7 @@ static int fused_scale(const pakv_tensor* t, const pakv_fused_attributes* a, con
   const char* dtype_attr = side ? a->v_cache_dtype : a->k_cache_dtype;
   int quant = pakv_fused_quant(side ? a->v_quant_type : a->k_quant_type), quantized = pakv_fused_is_quantized(cache->elem_type);
   char shape[160];
-  if (dtype_attr[0] && strcmp(dtype_attr, pakv_fused_dtype_name(cache->elem_type)) != 0)
+  if (dtype_attr[0] && strcmp(dtype_attr, dtype_attribute_name(cache->elem_type)) != 0)
     return pakv_fail(err, "%s is '%s' but %s's element type is %s: leave it '' to use the tensor's element type",
                      side ? "v_cache_dtype" : "k_cache_dtype", dtype_attr, cache_name, pakv_type_name(cache->elem_type));
   if (side && s->latent) return 0; /* LATENT: V is dequantized as K (its attributes were checked unset) */

@@ -19,7 +19,6 @@ typedef struct {
 
 int pakv_fused_quant(const char* value); /* PAKV_QUANT_* of a quant-type attribute, -1 if unknown */
 int pakv_fused_is_quantized(int onnx_type); /* int8 or float8e4m3fn */
-const char* pakv_fused_dtype_name(int onnx_type); /* as k_cache_dtype names it ("float8e4m3fn") */
 
 /* Every form rule of the inputs (attributes first), filling `s`. */
 int pakv_fused_inputs(const pakv_tensor* t, const pakv_fused_attributes* a, pakv_fused_shape* s, pakv_err* err);

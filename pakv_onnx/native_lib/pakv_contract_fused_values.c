@@ -8,16 +8,6 @@
 #include "pakv_contract_fused_internal.h"
 #include "pakv_float.h"
 
-const char* pakv_fused_dtype_name(int onnx_type) {
-  switch (onnx_type) {
-    case PAKV_ONNX_FLOAT16: return "float16";
-    case PAKV_ONNX_BFLOAT16: return "bfloat16";
-    case PAKV_ONNX_INT8: return "int8";
-    case PAKV_ONNX_FLOAT8E4M3FN: return "float8e4m3fn";
-    default: return pakv_type_name(onnx_type);
-  }
-}
-
 /* Where each part of the scratch starts (int64 words): the attention's 3 x B per-sequence entries,
  * slots [N], positions [N], (slot, token) pairs [2N] for the repeat check, then fp32 copies of
  * k_scale, v_scale and head_sink. */
@@ -51,28 +41,22 @@ int64_t pakv_fused_scratch_len(const pakv_tensor t[PAKV_FUSED_RECORDS]) {
 static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a, const pakv_fused_shape* s,
                            int64_t* starts, int64_t* counts, int64_t* lengths, int64_t* positions, pakv_err* err) {
   const pakv_tensor *cu = &t[PAKV_FUSED_CU_SEQLENS], *past = &t[PAKV_FUSED_PAST_SEQLENS], *bt = &t[PAKV_FUSED_BLOCK_TABLE];
-  int64_t batch = cu->dims[0] - 1, bs = s->key.block_size, at = pakv_vector_at(cu, 0);
-  if (at != 0)
-    return pakv_fail(err, "cumulative_sequence_length must start at 0, got cumulative_sequence_length[0] = %lld", (long long)at);
+  int64_t batch = cu->dims[0] - 1, bs = s->key.block_size, total = 0;
+  if (pakv_cumulative_counts(cu, "cumulative_sequence_length", "cumulative_sequence_length", batch, starts, counts,
+                             &total, err))
+    return -1;
+  if (total != s->num_tokens) /* before any position is written: the positions below stay inside [0, num_tokens) */
+    return pakv_fail(err, "cumulative_sequence_length must end at num_tokens = %lld (query's rows), got "
+                     "cumulative_sequence_length[%lld] = %lld", (long long)s->num_tokens, (long long)batch, (long long)total);
   for (int64_t b = 0; b < batch; b++) { /* each entry read once: a snapshot */
-    int64_t next = pakv_vector_at(cu, b + 1), before = pakv_vector_at(past, b);
-    if (next < at || next > s->num_tokens)
-      return pakv_fail(err, "cumulative_sequence_length must be non-decreasing and end at num_tokens = %lld, got "
-                       "cumulative_sequence_length[%lld] = %lld after %lld", (long long)s->num_tokens,
-                       (long long)(b + 1), (long long)next, (long long)at);
+    int64_t before = pakv_vector_at(past, b);
     if (before < 0)
       return pakv_fail(err, "past_seqlens must be non-negative, got past_seqlens[%lld] = %lld", (long long)b, (long long)before);
-    starts[b] = at;
-    counts[b] = next - at;
     if (pakv_add(before, counts[b], &lengths[b]))
       return pakv_fail(err, "past_seqlens[%lld] = %lld plus its %lld new tokens overflows int64", (long long)b,
                        (long long)before, (long long)counts[b]);
-    for (int64_t j = 0; j < counts[b]; j++) positions[at + j] = before + j;
-    at = next;
+    for (int64_t j = 0; j < counts[b]; j++) positions[starts[b] + j] = before + j;
   }
-  if (at != s->num_tokens)
-    return pakv_fail(err, "cumulative_sequence_length must end at num_tokens = %lld (query's rows), got "
-                     "cumulative_sequence_length[%lld] = %lld", (long long)s->num_tokens, (long long)batch, (long long)at);
   int64_t window = a->local_window_size > 0 ? a->local_window_size - 1 : -1;
   if (pakv_check_table_reads(bt, counts, lengths, bs, s->key.num_blocks, window, err)) return -1;
   for (int64_t b = 0; b < batch; b++) {
@@ -84,16 +68,20 @@ static int fused_sequences(const pakv_tensor* t, const pakv_fused_attributes* a,
   return 0;
 }
 
+static const pakv_id_rule SLOT = {"slot_mapping", "num_blocks x block_size of key_cache; -1 skips the token's write",
+                                  "", 1};
+/* A block a derived slot writes into (checked again here: another thread may have changed the table). */
+static const pakv_id_rule WRITTEN_BLOCK = {"block_table", "num_blocks of key_cache",
+                                           "; the sequence's new token writes there (block_tables changed while "
+                                           "the call ran?)",
+                                           0};
 /* Slot of position p of sequence b through block_table: its entry read once, and that value checked
  * (another thread may change the table after pakv_check_table_reads read it: the slot written is
  * derived only from the value checked here). */
 static int table_slot(const pakv_tensor* bt, int64_t b, int64_t p, const pakv_fused_shape* s, int64_t* slot,
                       pakv_err* err) {
   int64_t bs = s->key.block_size, column = p / bs, block = pakv_table_at(bt, b, column);
-  if (block < 0 || block >= s->key.num_blocks)
-    return pakv_fail(err, "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
-                     "writes its position %lld there (block_tables changed while the call ran?)", (long long)b,
-                     (long long)column, (long long)block, (long long)s->key.num_blocks, (long long)b, (long long)p);
+  if (pakv_check_id(&WRITTEN_BLOCK, block, s->key.num_blocks, b, column, -1, err)) return -1;
   if (pakv_mul(block, bs, slot) || pakv_add(*slot, p % bs, slot))
     return pakv_fail(err, "block_table[%lld, %lld] = %lld x block_size %lld overflows int64", (long long)b,
                      (long long)column, (long long)block, (long long)bs);
@@ -114,9 +102,7 @@ static int fused_slots(const pakv_tensor* t, const pakv_fused_shape* s, const in
       int64_t p = positions[token];
       if (!sm->present && table_slot(bt, b, p, s, &slots[token], err)) return -1;
       if (sm->present) slots[token] = pakv_vector_at(sm, token);
-      if (slots[token] >= capacity)
-        return pakv_fail(err, "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; "
-                         "-1 skips the token's write)", (long long)token, (long long)slots[token], (long long)capacity);
+      if (pakv_check_id(&SLOT, slots[token], capacity, token, -1, -1, err)) return -1;
       if (slots[token] < 0) slots[token] = -1;
       else pairs[n++] = (pakv_slot_pair){slots[token], token};
     }

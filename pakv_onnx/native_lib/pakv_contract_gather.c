@@ -30,24 +30,15 @@ static int check_indices(const pakv_tensor* t, int cumsum, pakv_err* err) {
   return 0;
 }
 
+/* The block ids a gather reads (every column a sequence's tokens span, from its seq_offset's). */
+static const pakv_id_rule TABLE_ID = {"block_tables", "num_blocks of key_cache", "", 0};
+
 /* Per-sequence lengths and output starts from seq_lens (each entry read once: a snapshot). */
 static int read_lengths(const pakv_tensor* sl, int cumsum, int64_t Q, int64_t* lengths, int64_t* starts,
                         int64_t* total_out, pakv_err* err) {
   int64_t total = 0;
   if (cumsum) {
-    int64_t a = pakv_vector_at(sl, 0);
-    if (a != 0) return pakv_fail(err, "seq_lens (cumsum) must start at 0, got seq_lens[0] = %lld", (long long)a);
-    for (int64_t q = 0; q < Q; q++) {
-      int64_t b = pakv_vector_at(sl, q + 1);
-      if (b < a)
-        return pakv_fail(err,
-                         "seq_lens (cumsum) must be non-decreasing, got seq_lens[%lld] = %lld < seq_lens[%lld] = %lld",
-                         (long long)(q + 1), (long long)b, (long long)q, (long long)a);
-      lengths[q] = b - a; /* 0 <= a <= b: no overflow */
-      starts[q] = a;
-      a = b;
-    }
-    total = a;
+    if (pakv_cumulative_counts(sl, "seq_lens (cumsum)", "seq_lens", Q, starts, lengths, &total, err)) return -1;
   } else {
     for (int64_t q = 0; q < Q; q++) {
       int64_t n = pakv_vector_at(sl, q);
@@ -93,14 +84,8 @@ static int check_tables(const pakv_tensor* bt, int64_t Q, int64_t bs, int64_t nb
   }
   for (int64_t q = 0; q < Q; q++) {
     int64_t need = lengths[q] / bs + (lengths[q] % bs != 0);
-    for (int64_t c = cols0[q]; c < cols0[q] + need; c++) {
-      int64_t b = pakv_table_at(bt, q, c);
-      if (b < 0 || b >= nb)
-        return pakv_fail(err,
-                         "block_tables[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); it is "
-                         "used by sequence %lld",
-                         (long long)q, (long long)c, (long long)b, (long long)nb, (long long)q);
-    }
+    for (int64_t c = cols0[q]; c < cols0[q] + need; c++)
+      if (pakv_check_id(&TABLE_ID, pakv_table_at(bt, q, c), nb, q, c, q, err)) return -1;
   }
   return 0;
 }
@@ -160,12 +145,7 @@ int pakv_validate_gather(const pakv_tensor t[PAKV_GATHER_RECORDS], int nz, int c
   plan->struct_size = sizeof(pakv_plan);
   plan->layout = nz ? PAKV_LAYOUT_NZ : PAKV_LAYOUT_NORM;
   plan->tables64 = bt->elem_type == PAKV_ONNX_INT64;
-  plan->num_blocks = k.num_blocks;
-  plan->block_size = k.block_size;
-  plan->key_cache = t[PAKV_GATHER_KEY_CACHE].data;
-  plan->value_cache = t[PAKV_GATHER_VALUE_CACHE].data;
-  plan->key_block_stride = k.block_stride;
-  plan->value_block_stride = v.block_stride;
+  PAKV_PLAN_CACHES(plan, k, v, t[PAKV_GATHER_KEY_CACHE].data, t[PAKV_GATHER_VALUE_CACHE].data);
   plan->key_row_bytes = k.row_bytes;
   plan->value_row_bytes = v.row_bytes;
   plan->num_seqs = Q;

@@ -245,6 +245,41 @@ int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err) {
                    name, t->device);
 }
 
+int pakv_cumulative_counts(const pakv_tensor* cu, const char* rule, const char* name, int64_t count, int64_t* starts,
+                           int64_t* counts, int64_t* total, pakv_err* err) {
+  int64_t a = pakv_vector_at(cu, 0);
+  if (a != 0) return pakv_fail(err, "%s must start at 0, got %s[0] = %lld", rule, name, (long long)a);
+  for (int64_t i = 0; i < count; i++) { /* each entry read once: a snapshot */
+    int64_t b = pakv_vector_at(cu, i + 1);
+    if (b < a)
+      return pakv_fail(err, "%s must be non-decreasing, got %s[%lld] = %lld < %s[%lld] = %lld", rule, name,
+                       (long long)(i + 1), (long long)b, name, (long long)i, (long long)a);
+    starts[i] = a;
+    counts[i] = b - a; /* 0 <= a <= b: no overflow */
+    a = b;
+  }
+  *total = a;
+  return 0;
+}
+
+int pakv_fail_id(const pakv_id_rule* rule, int64_t id, int64_t bound, int64_t row, int64_t col, int64_t reader,
+                 pakv_err* err) {
+  char entry[160], reads[64] = "";
+  if (col >= 0)
+    snprintf(entry, sizeof(entry), "%s[%lld, %lld]", rule->name, (long long)row, (long long)col);
+  else
+    snprintf(entry, sizeof(entry), "%s[%lld]", rule->name, (long long)row);
+  if (reader >= 0) snprintf(reads, sizeof(reads), "; sequence %lld reads it", (long long)reader);
+  return pakv_fail(err, "%s = %lld is outside [0, %lld) (%s)%s%s", entry, (long long)id, (long long)bound, rule->bound,
+                   reads, rule->after);
+}
+
+/* The paged-attention ops' block ids (entries a sequence does not read may hold anything). */
+static const pakv_id_rule TABLE_READ = {"block_table", "num_blocks of key_cache",
+                                        " (entries a sequence does not read, past its context or before its window, "
+                                        "may hold anything, e.g. -1)",
+                                        0};
+
 int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const int64_t* lengths, int64_t bs, int64_t nb,
                            int64_t window, pakv_err* err) {
   int64_t batch = bt->dims[0], cols = bt->dims[1];
@@ -260,15 +295,8 @@ int pakv_check_table_reads(const pakv_tensor* bt, const int64_t* counts, const i
   for (int64_t b = 0; b < batch; b++) {
     int64_t need = counts[b] ? lengths[b] / bs + (lengths[b] % bs != 0) : 0, past = lengths[b] - counts[b];
     int64_t first = window >= 0 && past > window ? (past - window) / bs : 0; /* what its first new token sees */
-    for (int64_t c = first; c < need; c++) {
-      int64_t block = pakv_table_at(bt, b, c);
-      if (block < 0 || block >= nb)
-        return pakv_fail(err,
-                         "block_table[%lld, %lld] = %lld is outside [0, %lld) (num_blocks of key_cache); sequence %lld "
-                         "reads it (entries a sequence does not read, past its context or before its window, may hold "
-                         "anything, e.g. -1)",
-                         (long long)b, (long long)c, (long long)block, (long long)nb, (long long)b);
-    }
+    for (int64_t c = first; c < need; c++)
+      if (pakv_check_id(&TABLE_READ, pakv_table_at(bt, b, c), nb, b, c, b, err)) return -1;
   }
   return 0;
 }

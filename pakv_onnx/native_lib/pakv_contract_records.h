@@ -85,6 +85,39 @@ int pakv_check_block_size(const pakv_cache_geometry* k, pakv_err* err);
 int pakv_index_record(const pakv_tensor* t, const char* name, int rank, const char* form, pakv_err* err);
 /* The record's data readable on the host (host_data set). */
 int pakv_require_host(const pakv_tensor* t, const char* name, pakv_err* err);
+/* The rule of every cumulative-lengths input (`name`; `rule` the name the message gives the rule, e.g.
+ * "seq_lens (cumsum)"): its count + 1 entries start at 0 and never decrease. Entry i's start and count
+ * (entry i + 1 minus entry i) into starts[i], counts[i], the last entry into *total; each read once. */
+int pakv_cumulative_counts(const pakv_tensor* cu, const char* rule, const char* name, int64_t count, int64_t* starts,
+                           int64_t* counts, int64_t* total, pakv_err* err);
+/* The rule of every id an op reads or writes through (a block id, a slot): in [0, bound), or negative where
+ * the input lets a negative id mean "none" (negative_ok). Each op names its own input and bound: */
+typedef struct {
+  const char* name;  /* the input, e.g. "block_tables" */
+  const char* bound; /* what the bound is, e.g. "num_blocks of key_cache" */
+  const char* after; /* appended to the message (a note on the input's other entries), or "" */
+  int negative_ok;   /* a negative id is padding (the write ops' slots) */
+} pakv_id_rule;
+int pakv_fail_id(const pakv_id_rule* rule, int64_t id, int64_t bound, int64_t row, int64_t col, int64_t reader,
+                 pakv_err* err);
+/* 0 when `id` keeps the rule; else its error: the entry (NAME[row, col]; col < 0: a vector, NAME[row]), its
+ * value, the bound and what it is, the sequence that reads it when reader >= 0, then the rule's note. */
+static inline int pakv_check_id(const pakv_id_rule* rule, int64_t id, int64_t bound, int64_t row, int64_t col,
+                                int64_t reader, pakv_err* err) {
+  if (id < bound && (id >= 0 || rule->negative_ok)) return 0;
+  return pakv_fail_id(rule, id, bound, row, col, reader, err);
+}
+/* The caches' part of a plan, its fields named alike in pakv_plan, pakv_scatter_plan and pakv_attention_plan:
+ * the geometry of both caches (k, v: pakv_cache_geometry) and their addresses. */
+#define PAKV_PLAN_CACHES(plan, k, v, key_address, value_address) \
+  do {                                                           \
+    (plan)->num_blocks = (k).num_blocks;                         \
+    (plan)->block_size = (k).block_size;                         \
+    (plan)->key_cache = (key_address);                           \
+    (plan)->value_cache = (value_address);                       \
+    (plan)->key_block_stride = (k).block_stride;                 \
+    (plan)->value_block_stride = (v).block_stride;               \
+  } while (0)
 /* A record on torch's meta device (no data) refused by name. */
 int pakv_refuse_meta(const pakv_tensor* t, const char* name, pakv_err* err);
 /* The block_table [B, cols] entries each sequence with new tokens reads (counts[b] new tokens, a

@@ -59,17 +59,16 @@ static int scatter_targets_apart(const pakv_tensor* t, const pakv_cache_geometry
   return 0;
 }
 
+static const pakv_id_rule SLOT = {"slot_mapping", "num_blocks x block_size of key_cache; a negative slot is padding",
+                                  "", 1};
+
 /* Every slot < capacity (negative: padding), no slot twice: the first token (in token order) that
  * repeats an earlier token's slot is named. `pairs` holds T entries. */
 static int check_slots(const pakv_tensor* sm, int64_t T, int64_t capacity, pakv_slot_pair* pairs, pakv_err* err) {
   int64_t n = 0;
   for (int64_t t = 0; t < T; t++) {
     int64_t s = pakv_vector_at(sm, t);
-    if (s >= capacity)
-      return pakv_fail(err,
-                       "slot_mapping[%lld] = %lld is outside [0, %lld) (num_blocks x block_size of key_cache; a "
-                       "negative slot is padding)",
-                       (long long)t, (long long)s, (long long)capacity);
+    if (pakv_check_id(&SLOT, s, capacity, t, -1, -1, err)) return -1;
     if (s >= 0) pairs[n++] = (pakv_slot_pair){s, t};
   }
   int64_t first = -1, repeat = pakv_first_repeated_slot(pairs, n, &first);
@@ -133,12 +132,7 @@ int pakv_validate_scatter(const pakv_tensor t[PAKV_SCATTER_RECORDS], int nz, pak
   plan->struct_size = sizeof(pakv_scatter_plan);
   plan->layout = nz ? PAKV_LAYOUT_NZ : PAKV_LAYOUT_NORM;
   plan->slots64 = sm->elem_type == PAKV_ONNX_INT64;
-  plan->num_blocks = k.num_blocks;
-  plan->block_size = k.block_size;
-  plan->key_cache = pakv_plan_address(kc);
-  plan->value_cache = pakv_plan_address(vc);
-  plan->key_block_stride = k.block_stride;
-  plan->value_block_stride = v.block_stride;
+  PAKV_PLAN_CACHES(plan, k, v, pakv_plan_address(kc), pakv_plan_address(vc));
   plan->key_row_bytes = k.row_bytes;
   plan->value_row_bytes = v.row_bytes;
   plan->key = pakv_plan_address(&t[PAKV_SCATTER_KEY]);

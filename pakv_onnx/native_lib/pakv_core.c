@@ -11,24 +11,6 @@
 
 #define PAKV_MAX_THREADS 8
 
-int pakv_fail(pakv_err* err, const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
-  va_end(ap);
-  err->kind = PAKV_ERR_VALUE;
-  return -1;
-}
-
-int pakv_fail_type(pakv_err* err, const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(err->msg, sizeof(err->msg), fmt, ap);
-  va_end(ap);
-  err->kind = PAKV_ERR_TYPE;
-  return -1;
-}
-
 /* One read of a block-table entry. volatile: the compiler must not re-read the caller's memory
  * between the bounds check and the use (another thread may be writing it). */
 static inline int64_t table_entry(const pakv_plan* p, int64_t q, int64_t c) {
@@ -376,22 +358,31 @@ int pakv_run_scatter(const pakv_scatter_plan* p, pakv_err* err) {
 PAKV_EXPORT int pakv_abi_version(void) { return PAKV_ABI_VERSION; }
 PAKV_EXPORT size_t pakv_plan_size(void) { return sizeof(pakv_plan); }
 
-PAKV_EXPORT int pakv_gather(const pakv_plan* plan, char* err_out, size_t err_len) {
-  pakv_err err;
-  err.msg[0] = 0;
-  int rc = pakv_check_plan(plan, &err);
-  if (!rc) rc = pakv_run_plan(plan, &err);
-  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
+/* rc, with err's message copied to err_out (up to err_len bytes) when rc says it failed. */
+static int reported(int rc, const pakv_err* err, char* err_out, size_t err_len) {
+  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err->msg);
   return rc;
+}
+
+PAKV_EXPORT int pakv_gather(const pakv_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  int rc = pakv_check_plan(plan, &err);
+  return reported(rc ? rc : pakv_run_plan(plan, &err), &err, err_out, err_len);
 }
 
 PAKV_EXPORT size_t pakv_scatter_plan_size(void) { return sizeof(pakv_scatter_plan); }
 
 PAKV_EXPORT int pakv_scatter(const pakv_scatter_plan* plan, char* err_out, size_t err_len) {
-  pakv_err err;
-  err.msg[0] = 0;
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
   int rc = pakv_check_scatter_plan(plan, &err);
-  if (!rc) rc = pakv_run_scatter(plan, &err);
-  if (rc && err_out && err_len) snprintf(err_out, err_len, "%s", err.msg);
-  return rc;
+  return reported(rc ? rc : pakv_run_scatter(plan, &err), &err, err_out, err_len);
+}
+
+/* Whether a checked scatter plan's caches can be written where it writes (the Python front asks before a
+ * Python backend writes host memory; the C scatter asks itself). */
+PAKV_EXPORT int pakv_scatter_writable(const pakv_scatter_plan* plan, char* err_out, size_t err_len) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  int rc = pakv_check_scatter_plan(plan, &err);
+  return reported(rc ? rc : pakv_check_scatter_writable(plan, "key_cache", "value_cache", &err), &err, err_out,
+                  err_len);
 }

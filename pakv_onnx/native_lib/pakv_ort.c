@@ -231,9 +231,12 @@ int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const 
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
+  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, "reading input", name)) return -1;
+  return v ? pakv_ort_value_record(api, v, ep, name, t, err) : 0;
+}
+
+int pakv_ort_value_record(const OrtApi* api, const OrtValue* v, int ep, const char* name, pakv_tensor* t, pakv_err* err) {
   const char* what = "reading input";
-  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, what, name)) return -1;
-  if (!v) return 0;
   OrtTensorTypeAndShapeInfo* info = NULL;
   if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what, name)) return -1;
   int type = 0;
@@ -254,8 +257,9 @@ int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const 
   return ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, ep, v, t, err);
 }
 
-void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
-                      pakv_err* err) {
+/* Output `index` of a kernel call, of `dims`: its buffer (an empty one: a byte never written), or NULL with err set. */
+static void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const int64_t* dims, int ndim,
+                             pakv_err* err) {
   OrtValue* out = NULL;
   void* data = NULL;
   const char* what = index == 0 ? "allocating output 0" : "allocating output 1";
@@ -269,6 +273,19 @@ void* pakv_ort_output(const OrtApi* api, OrtKernelContext* ctx, int index, const
     data = &empty;
   }
   return data;
+}
+
+/* The Python callback's output `index` (the bridge's request names the kernel call). */
+PAKV_EXPORT void* pakv_request_output(pakv_request* req, int index, const int64_t* dims, int ndim) {
+  pakv_err err;
+  if (!req) return NULL;
+  if (index < 0 || index >= PAKV_NUM_OUTPUTS || ndim < 0 || ndim > PAKV_MAX_RANK || (ndim > 0 && !dims)) {
+    snprintf(req->error, sizeof(req->error), "bad output request (index %d, rank %d)", index, ndim);
+    return NULL;
+  }
+  void* p = pakv_ort_output(req->api, req->ctx, index, dims, ndim, &err);
+  if (!p) snprintf(req->error, sizeof(req->error), "%s", err.msg);
+  return p;
 }
 
 /* int64 scratch of `len` entries, or NULL (then len becomes -1): when it cannot be had the

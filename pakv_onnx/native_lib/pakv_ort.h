@@ -40,6 +40,8 @@ int pakv_ort_take_status_of(const OrtApi* api, OrtStatus* st, pakv_err* err, con
 /* Input i as a record (absent beyond the node's `count` inputs or when ORT passes none). */
 int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const char* name, size_t count, size_t i,
                         pakv_tensor* t, pakv_err* err);
+/* An ORT tensor value as a record (the dense record of its type, dims and data; on a device EP, located). */
+int pakv_ort_value_record(const OrtApi* api, const OrtValue* v, int ep, const char* name, pakv_tensor* t, pakv_err* err);
 /* int64 scratch of *len entries, or NULL with *len = -1 (the validator then says there is no room). */
 int64_t* pakv_ort_alloc_scratch(int64_t* len);
 /* The status of a failed call: "TypeError: ..." / "ValueError: ..." as the Python front raises it. */

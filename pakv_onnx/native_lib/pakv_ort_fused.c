@@ -22,6 +22,8 @@ typedef struct {
   const OrtApi* api;
   int ep, parallel_for;
   pakv_fused_attributes attributes;
+  uint32_t constant;                        /* bit i: input i is an initializer, its record read once, here */
+  pakv_tensor constants[PAKV_FUSED_INPUTS]; /* those records (an initializer's value lives as long as the session) */
 } fused_kernel;
 
 /* The schema's attributes: name, type, where it goes in pakv_fused_attributes. */
@@ -101,6 +103,24 @@ static OrtStatus* check_node_outputs(const OrtApi* api, const OrtKernelInfo* inf
                                         "in place)", "give the node its cache outputs");
 }
 
+/* The node's constant inputs (rotary caches, norm weights, scales: initializers) read once, at kernel creation:
+ * each call then takes their records as they are (still validated with the call's other inputs). An input ORT
+ * does not report as constant is read per call. */
+static void read_constants(const OrtApi* api, const OrtKernelInfo* info, fused_kernel* k) {
+  pakv_err err = {PAKV_ERR_VALUE, {0}};
+  for (size_t i = 0; k->ep == PAKV_EP_CPU && i < PAKV_FUSED_INPUTS; i++) {
+    int constant = 0;
+    const OrtValue* value = NULL;
+    OrtStatus* st = PAKV_API(api, KernelInfoGetConstantInput_tensor)(info, i, &constant, &value);
+    if (st) { /* past the node's inputs: none */
+      PAKV_API(api, ReleaseStatus)(st);
+      continue;
+    }
+    if (constant && value && !pakv_ort_value_record(api, value, k->ep, PAKV_FUSED_NAMES[i], &k->constants[i], &err))
+      k->constant |= 1u << i;
+  }
+}
+
 OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** out) {
   pakv_fused_attributes a;
   pakv_err err = {PAKV_ERR_VALUE, {0}};
@@ -122,6 +142,7 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
   k->ep = ((const pakv_op*)op)->ep;
   k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->attributes = a;
+  read_constants(api, info, k);
   *out = k;
   return NULL;
 }
@@ -156,6 +177,10 @@ static int64_t cache_bytes(const pakv_tensor* t) {
   return bytes;
 }
 
+/* A decode step's scratch and prepared query rows fit on the stack; larger calls take the heap. */
+#define FUSED_STACK_SCRATCH 512   /* int64 words: the per-sequence entries and per-token slots of ~64 tokens */
+#define FUSED_STACK_ROWS 16384    /* bytes of prepared query rows: 16 tokens of 16 heads x 64 floats */
+
 /* Validate, take ORT's outputs and validate them, copy each cache to its output when ORT gave a
  * separate buffer, bind, run. */
 static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* t, pakv_err* err) {
@@ -163,8 +188,10 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
   pakv_fused_plan plan;
   size_t count = 0;
   void* query_rows = NULL;
+  int64_t stack_scratch[FUSED_STACK_SCRATCH];
+  _Alignas(64) char stack_rows[FUSED_STACK_ROWS];
   int64_t len = pakv_fused_scratch_len(t);
-  int64_t* scratch = pakv_ort_alloc_scratch(&len);
+  int64_t* scratch = len >= 0 && len <= FUSED_STACK_SCRATCH ? stack_scratch : pakv_ort_alloc_scratch(&len);
   int rc = pakv_validate_fused(t, &k->attributes, &plan, scratch, len, err);
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetOutputCount, KernelContext_GetCount)(ctx, &count),
@@ -189,30 +216,36 @@ static int run_fused(const fused_kernel* k, OrtKernelContext* ctx, pakv_tensor* 
     if (!rc && caches[i] != cache->data) memcpy(caches[i], cache->data, (size_t)cache_bytes(cache));
   }
   int64_t rows = rc ? 0 : pakv_fused_query_rows_bytes(&plan);
-  if (rows > 0 && !(query_rows = malloc((size_t)rows)))
+  if (rows > 0 && rows <= FUSED_STACK_ROWS)
+    query_rows = stack_rows;
+  else if (rows > 0 && !(query_rows = malloc((size_t)rows)))
     rc = pakv_fail(err, "out of memory for the prepared query rows (%lld bytes)", (long long)rows);
   if (!rc) {
     pakv_fused_bind(&plan, (void*)t[PAKV_FUSED_OUTPUT].data, query_rows, caches[0], caches[1]);
     rc = pakv_ep_run_fused(api, ctx, k->ep, k->parallel_for, &plan, err);
   }
-  free(query_rows);
-  free(scratch);
+  if (query_rows != stack_rows) free(query_rows);
+  if (scratch != stack_scratch) free(scratch);
   return rc;
 }
 
 OrtStatus* pakv_ort_fused_compute(void* kernel, OrtKernelContext* ctx) {
   const fused_kernel* k = (const fused_kernel*)kernel;
   const OrtApi* api = k->api;
-  pakv_tensor* records = (pakv_tensor*)calloc(PAKV_FUSED_RECORDS, sizeof(pakv_tensor));
+  pakv_tensor records[PAKV_FUSED_RECORDS]; /* on the stack: no allocation per call */
+  memset(records, 0, sizeof(records));     /* a record never filled in is absent */
   pakv_err err = {PAKV_ERR_VALUE, {0}};
   size_t count = 0;
-  int rc = records ? 0 : pakv_fail(&err, "pakv: out of memory");
+  int rc = 0;
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count),
                               &err, "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_FUSED_INPUTS; i++)
-    rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_FUSED_INPUTS; i++) {
+    if (i < count && (k->constant >> i & 1u))
+      records[i] = k->constants[i];
+    else
+      rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
+  }
   if (!rc) rc = run_fused(k, ctx, records, &err);
-  free(records);
   return rc ? pakv_ort_call_error(api, &err) : NULL;
 }

@@ -23,7 +23,7 @@ from pakv_onnx.paths import cache_dir, pypto_output_env
 from pakv_onnx.plans import GatherPlan, GatherTensors
 from pakv_onnx.pypto import SUPPORTED_DTYPE_NAMES
 from pakv_onnx.pypto import tiles as tiles_mod
-from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles
+from pakv_onnx.pypto.tiles import ALIGN_BYTES, Tiles, row_width
 from pakv_onnx.spec import NZ_FRACTAL_BYTES, CacheMode, nz_last_dim
 
 INT32_MAX = 2**31 - 1
@@ -39,15 +39,6 @@ REFUSED_DTYPES: dict[torch.dtype, str] = {
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def row_width(plan: GatherPlan, which: str) -> int:
-    """Elements per output token row of ``which`` ("key" or "value"): H*D."""
-    shape = plan.key_token_shape if which == "key" else plan.value_token_shape
-    width = 1
-    for size in shape:
-        width *= int(size)
-    return width
 
 
 def _dtype_reason(name: str, dtype: torch.dtype) -> str | None:

@@ -28,8 +28,12 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pakv_onnx.spec import NZ_FRACTAL_BYTES
+
+if TYPE_CHECKING:  # plans imports torch; tiles is read without it
+    from pakv_onnx.plans import GatherPlan
 
 VECTOR_BUFFER_BYTES = 196_608
 ALIGN_BYTES = 32  # a vector tile row must be a multiple of one 32-byte block
@@ -146,9 +150,16 @@ class Tiles:
         )
 
 
-def shape_of(plan, key_itemsize: int, value_itemsize: int) -> KernelShape:
-    from pakv_onnx.pypto.host import row_width
+def row_width(plan: GatherPlan, which: str) -> int:
+    """Elements per output token row of ``which`` ("key" or "value"): H*D."""
+    shape = plan.key_token_shape if which == "key" else plan.value_token_shape
+    width = 1
+    for size in shape:
+        width *= int(size)
+    return width
 
+
+def shape_of(plan, key_itemsize: int, value_itemsize: int) -> KernelShape:
     return KernelShape(
         mode=plan.cache_mode.value,
         key_width=row_width(plan, "key"),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.models.hf.step import FUSED_CACHE_KWARG
+from pakv_onnx.models.hf.kwargs import FUSED_CACHE_KWARG
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

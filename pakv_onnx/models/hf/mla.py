@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch._higher_order_ops.while_loop import while_loop
 
-from pakv_onnx.models.hf.step import KV_SEQ_LENS_KWARG, QUERY_SEQ_LENS_KWARG
+from pakv_onnx.models.hf.kwargs import KV_SEQ_LENS_KWARG, QUERY_SEQ_LENS_KWARG
 
 
 class LatentLayoutError(ValueError):

@@ -34,9 +34,8 @@ import dataclasses
 import torch
 
 import pakv_onnx.export  # noqa: F401  registers torch.ops.pakv.ort_paged_attention*
+from pakv_onnx.models.hf.kwargs import ORT_STATE_KWARG
 
-# The kwarg through which the step hands its OrtStepState to every replaced attention module.
-ORT_STATE_KWARG = "pakv_ort_state"
 # transformers model types whose layers this module serves (their attention modules are replaced).
 GQA_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
 LATENT_MODEL_TYPES = frozenset({"deepseek_v3"})

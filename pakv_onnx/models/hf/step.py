@@ -49,11 +49,8 @@ from pakv_onnx.models.hf.cache import (
     StepLayout,
     step_slots,
 )
+from pakv_onnx.models.hf.kwargs import ATTN_IMPLEMENTATION, FUSED_CACHE_KWARG, KV_SEQ_LENS_KWARG, QUERY_SEQ_LENS_KWARG
 
-ATTN_IMPLEMENTATION = "pakv_paged"
-QUERY_SEQ_LENS_KWARG = "pakv_query_seq_lens"
-KV_SEQ_LENS_KWARG = "pakv_kv_seq_lens"
-FUSED_CACHE_KWARG = "pakv_fused_cache"
 # How a step's layers attend: ORT's com.microsoft::PagedAttention (rotary, the write and attention in one
 # op, slots derived inside it: every model of ort_layer.MODEL_TYPES, the default), or the pakv ops --
 # ScatterPaKvCache, then one pakv::PagedAttention over the pools (GQA) or GatherPaKvCache + a Loop of
