@@ -3,11 +3,13 @@
 One closed-loop workload per client count (``--clients``, default 1,4,16,64): each client sends
 ``--requests`` greedy requests one after another, ragged prompt lengths (``--prompts``) and budgets
 (``--generate``), seeded; the same workload runs through
-  server  ``pakv-onnx serve`` in a child process, each client a thread streaming over raw HTTP (SSE)
+  server  ``pakv-onnx serve`` in a child process, each client a thread streaming over raw HTTP (SSE), the
+          threads in a process of their own (``--clients-in own-process``, default) or in this one
   direct  og.Engine in this process, each client's next request submitted when its last one finished
-Both over the same exported folder (the sample Llama, block size 16, ``--threads`` intra-op threads).
+Both over the same exported folder (``--size``: the sample Llama or the mid-size one of benchmarks/_genai.py,
+block size 16, ``--threads`` intra-op threads).
 Figures: time to first token p50 / p99 (from the request's send), inter-token latency p50 / p99 (as
-the client sees tokens arrive; the server sends one SSE chunk per token), generated tokens per second
+the client sees tokens arrive; one SSE event per token, several per socket write when they queued), generated tokens per second
 (all tokens / wall time). Goals: at 16 clients the server keeps >= 90% of og.Engine's tokens/s and
 its p99 ITL <= 1.5x og.Engine's. Then a soak (``--soak`` seconds at 16 clients): every request ends
 once with its [DONE], and a request repeated gives the same token count each time (none lost or
