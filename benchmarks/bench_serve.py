@@ -3,11 +3,13 @@
 One closed-loop workload per client count (``--clients``, default 1,4,16,64): each client sends
 ``--requests`` greedy requests one after another, ragged prompt lengths (``--prompts``) and budgets
 (``--generate``), seeded; the same workload runs through
-  server  ``pakv-onnx serve`` in a child process, each client a thread streaming over raw HTTP (SSE)
+  server  ``pakv-onnx serve`` in a child process, each client a thread streaming over raw HTTP (SSE), the
+          threads in a process of their own (``--clients-in own-process``, default) or in this one
   direct  og.Engine in this process, each client's next request submitted when its last one finished
-Both over the same exported folder (the sample Llama, block size 16, ``--threads`` intra-op threads).
+Both over the same exported folder (``--size``: the sample Llama or the mid-size one of benchmarks/_genai.py,
+block size 16, ``--threads`` intra-op threads).
 Figures: time to first token p50 / p99 (from the request's send), inter-token latency p50 / p99 (as
-the client sees tokens arrive; the server sends one SSE chunk per token), generated tokens per second
+the client sees tokens arrive; one SSE event per token, several per socket write when they queued), generated tokens per second
 (all tokens / wall time). Goals: at 16 clients the server keeps >= 90% of og.Engine's tokens/s and
 its p99 ITL <= 1.5x og.Engine's. Then a soak (``--soak`` seconds at 16 clients): every request ends
 once with its [DONE], and a request repeated gives the same token count each time (none lost or
@@ -122,6 +124,26 @@ def run_server_clients(
     return time.perf_counter() - start
 
 
+def run_clients_elsewhere(port: int, workload, record: Record) -> float:
+    """:func:`run_server_clients` in a child process (``--client-worker``), so the clients' own Python
+    (HTTP parsing, JSON, threads) is not billed to the server's process; their times land in ``record``."""
+    done = subprocess.run(
+        [sys.executable, __file__, "--client-worker"], input=json.dumps({"port": port, "workload": workload}),
+        capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    result = json.loads(done.stdout)
+    record.ttft, record.itl, record.tokens = result["ttft"], result["itl"], result["tokens"]
+    return result["seconds"]
+
+
+def client_worker() -> None:
+    """The body of ``--client-worker``: the workload from stdin, the times as JSON on stdout."""
+    job = json.loads(sys.stdin.read())
+    record = Record()
+    seconds = run_server_clients(job["port"], [[tuple(r) for r in c] for c in job["workload"]], record)
+    print(json.dumps({"ttft": record.ttft, "itl": record.itl, "tokens": record.tokens, "seconds": seconds}))
+
+
 def run_direct(folder: Path, workload, threads: int) -> tuple[Record, float]:
     """The workload through og.Engine in this process: each client's requests in turn."""
     import onnxruntime_genai as og
@@ -197,7 +219,16 @@ def main() -> None:
     parser.add_argument("--generate", default="16,64")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--soak", type=float, default=60.0)
+    parser.add_argument("--size", choices=("tiny", "mid"), default="tiny", help="benchmarks/_genai.py's Llama sizes")
+    parser.add_argument(
+        "--clients-in", choices=("server-host", "own-process"), default="own-process",
+        help="own-process: the client threads run in a child process of their own (default); server-host: in "
+        "this process, as before",
+    )  # fmt: skip
+    parser.add_argument("--client-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_worker:
+        return client_worker()
     span = lambda text: tuple(int(x) for x in text.split(","))
     clients = span(args.clients)
     max_batch = max(clients)
@@ -205,8 +236,11 @@ def main() -> None:
     from pakv_onnx.models.hf import save_sample_folder
 
     with tempfile.TemporaryDirectory() as tmp:
-        hf = save_sample_folder(Path(tmp) / "hf", "llama", 0)
-        folder = Path(tmp) / "tiny-llama-genai"
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        import _genai
+
+        hf = save_sample_folder(Path(tmp) / "hf", "llama", 0, **_genai.SIZES[args.size])
+        folder = Path(tmp) / f"{args.size}-llama-genai"
         export = ["export", str(hf), str(folder), "--block-size", "16", "--num-blocks", "2048",
                   "--max-batch-size", str(max_batch), "--threads", str(args.threads)]  # fmt: skip
         assert cli.main(export) == 0
@@ -214,7 +248,8 @@ def main() -> None:
         process, port = start_server(folder, args.threads, max_batch)
         try:
             load = os.getloadavg()[0]
-            print(f"load average at start: {load:.1f} on {os.cpu_count()} CPUs; threads {args.threads}")
+            print(f"load average at start: {load:.1f} on {os.cpu_count()} CPUs; threads {args.threads}; model "
+                  f"{args.size}; clients in {args.clients_in}")  # fmt: skip
             print(
                 "| clients | path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | tokens/s | **server / og.Engine tokens/s** | **ITL p99 ratio** |"
             )
@@ -224,7 +259,8 @@ def main() -> None:
                 stream_one(port, [5], 2)  # warm
                 direct_record, direct_s = run_direct(folder, workload, args.threads)
                 server_record = Record()
-                server_s = run_server_clients(port, workload, server_record)
+                clients_run = run_clients_elsewhere if args.clients_in == "own-process" else run_server_clients
+                server_s = clients_run(port, workload, server_record)
                 d, s = row("og.Engine", direct_record, direct_s), row("server", server_record, server_s)
                 assert d["tokens"] == s["tokens"], (d["tokens"], s["tokens"])
                 for r in (d, s):

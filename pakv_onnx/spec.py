@@ -98,6 +98,19 @@ class OpSignature:
     def parameter_names(self) -> tuple[str, ...]:
         return (*self.input_names, *self.attribute_defaults)
 
+    def inputs_of(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """``args`` as the op's tensor inputs, in order: the one binder of the entry points that take
+        them positionally (``plan_attention(*inputs)``, ``make_attention_model_for(*examples)``).
+
+        Raises:
+            TypeError: not exactly one argument per input (the message names them in order).
+        """
+        if len(args) != len(self.input_names):
+            raise TypeError(
+                f"{self.op_type} takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}"
+            )
+        return tuple(args)
+
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional/keyword arguments as ``{name: value}`` in signature order, defaults filled.
 

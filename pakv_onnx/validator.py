@@ -302,18 +302,11 @@ _OUTPUT_ROLE = (_ATTENTION_ROLES[-1],)
 _ATTENTION_OUT_AT = native_lib.AttentionPlan.out.offset
 
 
-def plan_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cumulative_sequence_lengths: torch.Tensor,
-    past_sequence_lengths: torch.Tensor,
-    *,
-    scale: float = 0.0,
-    out: torch.Tensor | None = None,
-) -> AttentionPlan:
+def plan_attention(*inputs: torch.Tensor, scale: float = 0.0, out: torch.Tensor | None = None) -> AttentionPlan:
     """Validate one PagedAttention call and return its plan.
+
+    ``inputs`` are the op's six, in ``spec.ATTENTION.input_names`` order (query, key_cache, value_cache,
+    block_table, cumulative_sequence_lengths, past_sequence_lengths), bound by ``spec.ATTENTION.inputs_of``.
 
     Args:
         query: ``[N, Hq, D]`` float32 / float16 / bfloat16 (each token row-major; any token stride).
@@ -333,8 +326,9 @@ def plan_attention(
         TypeError: a non-tensor, a dtype outside the op's, caches of another dtype than query's.
         ValueError: any other contract violation, named by the C validator.
     """
+    query, _, _, block_table, _, past_sequence_lengths = ATTENTION.inputs_of(inputs)
     scale = parse_scale(scale)
-    tensors = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths, out)
+    tensors = (*inputs, out)
     num_seqs = block_table.shape[0] if isinstance(block_table, torch.Tensor) and block_table.dim() == 2 else 0
     call, scratch = _call_array(_ATTENTION_SIZE, 3, num_seqs, past_sequence_lengths)
     base = call.buffer_info()[0]

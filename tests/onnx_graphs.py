@@ -91,6 +91,13 @@ def pakv_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return found
 
 
+def graph_feeds(inputs: dict, names: Sequence[str]) -> list[torch.Tensor] | None:
+    """``inputs[name]`` for each of ``names``, or None when a graph input cannot carry one (not a
+    tensor, or not contiguous): the calls a one-node session can express."""
+    tensors = [inputs[n] for n in names]
+    return tensors if all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors) else None
+
+
 def plugin_refusal(
     make_model: Callable[[], onnx.ModelProto], names: Sequence[str], tensors: Sequence[torch.Tensor], backend: str
 ) -> str | None:

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ORT_ERRORS
-from onnx_graphs import plugin_refusal
+from onnx_graphs import graph_feeds, plugin_refusal
 
 import pakv_onnx
 from pakv_onnx import runtime_plugin
@@ -309,8 +309,8 @@ def refusals() -> dict[str, tuple[dict, type, str]]:
 
 def _ort_refusal(inputs: dict, scale: object, backend: str) -> str | None:
     """The ORT error of a one-node PagedAttention session, or None when ORT cannot express the call."""
-    tensors = [inputs[n] for n in ATTENTION.input_names]
-    if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors) or not isinstance(scale, float):
+    tensors = graph_feeds(inputs, ATTENTION.input_names)
+    if tensors is None or not isinstance(scale, float):
         return None
     model = lambda: make_attention_model_for(*tensors, scale=scale, fallback=False, opset_version=17)  # noqa: E731
     return plugin_refusal(model, ATTENTION.input_names, tensors, backend)
@@ -371,3 +371,13 @@ def test_the_fallback_refuses_what_the_contract_refuses(override: dict, rule: st
     )
     with pytest.raises(ORT_ERRORS, match=rule):
         runtime_plugin.run(session, inputs)
+
+
+@pytest.mark.parametrize("entry", ["plan_attention", "make_attention_model_for"])
+def test_positional_entry_points_bind_exactly_the_six_inputs(entry):
+    """plan_attention and make_attention_model_for take the op's inputs positionally through the one
+    binder (spec.ATTENTION.inputs_of): one too few is a TypeError naming the inputs in order."""
+    call = pakv_onnx.plan_attention if entry == "plan_attention" else make_attention_model_for
+    inputs = random_attention_case(0).inputs()
+    with pytest.raises(TypeError, match="takes 6 inputs \\(query, key_cache, value_cache, block_table"):
+        call(*inputs[:5])

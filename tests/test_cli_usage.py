@@ -330,6 +330,14 @@ def test_one_definition_of_each_shared_option() -> None:
             assert action.metavar == "N", (name, flag)
             with pytest.raises(argparse.ArgumentTypeError, match=f"must be in .*\\.\\.{high}"):
                 action.type(str(high + 1))
+    for flag in ("--num-blocks", "--max-batch-size", "--threads"):
+        takers = [name for name, sub in commands.items() if flag in sub._option_string_actions]
+        assert len(takers) >= 2 and "serve" in takers, (flag, takers)
+        for name in takers:
+            action = commands[name]._option_string_actions[flag]
+            assert (action.type, action.metavar) == (_args.positive_int, "N"), (name, flag)
+    readers = {name: sub.get_default(_args.PATH_RULES) or () for name, sub in commands.items()}
+    assert any(not rule.output for rule in readers["serve"]), "serve's FOLDER is add_input_folder's"
 
 
 def test_cache_command_with_empty_home_is_one_line_not_a_traceback(tmp_path: Path) -> None:

@@ -302,6 +302,65 @@ def test_ctrl_c_ends_a_command_that_never_reaches_a_safe_point(how: str, presses
         assert seconds < _interrupt.GRACE_SECONDS, seconds
 
 
+# A server-like command: SIGINT handed over to it; its own handler starts a shutdown longer than the
+# watchdog's grace (pakv-onnx serve's --shutdown-grace), on asyncio's loop as uvicorn without uvloop runs.
+_SERVER = """
+import asyncio, signal, sys, time, types
+from pakv_onnx import cli
+from pakv_onnx.commands import _args, _interrupt
+
+SHUTDOWN = float(sys.argv[2])
+
+async def serve():
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: loop.call_soon_threadsafe(stop.set))
+    if _interrupt.requested():
+        stop.set()
+    print("started", flush=True)
+    await stop.wait()
+    await asyncio.sleep(SHUTDOWN)  # the in-flight requests' grace
+    signal.signal(signal.SIGINT, previous)
+
+def run(args):
+    if args.how == "handed-over":
+        with _interrupt.handed_over():
+            asyncio.run(serve())
+    else:
+        asyncio.run(serve())
+    print("stopped", file=sys.stderr, flush=True)
+    return 0
+
+def add_parser(commands):
+    parser = _args.add_command(commands, "server", help="test", description="test", examples=[""])
+    parser.add_argument("how")
+    parser.add_argument("shutdown")
+    parser.set_defaults(run=run)
+
+sys.modules["server"] = types.SimpleNamespace(add_parser=add_parser)
+cli.COMMAND_MODULES += ("server",)
+sys.exit(cli.main(["server", *sys.argv[1:]]))
+"""
+
+
+@pytest.mark.parametrize("how", ["handed-over", "not-handed-over"])
+def test_a_command_that_stops_itself_on_sigint_keeps_its_exit_code(how: str) -> None:
+    """Handed over (``_interrupt.handed_over``: pakv-onnx serve), a SIGINT is the command's own stop: a
+    shutdown longer than the watchdog's grace ends with the command's 0, no interrupted line. Not
+    handed over, the same command is cut short by the watchdog (130): what serve did before."""
+    shutdown = _interrupt.GRACE_SECONDS + 1.0
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVER, how, str(shutdown)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == "started\n"
+    process.send_signal(signal.SIGINT)
+    _out, err = process.communicate(timeout=60)
+    if how == "handed-over":
+        assert (process.returncode, err) == (0, "stopped\n")
+    else:
+        assert (process.returncode, err.strip().splitlines()) == (130, [MESSAGE])
+
+
 def test_ctrl_c_between_cases_exits_130_with_one_line(tmp_path: Path) -> None:
     """The cases command checks before each case (a safe point): a Ctrl-C there ends it through the
     command line, one line, well within the hard exit's grace plus the interpreter's shutdown."""

@@ -81,18 +81,24 @@ def rotary_nodes(x: str, out: str, half: int = HALF) -> list[onnx.NodeProto]:
     ]
 
 
-def rotary_model(half: int = HALF) -> onnx.ModelProto:
-    """q and k rotated by one cos/sin of ``positions`` [S] (transformers' rotary embedding, exported)."""
-    angles = [
+def angle_nodes(heads_axis: str) -> list[onnx.NodeProto]:
+    """cos4 / sin4 of ``positions`` [S] times ``inv_freq``, unsqueezed at the heads (initializer
+    ``heads_axis``): the rotary embedding's angles as transformers export them."""
+    return [
         helper.make_node("Unsqueeze", ["positions", "axes02"], ["pos3"]),
         helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
         helper.make_node("Mul", ["posf", "inv_freq"], ["freqs"]),
         helper.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1),
         helper.make_node("Cos", ["emb"], ["cos"]),
         helper.make_node("Sin", ["emb"], ["sin"]),
-        helper.make_node("Unsqueeze", ["cos", "axis1"], ["cos4"]),
-        helper.make_node("Unsqueeze", ["sin", "axis1"], ["sin4"]),
+        helper.make_node("Unsqueeze", ["cos", heads_axis], ["cos4"]),
+        helper.make_node("Unsqueeze", ["sin", heads_axis], ["sin4"]),
     ]
+
+
+def rotary_model(half: int = HALF) -> onnx.ModelProto:
+    """q and k rotated by one cos/sin of ``positions`` [S] (transformers' rotary embedding, exported)."""
+    angles = angle_nodes("axis1")
     inits = [
         const("axes02", np.array([0, 2])), const("axis1", np.array([1])), const("axis3", np.array([3])),
         const("zero", np.array([0])), const(f"split_{half}", np.array([half])), const("end", np.array([INT64_MAX])),
@@ -120,16 +126,7 @@ def norm_model(exponent: float = 2.0) -> onnx.ModelProto:
 def token_major_rotary_model(batch: int = 1, out_shape=(-1, HEADS, D)) -> onnx.ModelProto:
     """q and k ``[batch, S, H*D]`` viewed ``[batch, S, H, D]``, rotated with cos/sin unsqueezed at the
     heads, viewed ``out_shape`` (pakv_onnx.models.hf.gqa's attention, exported)."""
-    angles = [
-        helper.make_node("Unsqueeze", ["positions", "axes02"], ["pos3"]),
-        helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
-        helper.make_node("Mul", ["posf", "inv_freq"], ["freqs"]),
-        helper.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1),
-        helper.make_node("Cos", ["emb"], ["cos"]),
-        helper.make_node("Sin", ["emb"], ["sin"]),
-        helper.make_node("Unsqueeze", ["cos", "axis2"], ["cos4"]),
-        helper.make_node("Unsqueeze", ["sin", "axis2"], ["sin4"]),
-    ]
+    angles = angle_nodes("axis2")
     nodes = list(angles)
     for name in ("q", "k"):
         nodes.append(helper.make_node("Reshape", [name, "heads_shape"], [f"{name}4"]))

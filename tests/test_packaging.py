@@ -280,17 +280,22 @@ BARE_ORT_SCRIPT = textwrap.dedent(
 )
 
 
-def test_library_runs_under_bare_onnxruntime_without_torch(tmp_path: Path) -> None:
-    """The .so alone, in onnxruntime without torch or pakv_onnx: bit-exact, and a bad id is an ORT error."""
+def _run_bare_script(script: Path, text: str) -> None:
+    """Write ``text`` to ``script`` and run it with the built library's path; it must exit 0 printing ok."""
     from pakv_onnx.runtime_plugin import library_path
 
-    script = tmp_path / "bare.py"
-    script.write_text(BARE_ORT_SCRIPT)
+    script.write_text(text)
     result = subprocess.run(
-        [sys.executable, str(script), str(library_path())], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
+        [sys.executable, str(script), str(library_path())], capture_output=True, text=True, timeout=120,
+        cwd=script.parent,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "ok" in result.stdout
+
+
+def test_library_runs_under_bare_onnxruntime_without_torch(tmp_path: Path) -> None:
+    """The .so alone, in onnxruntime without torch or pakv_onnx: bit-exact, and a bad id is an ORT error."""
+    _run_bare_script(tmp_path / "bare.py", BARE_ORT_SCRIPT)
 
 
 def test_the_stated_onnxruntime_range_is_the_one_ci_tests() -> None:
@@ -374,12 +379,4 @@ BARE_ORT_ATTENTION_SCRIPT = textwrap.dedent(
 def test_ort_paged_attention_runs_under_bare_onnxruntime(tmp_path: Path) -> None:
     """The .so alone serves com.microsoft::PagedAttention in onnxruntime without torch or pakv_onnx
     (CI runs this on the oldest runtime, 1.16.3, too)."""
-    from pakv_onnx.runtime_plugin import library_path
-
-    script = tmp_path / "bare_attention.py"
-    script.write_text(BARE_ORT_ATTENTION_SCRIPT)
-    result = subprocess.run(
-        [sys.executable, str(script), str(library_path())], capture_output=True, text=True, timeout=120, cwd=tmp_path
-    )
-    assert result.returncode == 0, result.stderr
-    assert "ok" in result.stdout
+    _run_bare_script(tmp_path / "bare_attention.py", BARE_ORT_ATTENTION_SCRIPT)

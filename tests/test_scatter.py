@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 from conftest import ORT_ERRORS
-from onnx_graphs import plugin_refusal
+from onnx_graphs import graph_feeds, plugin_refusal
 from per_token_reference import scatter_per_token
 
 import pakv_onnx
@@ -160,8 +160,8 @@ def refusals() -> dict[str, tuple[dict, type, str]]:
 
 def _ort_refusal(inputs: dict, mode: str, backend: str) -> str | None:
     """The ORT error of a one-node ScatterPaKvCache session, or None when ORT cannot express the call."""
-    tensors = [inputs[n] for n in SCATTER.input_names]
-    if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in tensors) or mode not in ("Norm", "PA_NZ"):
+    tensors = graph_feeds(inputs, SCATTER.input_names)
+    if tensors is None or mode not in ("Norm", "PA_NZ"):
         return None
     if len({t.data_ptr() for t in tensors[2:4]}) < 2:
         return None  # two graph inputs cannot be one buffer through the Python API

@@ -11,6 +11,7 @@ are slow.
 from __future__ import annotations
 
 import http.client
+import os
 import json
 import signal
 import socket
@@ -335,13 +336,17 @@ def test_full_queue_gets_429(serve_folder: Path) -> None:
 
 @pytest.mark.slow  # servers of their own
 @pytest.mark.parametrize(
-    "sig,grace", [(signal.SIGTERM, "60"), (signal.SIGINT, "0")], ids=["sigterm-finish", "sigint-cancel"]
+    "sig,grace,tokens",
+    [(signal.SIGTERM, "60", 1000), (signal.SIGINT, "0", 1000), (signal.SIGINT, "3", 1000)],
+    ids=["sigterm-finish", "sigint-cancel", "sigint-grace"],
 )
-def test_signal_stops_accepting_and_exits_0(serve_folder: Path, sig: int, grace: str) -> None:
-    """A stream in flight: with a grace period it runs to its end; with none it is cancelled (ends
-    early). Either way the port stops accepting and the process exits 0."""
+def test_signal_stops_accepting_and_exits_0(serve_folder: Path, sig: int, grace: str, tokens: int) -> None:
+    """A stream in flight: with a grace period it runs to its end (or, past the grace, is cancelled);
+    with none it is cancelled (ends early). Either way the port stops accepting and the process exits
+    0 with no traceback: the command line's Ctrl-C watchdog (2 s, exit 130) stands by while the
+    server shuts down, however long its grace."""
     with running_server(serve_folder, "--num-blocks", "1024", "--shutdown-grace", grace) as server:
-        sock = _open_stream(server, [5], 1000)
+        sock = _open_stream(server, [5], tokens)
         server.signal(sig)
         received = b""
         while True:
@@ -349,16 +354,47 @@ def test_signal_stops_accepting_and_exits_0(serve_folder: Path, sig: int, grace:
             if not part:
                 break
             received += part
-        assert server.wait(60) == 0
+        assert server.wait(60) == 0, server.process.stderr.read()
+        stderr = server.process.stderr.read()
+        assert "interrupted" not in stderr and "Traceback" not in stderr, stderr
         with pytest.raises(OSError):
             socket.create_connection((HOST, server.port), timeout=5).close()
-        chunks = [json.loads(line[6:]) for line in received.decode().split("\r\n") if line.startswith("data: {")]
+        lines = [line.rstrip("\r") for line in received.decode().split("\n")]  # an HTTP chunk may hold several events
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         reasons = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
         tokens = sum(1 for c in chunks if c["choices"] and c["choices"][0]["text"])
         if grace == "0":
             assert tokens < 1000  # cancelled mid-way
-        else:
+        elif grace == "60":
             assert reasons[-1] in ("length", "stop") and b"data: [DONE]" in received
+
+
+@pytest.mark.slow  # a server of its own, interrupted while it loads
+@pytest.mark.parametrize("after", [0.6, 1.5, 3.0])
+def test_ctrl_c_during_start_up_is_130_and_one_line(serve_folder: Path, after: float) -> None:
+    """A Ctrl-C before the server listens follows every command's rule: exit 130, one line, no
+    traceback, no engine thread left running (the process ends); once it listens: a clean stop, 0."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "pakv_onnx.cli", "serve", str(serve_folder), "--host", HOST, "--port", "0"]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
+    try:
+        time.sleep(after)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(30)
+    assert "Traceback" not in stderr and "terminate called" not in stderr, stderr
+    if stdout.startswith("serving "):
+        assert process.returncode == 0, stderr
+    else:
+        assert (process.returncode, stderr) == (130, "pakv-onnx: interrupted\n")
 
 
 def test_help_and_refusals_need_no_extra(tmp_path: Path) -> None:

@@ -52,6 +52,7 @@ class State:
 
     requested: bool = False  # a SIGINT arrived
     committed: bool = False  # the outputs are being published: a Ctrl-C now is too late to stop them
+    handed_over: bool = False  # a server stops itself on SIGINT (:func:`handed_over`): the watchdog stands by
     active: bool = True  # the handling context is open
     cleanups: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     # Whoever takes it ends the run: the command line (the line, then 130) or the watchdog (hard exit).
@@ -80,6 +81,25 @@ def commit() -> None:
     neither stops the command nor changes its exit code (the publish takes milliseconds)."""
     check()
     STATE.committed = True
+
+
+@contextlib.contextmanager
+def handed_over() -> Iterator[State]:
+    """A long-running command that stops itself on SIGINT (``pakv-onnx serve``: stop accepting, finish or
+    cancel what is in flight within its grace, exit 0) runs this block with SIGINT its own: a safe point
+    on entry (a Ctrl-C before it, during the start-up, ends the run as anywhere else: 130), then the
+    watchdog neither marks the run interrupted nor ends it, however long the server's shutdown takes.
+    The block installs its own SIGINT handler; one that comes before it does sets the flag, which the
+    block reads with :func:`requested` once its handler is in place (and then stops at once). When the
+    block ends the Ctrl-C has been dealt with: the run ends with the block's exit code, not 130."""
+    check()
+    state = STATE
+    state.handed_over = True
+    try:
+        yield state
+    finally:
+        state.handed_over = False
+        state.requested = False
 
 
 def on_hard_exit(callback: Callable[[], None]) -> Callable[[], None]:
@@ -160,6 +180,9 @@ def _watchdog(state: State, read_fd: int) -> None:
         sigints = _drain(read_fd).count(signal.SIGINT) if readable else 0
         if not state.active or state.ending.locked():
             return  # the run is over, or the command line is ending it
+        if state.handed_over:
+            deadline = None  # the command stops itself (handed_over)
+            continue
         if sigints:
             state.requested = True  # the Python-level handler runs only when the main thread next can
         if state.committed:

@@ -11,7 +11,7 @@ import argparse
 import importlib.util
 from pathlib import Path
 
-from pakv_onnx.commands import _args
+from pakv_onnx.commands import _args, _interrupt
 
 # The packages each mode imports -> the pip command that installs them.
 SERVE_PACKAGES = ("fastapi", "uvicorn", "pydantic", "jinja2", "tokenizers", "onnxruntime_genai")
@@ -40,12 +40,15 @@ def grace_seconds(text: str) -> float:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
+def _servable(folder: Path) -> str | None:
+    """What is missing from ``folder`` for the server (``None``: nothing); json only, no heavy import."""
     from pakv_onnx.serve.folder import folder_problem
 
-    problem = folder_problem(args.folder)
-    if problem:
-        return _args.usage_error("serve", problem)
+    problem = folder_problem(folder)
+    return problem.removeprefix(f"{folder}: ") if problem else None
+
+
+def run(args: argparse.Namespace) -> int:
     if args.address and not args.replicas:
         return _args.usage_error("serve", "--address names the Ray cluster of --replicas; give --replicas N too")
     missing = missing_packages(SERVE_PACKAGES)
@@ -53,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
         return _args.usage_error("serve", f"it needs {', '.join(missing)} ({SERVE_EXTRA})")
     if args.replicas and missing_packages(RAY_PACKAGES):
         return _args.usage_error("serve", f"--replicas needs ray ({RAY_EXTRA})")
-    from pakv_onnx.serve.server import ServeOptions
+    from pakv_onnx.serve.server import ServeOptions, make_state, serve
 
+    _interrupt.check()  # a safe point after the server's imports (fastapi, pydantic)
     options = ServeOptions(
         folder=args.folder, host=args.host, port=args.port, api_key=args.api_key, max_batch_size=args.max_batch_size,
         num_blocks=args.num_blocks, max_queue=args.max_queue, threads=args.threads, shutdown_grace=args.shutdown_grace,
@@ -62,10 +66,16 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas:
         from pakv_onnx.serve.ray_app import serve_replicas
 
-        return serve_replicas(options, args.replicas, args.address)
-    from pakv_onnx.serve.server import serve
-
-    return serve(options)
+        # Ray's start-up runs in its own processes: handed over from the start, so a Ctrl-C during it
+        # still shuts the local Ray instance down (then exit 0) instead of leaving it behind.
+        with _interrupt.handed_over():
+            return serve_replicas(options, args.replicas, args.address, stop_requested=_interrupt.requested)
+    state = make_state(options)  # og.Engine loads: a Ctrl-C here is 130 like any command's start-up
+    try:
+        with _interrupt.handed_over():  # from here SIGINT is the server's: stop, grace, exit 0
+            return serve(options, state, stop_requested=_interrupt.requested)
+    finally:
+        state.engine.stop()
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -91,7 +101,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "./tiny-llama-genai --replicas 4 --address auto  # the Ray cluster `ray start --head` started",
         ],
     )
-    parser.add_argument("folder", type=Path, metavar="FOLDER", help="a folder pakv-onnx export wrote")
+    _args.add_input_folder(parser, "FOLDER", help="a folder pakv-onnx export wrote", check=_servable)
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)"
     )
@@ -99,24 +109,17 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--api-key", default=None, help="require `Authorization: Bearer KEY` on every /v1 request (401 otherwise)"
     )
-    parser.add_argument(
-        "--max-batch-size", type=_args.positive_int, default=None,
-        help="requests og.Engine runs together at most (default: the folder's engine.dynamic_batching)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--num-blocks", type=_args.positive_int, default=None,
-        help="blocks per layer pool og.Engine allocates (default: the folder's engine.dynamic_batching)",
-    )  # fmt: skip
+    _args.add_max_batch_size(
+        parser, default=None, help="requests og.Engine runs together at most (default: the folder's engine.dynamic_batching)"
+    )
+    _args.add_num_blocks(
+        parser, default=None, help="blocks per layer pool og.Engine allocates (default: the folder's engine.dynamic_batching)"
+    )
     parser.add_argument(
         "--max-queue", type=_args.positive_int, default=256,
         help="requests that may wait for room in the engine; one more gets HTTP 429 (default 256)",
     )  # fmt: skip
-    parser.add_argument(
-        "--threads",
-        type=_args.positive_int,
-        default=None,
-        help="ORT intra-op threads per engine (default: the folder's)",
-    )
+    _args.add_threads(parser, help="ORT intra-op threads per engine (default: the folder's)")
     parser.add_argument(
         "--shutdown-grace", type=grace_seconds, default=10.0,
         help="seconds requests in flight may run on after SIGINT / SIGTERM before they are cancelled (default 10)",

@@ -346,20 +346,12 @@ def attention_node(
 
 
 def make_attention_model_for(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    cumulative_sequence_lengths: torch.Tensor,
-    past_sequence_lengths: torch.Tensor,
-    *,
-    scale: float = 0.0,
-    fallback: bool = True,
-    opset_version: int = DEFAULT_OPSET,
+    *examples: torch.Tensor, scale: float = 0.0, fallback: bool = True, opset_version: int = DEFAULT_OPSET
 ) -> onnx.ModelProto:
     """A one-node PagedAttention model (inputs named as the op's, of the examples' dtypes, dims
-    symbolic; output ``output``), with the stock-ONNX fallback function unless ``fallback=False``."""
-    examples = (query, key_cache, value_cache, block_table, cumulative_sequence_lengths, past_sequence_lengths)
+    symbolic; output ``output``), with the stock-ONNX fallback function unless ``fallback=False``.
+    ``examples``: the op's six inputs in ``spec.ATTENTION.input_names`` order (``TypeError`` otherwise)."""
+    query = spec.ATTENTION.inputs_of(examples)[0]
     names = spec.ATTENTION.input_names
     inputs = [
         h.make_tensor_value_info(n, spec.ONNX_ELEMENT_TYPE_OF[t.dtype], [f"{n}_{d}" for d in range(t.dim())])

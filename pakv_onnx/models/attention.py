@@ -175,14 +175,7 @@ def _per_sequence(
         attended = torch.einsum(spec_out, probs, v.index_select(tok, key_rows))
         return i + 1, out.index_copy(tok, query_rows, attended)
 
-    i = torch.zeros((), dtype=torch.int64)
-    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
-        _, out = while_loop(more, one_sequence, (i, out))
-        return out
-    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
-    while bool(more(i, out)):
-        i, out = one_sequence(i, out)
-    return out
+    return loop_over_sequences(more, one_sequence, out)
 
 
 def seeded_linear(in_features: int, out_features: int, generator: torch.Generator) -> torch.nn.Linear:
@@ -191,3 +184,20 @@ def seeded_linear(in_features: int, out_features: int, generator: torch.Generato
     with torch.no_grad():
         layer.weight.copy_(torch.randn(out_features, in_features, generator=generator) * in_features**-0.5)
     return layer
+
+
+def loop_over_sequences(
+    more: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    one_sequence: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """``(i, out) = one_sequence(i, out)`` from ``i = 0`` (an int64 scalar) while ``more(i, out)``;
+    the final ``out``. A ``torch.while_loop`` when exported or compiled (an ONNX ``Loop``), a Python
+    loop over the same body in eager (eager while_loop would compile the body with dynamo)."""
+    i = torch.zeros((), dtype=torch.int64)
+    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
+        _, out = while_loop(more, one_sequence, (i, out))
+        return out
+    while bool(more(i, out)):
+        i, out = one_sequence(i, out)
+    return out

@@ -155,6 +155,17 @@ static size_t no_inplace(int** inputs, int** outputs) {
   return 0;
 }
 
+/* Declare `o`'s outputs aliased to its inputs as `alias_map` says (API 18's GetAliasMap; no other
+ * in-place reuse): the one place the alias route's entries are set, for the scatter and the fused op. */
+static void declare_alias(pakv_op* o, size_t (*alias_map)(int**, int**)) {
+  o->alias = 1;
+  o->base.version = PAKV_ORT_API_ALIAS_MAP;
+  o->base.GetMayInplace = no_inplace;
+  o->base.ReleaseMayInplace = release_alias_map;
+  o->base.GetAliasMap = alias_map;
+  o->base.ReleaseAliasMap = release_alias_map;
+}
+
 /* com.microsoft::PagedAttention's entry `i` (of FUSED_TYPES), over what init_ops set: CPU, its own
  * types, counts and kernel; the cache inputs aliased to the cache outputs from API 18 when the
  * registration opted into the alias route (as the scatter's: see scatter_alias_map). */
@@ -172,14 +183,7 @@ static void init_fused_op(pakv_op* o, int i, int api, int alias) {
   o->base.CreateKernelV2 = pakv_ort_fused_create;
   o->base.KernelComputeV2 = pakv_ort_fused_compute;
   o->base.KernelDestroy = pakv_ort_fused_destroy;
-  if (alias && api >= PAKV_ORT_API_ALIAS_MAP) {
-    o->alias = 1;
-    o->base.version = PAKV_ORT_API_ALIAS_MAP;
-    o->base.GetMayInplace = no_inplace;
-    o->base.ReleaseMayInplace = release_alias_map;
-    o->base.GetAliasMap = fused_alias_map;
-    o->base.ReleaseAliasMap = release_alias_map;
-  }
+  if (alias && api >= PAKV_ORT_API_ALIAS_MAP) declare_alias(o, fused_alias_map);
 }
 
 /* Every op of `backend` (PAKV_NUM_OPS, ordered as PAKV_NUM_OPS says). `api` is the runtime's API
@@ -198,14 +202,7 @@ static void init_ops(pakv_op* ops, int backend, int api, int alias) {
     }
     memset(o, 0, sizeof(*o));
     o->base.version = api >= PAKV_ORT_API_OPSET_RANGE ? PAKV_ORT_API_OPSET_RANGE : PAKV_ORT_API_VERSION;
-    if (kind == PAKV_OP_SCATTER && alias && api >= PAKV_ORT_API_ALIAS_MAP) {
-      o->alias = 1;
-      o->base.version = PAKV_ORT_API_ALIAS_MAP;
-      o->base.GetMayInplace = no_inplace;
-      o->base.ReleaseMayInplace = release_alias_map;
-      o->base.GetAliasMap = scatter_alias_map;
-      o->base.ReleaseAliasMap = release_alias_map;
-    }
+    if (kind == PAKV_OP_SCATTER && alias && api >= PAKV_ORT_API_ALIAS_MAP) declare_alias(o, scatter_alias_map);
     o->base.GetName = op_name;
     o->base.GetExecutionProviderType = op_ep;
     o->base.GetInputType = op_input_type;

@@ -193,35 +193,51 @@ class Reply:
         self.completion_tokens = 0
         self.finish: Finished | None = None
 
-    async def pieces(self) -> AsyncIterator[str]:
-        """The response's text piece by piece; sets :attr:`finish`. Cancels the job when a stop string
-        matches, or when the caller stops iterating (a client that left)."""
+    async def pieces(self) -> AsyncIterator[list[str]]:
+        """The response's text, as the lists of pieces (one per token that completed some text) that
+        had arrived each time this reader got to run: one engine step's worth when the event loop keeps
+        up, several when it falls behind, so a stream then writes its socket once for all of them.
+        Sets :attr:`finish`. Cancels the job when a stop string matches, or when the caller stops
+        iterating (a client that left)."""
         done = False
         try:
             while True:
+                batch: list[str] = []
                 event = await self.queue.get()
-                if isinstance(event, Finished):
-                    done = True
-                    self.finish = event
-                    tail = self.stops.flush()
-                    if tail:
-                        yield tail
-                    return
-                for token in event.ids:
-                    self.completion_tokens += 1
-                    text = self.stops.feed(self.detokenizer.add(token))
-                    if text:
-                        yield text
-                    if self.stops.stopped:
+                while True:
+                    if isinstance(event, Finished):
+                        done = True
+                        self.finish = event
+                        tail = self.stops.flush()
+                        if tail:
+                            batch.append(tail)
+                        break
+                    if self._feed(event, batch):
                         done = True
                         self.finish = Finished("stop", len(self.checked.job.prompt), self.completion_tokens)
-                        self.state.engine.cancel(
-                            self.ticket, reason="stop"
-                        )  # og stops and frees its blocks at its next step
-                        return
+                        self.state.engine.cancel(self.ticket, reason="stop")  # og frees its blocks at its next step
+                        break
+                    if self.queue.empty():
+                        break
+                    event = self.queue.get_nowait()
+                if batch:
+                    yield batch
+                if done:
+                    return
         finally:
             if not done:
                 self.state.engine.cancel(self.ticket)
+
+    def _feed(self, event, batch: list[str]) -> bool:
+        """Append ``event``'s tokens' text to ``batch``; whether a stop string matched."""
+        for token in event.ids:
+            self.completion_tokens += 1
+            text = self.stops.feed(self.detokenizer.add(token))
+            if text:
+                batch.append(text)
+            if self.stops.stopped:
+                return True
+        return False
 
     def usage(self) -> dict:
         prompt = len(self.checked.job.prompt)
@@ -252,7 +268,7 @@ class Reply:
                         await asyncio.gather(step, return_exceptions=True)
                         return None
                 try:
-                    parts.append(step.result())
+                    parts += step.result()
                 except StopAsyncIteration:
                     break
         finally:
@@ -278,15 +294,23 @@ class Reply:
             choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         return f"data: {json.dumps({**self._head(True), 'choices': [choice]})}\n\n"
 
+    def _text_chunk_template(self) -> tuple[str, str]:
+        """The text before and after the JSON string of a text chunk (:meth:`_chunk`'s, split where
+        the text goes): a token's event is then one ``json.dumps`` of its text, not of the chunk."""
+        marker = "\u0000pakv-text\u0000"
+        before, _, after = self._chunk(marker, None).partition(json.dumps(marker))
+        return before, after
+
     async def events(self) -> AsyncIterator[str]:
         """Server-sent events: ``data: {chunk}`` per piece, a last chunk with ``finish_reason``, a usage
         chunk when ``stream_options.include_usage``, then ``data: [DONE]``."""
         if self.chat:
             yield self._chunk(None, None, first=True)
+        before, after = self._text_chunk_template()
         pieces = self.pieces()
         try:
-            async for text in pieces:
-                yield self._chunk(text, None)
+            async for batch in pieces:  # one socket write for every token's event that has arrived
+                yield "".join(f"{before}{json.dumps(text)}{after}" for text in batch)
         finally:
             await pieces.aclose()
         if self.finish is not None and self.finish.reason == "error":

@@ -251,11 +251,17 @@ class EngineLoop:
             self._inbox.append(("cancel", ticket))
             self._cond.notify()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Cancel every job, end the engine thread and wait for it (at most ``timeout`` seconds)."""
+    def cancel_all(self) -> None:
+        """Take no new jobs (:class:`EngineStoppedError`) and cancel every job, waiting or live: each
+        gets its :class:`Finished` (``cancelled``) at the engine's next step, after which the engine
+        thread ends. Returns at once (the server's shutdown, at the end of its grace)."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """:meth:`cancel_all`, then wait for the engine thread to end (at most ``timeout`` seconds)."""
+        self.cancel_all()
         if self._thread is not None:
             self._thread.join(timeout)
 

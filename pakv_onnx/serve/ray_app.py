@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
 from pakv_onnx.serve.server import READY, ServeOptions, build_replica_app
 
@@ -50,10 +51,14 @@ def start_ray(replicas: int, address: str | None, threads: int | None) -> None:
 
 
 def serve_replicas(
-    options: ServeOptions, replicas: int, address: str | None, stop: threading.Event | None = None
+    options: ServeOptions,
+    replicas: int,
+    address: str | None,
+    stop: threading.Event | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> int:
-    """Deploy, print the ready line, wait for SIGINT / SIGTERM (or ``stop``), then shut Serve and the
-    local Ray instance down; returns 0."""
+    """Deploy, print the ready line, wait for SIGINT / SIGTERM (or ``stop``, or ``stop_requested()``: a
+    SIGINT that came while Ray started), then shut Serve and the local Ray instance down; returns 0."""
     import ray
     from ray import serve
 
@@ -69,7 +74,7 @@ def serve_replicas(
         }
         print(f"{READY} {options.folder.resolve().name} on http://{options.host}:{options.port}/v1 "
               f"({replicas} replicas behind Ray Serve's proxy)", flush=True)  # fmt: skip
-        while not stop.wait(0.5):
+        while not stop.wait(0.5) and not stop_requested():
             pass
     finally:
         try:

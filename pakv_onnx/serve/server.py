@@ -3,18 +3,22 @@
 SIGINT and SIGTERM end the server the same way, with exit code 0: uvicorn stops accepting connections,
 gives the requests in flight ``shutdown_grace`` seconds to finish, cancels what is left (each stream
 ends; og.Engine drops the jobs), then the engine thread stops. (uvicorn would re-raise the signal after
-its shutdown, which would turn a clean stop into 130 or a kill; :class:`_Server` does not.)
+its shutdown, which would turn a clean stop into 130 or a kill; :class:`_Server` does not.) The command
+line runs :func:`serve` with SIGINT handed over to it (``commands._interrupt.handed_over``), so its
+Ctrl-C watchdog does not end the process during that shutdown; a Ctrl-C that came before uvicorn's
+handlers were in place is read through ``stop_requested`` and stops the server at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pakv_onnx.serve.app import ServeState, build_app, engine_gauges
@@ -23,6 +27,7 @@ from pakv_onnx.serve.folder import read_folder
 from pakv_onnx.serve.metrics import Metrics
 from pakv_onnx.serve.text import TextCodec
 
+BACKSTOP_SECONDS = 10.0  # after the grace and the cancel, how long uvicorn waits before it cancels the tasks
 READY = "serving"  # the first word of the line printed once the port accepts connections
 
 
@@ -68,11 +73,15 @@ def ready_line(host: str, port: int, state: ServeState) -> str:
     )
 
 
-def serve(options: ServeOptions) -> int:
-    """Run the server until SIGINT / SIGTERM; returns 0."""
+def serve(
+    options: ServeOptions, state: ServeState | None = None, stop_requested: Callable[[], bool] = lambda: False
+) -> int:
+    """Run the server over ``state`` (default: :func:`make_state`'s) until SIGINT / SIGTERM, or at once
+    when ``stop_requested()`` says a stop came before the server's handlers were installed; stops the
+    engine; returns 0 (2: it could not listen)."""
     import uvicorn
 
-    state = make_state(options)
+    state = state or make_state(options)
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -81,9 +90,22 @@ def serve(options: ServeOptions) -> int:
                 port = self.servers[0].sockets[0].getsockname()[1] if self.servers else options.port
                 print(ready_line(options.host, port, state), flush=True)
 
+        async def shutdown(self, sockets=None) -> None:
+            # At the end of the grace the engine cancels what is left: each stream then ends as a
+            # stream does (a last chunk, finish_reason "abort", [DONE]) and uvicorn's wait for the
+            # connections ends. uvicorn's own cancel of the tasks, later, is only the backstop: it would
+            # print each cancelled request's traceback.
+            cancel_later = asyncio.get_running_loop().call_later(options.shutdown_grace, state.engine.cancel_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cancel_later.cancel()
+
         @contextlib.contextmanager
         def capture_signals(self) -> Iterator[None]:
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            if stop_requested():
+                self.handle_exit(signal.SIGINT, None)
             try:
                 yield
             finally:
@@ -92,7 +114,7 @@ def serve(options: ServeOptions) -> int:
 
     config = uvicorn.Config(
         build_app(state), host=options.host, port=options.port, log_level="warning", access_log=False,
-        timeout_graceful_shutdown=options.shutdown_grace, lifespan="on",
+        timeout_graceful_shutdown=options.shutdown_grace + BACKSTOP_SECONDS, lifespan="on",
     )  # fmt: skip
     server = _Server(config)
     try:

@@ -32,6 +32,7 @@ are read in place (no copy), so a read past a cache or the query is reported too
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -100,7 +101,29 @@ def reference(kc, vc, bt, sl, so, nz, cumsum):
     return out
 
 
-def random_call(i):
+@contextlib.contextmanager
+def flipping(table, good, huge):
+    """While the block runs, a thread rewrites ``table`` in place, all ``huge`` then ``good`` again
+    (a host racing the validator and the kernels over a bound block table)."""
+    stop = []
+
+    def writer():
+        while not stop:
+            table[...] = huge
+            table[...] = good
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.append(1)
+        thread.join()
+
+
+def random_gather(corrupt_lengths):
+    """One random gather call from ``rng``: (kt, vt, nz, cumsum, kc, vc, bt, sl, so), a block id out
+    of range now and then, and with ``corrupt_lengths`` a bad last length now and then."""
     kt, vt = rng.choice(list(CACHE)), rng.choice(list(CACHE))
     nz, cumsum = bool(rng.integers(2)), bool(rng.integers(2))
     nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
@@ -121,9 +144,14 @@ def random_call(i):
     if bt.size and rng.integers(4) == 0:
         bt.flat[rng.integers(bt.size)] = rng.choice([-1, nb, 2**31 - 1])
     sl = (np.concatenate([[0], np.cumsum(lengths)]) if cumsum else lengths).astype(rng.choice(list(INDEX)))
-    if rng.integers(6) == 0 and sl.size:
+    if corrupt_lengths and rng.integers(6) == 0 and sl.size:
         sl[-1] = rng.choice([-5, 2**31 - 1])
     so = offsets.astype(rng.choice(list(INDEX))) if rng.integers(3) else None
+    return kt, vt, nz, cumsum, kc, vc, bt, sl, so
+
+
+def random_call(i):
+    kt, vt, nz, cumsum, kc, vc, bt, sl, so = random_gather(corrupt_lengths=True)
     types = [CACHE[kt], CACHE[vt], INDEX[bt.dtype.type], INDEX[sl.dtype.type]]
     types.append(None if so is None else INDEX[so.dtype.type])
     s = session(model(types, "PA_NZ" if nz else "Norm", int(cumsum)))
@@ -204,26 +232,16 @@ def race(seconds=1.0):
         binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
     binding.bind_output("key", "cpu")
     binding.bind_output("value", "cpu")
-    stop = []
-
-    def writer():
-        while not stop:
-            table[...] = huge
-            table[...] = good
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     counts = {"ok": 0, "refused": 0}
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        try:
-            s.run_with_iobinding(binding)
-            counts["ok"] += 1
-        except ORT_ERRORS as exc:
-            assert "block_tables" in str(exc), str(exc)
-            counts["refused"] += 1
-    stop.append(1)
-    thread.join()
+    with flipping(table, good, huge):
+        while time.perf_counter() < deadline:
+            try:
+                s.run_with_iobinding(binding)
+                counts["ok"] += 1
+            except ORT_ERRORS as exc:
+                assert "block_tables" in str(exc), str(exc)
+                counts["refused"] += 1
     return counts
 
 
@@ -370,28 +388,7 @@ def device_entries(iterations, driver_path):
     counts = {"ok": 0, "refused": 0, "failed": 0}
     itemsize = {t: np.dtype(n).itemsize for t, n in NUMPY.items()}
     for i in range(iterations):
-        kt, vt = rng.choice(list(CACHE)), rng.choice(list(CACHE))
-        nz, cumsum = bool(rng.integers(2)), bool(rng.integers(2))
-        nb, bs, q = int(rng.integers(0, 6)), int(rng.integers(1, 5)), int(rng.integers(0, 4))
-
-        def cache(t):
-            e = 32 // np.dtype(t).itemsize
-            shape = (
-                (nb, int(rng.integers(1, 3)), bs, e)
-                if nz
-                else (nb, bs, int(rng.integers(1, 3)), int(rng.integers(0, 4)))
-            )
-            return rng.integers(0, 100, shape).astype(t)
-
-        kc, vc = cache(kt), cache(vt)
-        lengths = rng.integers(0, 3 * bs + 1, q)
-        offsets = rng.integers(0, 2 * bs + 1, q)
-        cols = int(max([0, *(o // bs + -(-n // bs) for o, n in zip(offsets, lengths))]))
-        bt = rng.integers(0, max(nb, 1), (q, cols)).astype(rng.choice(list(INDEX)))
-        if bt.size and rng.integers(4) == 0:
-            bt.flat[rng.integers(bt.size)] = rng.choice([-1, nb, 2**31 - 1])
-        sl = (np.concatenate([[0], np.cumsum(lengths)]) if cumsum else lengths).astype(rng.choice(list(INDEX)))
-        so = offsets.astype(rng.choice(list(INDEX))) if rng.integers(3) else None
+        kt, vt, nz, cumsum, kc, vc, bt, sl, so = random_gather(corrupt_lengths=False)
         ep = EPS[int(rng.integers(len(EPS)))]
         device = {"CUDAExecutionProvider": DEVICE_GPU, "CANNExecutionProvider": DEVICE_NPU}.get(ep, 0)
         arrays = [kc, vc, bt, sl, so]
@@ -793,31 +790,20 @@ def attention_race(seconds=1.0):
     want = s.run(None, dict(a))[0]
     binding = bind_attention(s, a)
     binding.bind_output("output", "cpu")
-    stop = []
-
-    def writer():
-        while not stop:
-            table[...] = huge
-            table[...] = good
-
-    thread = threading.Thread(target=writer)
-    thread.start()
     counts = {"ok": 0, "validator": 0, "plan": 0, "core": 0}  # who refused (the core: mid-run)
     deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        try:
-            s.run_with_iobinding(binding)
-        except ORT_ERRORS as exc:
-            text = str(exc)
-            assert "block_table" in text, text
-            counts[
-                "core" if "while the attention ran" in text else "plan" if "after validation" in text else "validator"
-            ] += 1
-            continue
-        assert np.array_equal(binding.copy_outputs_to_cpu()[0], want)
-        counts["ok"] += 1
-    stop.append(1)
-    thread.join()
+    with flipping(table, good, huge):
+        while time.perf_counter() < deadline:
+            try:
+                s.run_with_iobinding(binding)
+            except ORT_ERRORS as exc:
+                text = str(exc)
+                assert "block_table" in text, text
+                who = "plan" if "after validation" in text else "validator"
+                counts["core" if "while the attention ran" in text else who] += 1
+                continue
+            assert np.array_equal(binding.copy_outputs_to_cpu()[0], want)
+            counts["ok"] += 1
     assert counts["ok"] < sum(counts.values()), counts
     return counts
 

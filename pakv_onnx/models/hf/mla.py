@@ -25,8 +25,8 @@ are not patched).
 from __future__ import annotations
 
 import torch
-from torch._higher_order_ops.while_loop import while_loop
 
+from pakv_onnx.models.attention import loop_over_sequences
 from pakv_onnx.models.hf.kwargs import KV_SEQ_LENS_KWARG, QUERY_SEQ_LENS_KWARG
 
 
@@ -225,11 +225,4 @@ def paged_latent_attention(
             attended = attended[:, :value_width]
         return i + 1, out.index_copy(0, query_rows, attended.reshape(heads, new, value_width).transpose(0, 1))
 
-    i = torch.zeros((), dtype=torch.int64)
-    if torch.compiler.is_exporting() or torch.compiler.is_compiling():
-        _, out = while_loop(more, one_sequence, (i, out))
-        return out
-    # Eager: the same body in a Python loop (eager while_loop would compile the body with dynamo).
-    while bool(more(i, out)):
-        i, out = one_sequence(i, out)
-    return out
+    return loop_over_sequences(more, one_sequence, out)
