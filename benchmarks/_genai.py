@@ -266,6 +266,7 @@ class PagedRun(_PlainRun):
 
     POOL_TYPES = {
         "tensor(float)": (np.float32, 1), "tensor(int8)": (np.int8, 3), "tensor(float8e4m3fn)": (np.uint8, 17),
+        "tensor(float16)": (np.float16, 10), "tensor(bfloat16)": (np.uint16, 16),
     }  # fmt: skip
 
     def __init__(self, folder: Path, threads: int) -> None:

@@ -65,7 +65,7 @@ from _timing import blocked_medians_us
 from onnx import TensorProto, helper
 
 from pakv_onnx import runtime_plugin
-from pakv_onnx.export import make_attention_model_for
+from pakv_onnx.export import cap_ir_version, make_attention_model_for
 
 HEADS, KV_HEADS, DIM = 16, 4, 64
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -114,8 +114,7 @@ def gqa_model(elem: int) -> bytes:
     )  # fmt: skip
     graph = helper.make_graph([node], "gqa", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
-    model.ir_version = 8
-    return model.SerializeToString()
+    return cap_ir_version(model).SerializeToString()
 
 
 def gqa_runner(batch: int, past: int, new: int, dtype: torch.dtype, threads: int):

@@ -18,6 +18,9 @@ under one host. Parts:
            generate_next_token; og.Engine: every run until the token; plain runs: the prefill run)
   kv       the paged graph with fp32, int8 and fp8 pools (``--kv-cache``): decode ms per step at long
            context, pool bytes per token, and greedy-token agreement with fp32 over a prompt set
+  precision  the exported model in fp16 and bf16 (``--precision``) against fp32 on the CPU (plain host with
+           the plugin): decode ms per step (the kv rows) and prefill (the prefill rows), greedy-token
+           agreement with fp32
   fp16     (informational) GenAI's own paged fp16 model (builder -e cuda, made CPU-ready by
            ``pakv-onnx genai-cpu``) under og.Engine beside ours (fp32) under og.Engine: decode and prefill
 Variants alternate round by round. ``--clock thread`` (the default for 1-thread rows) times the calling
@@ -25,7 +28,7 @@ thread's CPU time (every host runs the model on the calling thread at 1 thread),
 load drops out; 2-thread rows are wall time. Tokens: every variant's must be equal, and equal to
 transformers' greedy decoding for B = 1 rows. Prints Markdown tables of ratios.
 
-    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv,fp16] [--threads 1,2]
+    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv,precision,fp16] [--threads 1,2]
                                         [--steps 16] [--rounds 3] [--clock auto|wall|thread]
 """
 
@@ -50,6 +53,7 @@ DECODE_ROWS = {"tiny": [(1, 64), (1, 256), (4, 64), (4, 256), (8, 64), (8, 256)]
 PREFILL_ROWS = {"tiny": [512], "mid": [512, 2048]}
 KV_ROWS = {"tiny": [(1, 256), (8, 256)], "mid": [(1, 2048), (8, 2048)]}
 KV_KINDS = ("int8", "fp8")
+PRECISIONS = ("fp16", "bf16")  # against the fp32 export (the `precision` part)
 # Agreement prompt set: AGREE_PROMPTS seeded random prompts of AGREE_LENGTH tokens, AGREE_TOKENS greedy tokens each.
 AGREE_PROMPTS, AGREE_LENGTH, AGREE_TOKENS = 16, 64, 32
 BLOCK_SIZE = 16
@@ -115,6 +119,8 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
         longest = max([c for _, c in DECODE_ROWS[size]] + PREFILL_ROWS[size]) + steps + 2
         blocks = 8 * -(-longest // BLOCK_SIZE) + 8
         extra = {kind: ["--kv-cache", kind] for kind in KV_KINDS} if "kv" in parts else {}
+        if "precision" in parts:
+            extra.update({p: ["--precision", p] for p in PRECISIONS})
         print(f"  .. {size}: writing the folders ...", flush=True)
         folders = _genai.write_folders(Path(tmp), BLOCK_SIZE, blocks, 8, unfused=False, size=size, extra=extra)
         reference = load_hf_model(folders.hf)
@@ -149,6 +155,8 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
                           ", ".join(f"{n} {v[0] * 1e3:.1f}" for n, v in result.items()), flush=True)  # fmt: skip
             if "kv" in parts:
                 rows += bench_kv(size, folders, threads, clock, clock_label, steps, rounds, vocab)
+            if "precision" in parts:
+                rows += bench_precision(size, folders, threads, clock, clock_label, steps, rounds, vocab)
             del hosts, variants
             gc.collect()
         if "kv" in parts:
@@ -204,6 +212,33 @@ def bench_kv(size, folders, threads, clock, clock_label, steps, rounds, vocab) -
     return rows
 
 
+def bench_precision(size, folders, threads, clock, clock_label, steps, rounds, vocab) -> list:
+    """The fp32, fp16 and bf16 exports under the plain host (plugin), variants alternating per round: decode
+    ms per step (the kv rows) and time to the first token (the prefill rows), and the share of greedy tokens
+    equal to fp32's."""
+    runs = {"fp32": _genai.PagedRun(folders.paged, threads)}
+    runs.update({p: _genai.PagedRun(folders.extra[p], threads) for p in PRECISIONS})
+    cases = [("decode", b, c, steps) for b, c in KV_ROWS[size]] + [("prefill", 1, p, 1) for p in PREFILL_ROWS[size]]
+    rows = []
+    for part, batch, context, n in cases:
+        prompts = prompts_for(batch, context, vocab, 31 + batch * 1000 + context)
+        first: dict[str, list[float]] = {k: [] for k in runs}
+        per_step: dict[str, list[float]] = {k: [] for k in runs}
+        tokens = {}
+        for _ in range(rounds):
+            for name, run in runs.items():
+                prefill, times, tokens[name] = run.run(prompts, n, clock)
+                first[name].append(prefill)
+                per_step[name].append(statistics.median(times) if times else float("nan"))
+        pairs = {k: [(a, b) for x, y in zip(tokens[k], tokens["fp32"]) for a, b in zip(x, y)] for k in runs}
+        result = {k: (statistics.median(first[k]) if part == "prefill" else statistics.median(per_step[k]),
+                      sum(a == b for a, b in pairs[k]) / len(pairs[k])) for k in runs}  # fmt: skip
+        rows.append(("precision", size, threads, clock_label, f"{part} B={batch} C={context}", result))
+        print(f"  .. {size} t={threads} precision {part} B={batch} C={context}: " +
+              ", ".join(f"{k} {v[0] * 1e3:.3f}" for k, v in result.items()), flush=True)  # fmt: skip
+    return rows
+
+
 def agreement(folders, vocab) -> dict:
     """Greedy tokens of int8 / fp8 pools against fp32 pools over the prompt set (plain host, 1 thread):
     ``{kind: (tokens equal / all, sequences fully equal, mean tokens before the first difference)}``."""
@@ -250,6 +285,15 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
             f, i, e = (r[k][1] * 1e3 for k in ("fp32", "int8", "fp8"))
             print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {i:.3f} | {i / f:.2f} | {e:.3f} | {e / f:.2f} | "
                   f"{r['fp32'][0]:.0f} | {r['int8'][0]:.0f} | {r['fp8'][0]:.0f} |")  # fmt: skip
+    precision = [r for r in rows if r[0] == "precision"]
+    if precision:
+        print("\n### Precision on the CPU: decode ms per step / time to the first token ms (plain host, plugin)\n")
+        print("| size | threads (clock) | row | fp32 | fp16 | fp16 / fp32 | bf16 | bf16 / fp32 | tokens = fp32 fp16, bf16 |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+        for _, size, threads, clock, row, r in precision:
+            f, h, b = (r[k][0] * 1e3 for k in ("fp32", "fp16", "bf16"))
+            print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {h:.3f} | {h / f:.2f} | {b:.3f} | {b / f:.2f} | "
+                  f"{r['fp16'][1]:.0%}, {r['bf16'][1]:.0%} |")  # fmt: skip
     fp16 = [r for r in rows if r[0] == "fp16"]
     if fp16:
         print("\n### (Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
@@ -271,7 +315,7 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,mid")
-    parser.add_argument("--parts", default="decode,prefill,kv,fp16")
+    parser.add_argument("--parts", default="decode,prefill,kv,precision,fp16")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)

@@ -40,7 +40,7 @@ from onnx import TensorProto, helper
 
 from pakv_onnx import runtime_plugin
 from pakv_onnx.cases import GatherCase
-from pakv_onnx.export import make_gather_model_for
+from pakv_onnx.export import cap_ir_version, make_gather_model_for
 from pakv_onnx.spec import INPUT_NAMES
 from pakv_onnx.validator import plan_gather
 
@@ -53,8 +53,8 @@ def gather_floor(case: GatherCase, plan, outs, golden):
     inputs = [helper.make_tensor_value_info(f"{n}_rows", TensorProto.BFLOAT16, None) for n in ("key", "value")]
     inputs.append(helper.make_tensor_value_info("index", TensorProto.INT64, None))
     outputs = [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, None) for n in ("key", "value")]
-    model = helper.make_model(
-        helper.make_graph(nodes, "floor", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)]
+    model = cap_ir_version(
+        helper.make_model(helper.make_graph(nodes, "floor", inputs, outputs), opset_imports=[helper.make_opsetid("", 17)])
     )
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     nb, bs = plan.num_blocks, plan.block_size
@@ -109,9 +109,11 @@ def _run_pyop(case, block, slot, options, repeats):
         )
     ]
     outputs = [helper.make_tensor_value_info(n, TensorProto.UINT16, None) for n in ("key", "value")]
-    model = helper.make_model(
-        helper.make_graph([node], "pyop", inputs, outputs),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)],
+    model = cap_ir_version(
+        helper.make_model(
+            helper.make_graph([node], "pyop", inputs, outputs),
+            opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.contrib", 1)],
+        )
     )
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
     feeds = {

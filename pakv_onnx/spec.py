@@ -57,6 +57,11 @@ import torch
 DOMAIN = "pakv"
 OP_TYPE = "GatherPaKvCache"
 OPSET_VERSION = 1
+# The ONNX IR version every model the package writes states at most (export.cap_ir_version): what
+# onnxruntime 1.20, the oldest the package supports (pyproject), reads. onnx's helper.make_model stamps
+# its own newest IR (onnx 1.23: 14), which a newer onnx raises past what an installed ORT reads (ORT 1.31
+# refuses 14: FACTS §14); the models use nothing newer than IR 10 (float8 is IR 9).
+MAX_IR_VERSION = 10
 
 INPUT_NAMES = ("key_cache", "value_cache", "block_tables", "seq_lens", "seq_offset")
 OPTIONAL_INPUTS = frozenset({"seq_offset"})

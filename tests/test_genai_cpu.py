@@ -10,7 +10,6 @@ Quick: the edits on a hand-made paged folder, and the refusals. Slow: the builde
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,8 @@ import pytest
 import torch
 from onnx import TensorProto
 from onnx import helper as h
+
+from og_engine import engine_tokens, onnxruntime_genai
 
 from pakv_onnx import cli, native_lib
 from pakv_onnx.export import ort_attention_node
@@ -48,14 +49,6 @@ BUILDER_CONFIG = {
     },
     "engine": {"dynamic_batching": {"block_size": 256, "max_batch_size": 100, "gpu_utilization_factor": 0.6}},
 }  # fmt: skip
-
-
-def onnxruntime_genai():
-    if os.environ.get("CI"):
-        import onnxruntime_genai as og  # CI installs the genai extra
-
-        return og
-    return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
 def paged_folder(root: Path, op_type: str = "PagedAttention") -> Path:
@@ -232,23 +225,8 @@ WORKLOAD = Workload(
 
 @pytest.mark.slow  # the builder
 def test_og_engine_serves_genai_paged_fp16_model_on_the_cpu(builder_folder) -> None:
-    og = onnxruntime_genai()
     hf, folder = builder_folder
-    engine = og.Engine(og.Model(str(folder)))
-    requests = []
-    for prompt, budget in zip(WORKLOAD.prompts, WORKLOAD.budgets):
-        request = engine.create_request()
-        options = og.TurnOptions(request)
-        options.set_do_sample(False)
-        options.set_max_generated_tokens(budget)
-        options.set_min_generated_tokens(budget)
-        request.begin_turn(np.array(prompt, dtype=np.int32), options)
-        requests.append(request)
-    got: list[list[int]] = [[] for _ in requests]
-    events = engine.create_event_buffer(16)
-    while engine.has_pending_requests():
-        for event in engine.run(events):
-            got[next(i for i, r in enumerate(requests) if r == event.request)].append(int(event.token))
+    got = engine_tokens(folder, WORKLOAD)
     assert got == generate_reference(load_hf_model(hf), WORKLOAD).tokens
     assert got == generate_reference(load_hf_model(hf).half(), WORKLOAD).tokens
 

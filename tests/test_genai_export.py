@@ -13,13 +13,13 @@ CI a missing package fails instead of skipping).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import onnx
 import pytest
+from og_engine import onnxruntime_genai
 from onnx_graphs import assert_one_ort_attention_per_layer, pakv_nodes
 
 from pakv_onnx import cli
@@ -57,14 +57,6 @@ ORT_COUNTS = {
     "com.microsoft::PagedAttention": 2, "Sigmoid": 2, "Pow": 1, "ReduceMean": 1, "Add": 1, "Sqrt": 1, "Div": 1,
     "Slice": 1, "Sub": 1,
 }  # fmt: skip
-
-
-def onnxruntime_genai():
-    if os.environ.get("CI"):
-        import onnxruntime_genai as og  # CI installs the genai extra: missing is a failure
-
-        return og
-    return pytest.importorskip("onnxruntime_genai", reason="the genai extra (onnxruntime-genai) is not installed")
 
 
 # The exported folders: "<arch>" in the ort form (the default), "<arch>-pakv" in the pakv form.

@@ -18,6 +18,8 @@ own there) and gets the same name, range and refusal as every other command:
 :func:`add_seed`                       ``--seed``: 0..2^32-1
 :func:`add_output_folder`              ``--out DIR`` or a positional OUT_DIR, with ``--force``
 :func:`add_input_folder`               a folder the command reads (HF_DIR, MODEL_DIR)
+:func:`add_precision`                  ``--precision``: fp32, fp16 or bf16 (:mod:`pakv_onnx.providers`)
+:func:`add_execution_provider`         ``--execution-provider``: cpu or cuda
 =====================================  ======================================================
 
 The two folder options are checked after parsing and before the command runs (:func:`path_problem`,
@@ -313,3 +315,32 @@ def output_folder_problem(path: Path, *, force: bool, inputs: Sequence[tuple[str
     except OSError as err:
         return f"cannot write to {base}: {err.strerror or err}"
     return None
+
+
+def add_precision(parser: argparse.ArgumentParser, *, what: str) -> None:
+    """``--precision fp32|fp16|bf16`` (:data:`pakv_onnx.providers.PRECISIONS`; default fp32). ``what``:
+    what the precision applies to, for the help line."""
+    from pakv_onnx import providers  # light: no torch
+
+    notes = "; ".join(f"{p.name}: {p.note}" for p in providers.PRECISIONS.values())
+    parser.add_argument(
+        "--precision",
+        choices=tuple(providers.PRECISIONS),
+        default=providers.DEFAULT_PRECISION,
+        help=f"element types of {what} (default {providers.DEFAULT_PRECISION}). {notes}",
+    )
+
+
+def add_execution_provider(parser: argparse.ArgumentParser) -> None:
+    """``--execution-provider cpu|cuda`` (:data:`pakv_onnx.providers.EXECUTION_PROVIDERS`; default cpu)."""
+    from pakv_onnx import providers
+
+    parser.add_argument(
+        "--execution-provider",
+        choices=providers.EXECUTION_PROVIDERS,
+        default=providers.CPU,
+        help="where og.Engine runs the folder, the one thing genai_config.json changes (model.onnx is the same): "
+        "cpu (this library as custom_ops_library runs com.microsoft::PagedAttention) or cuda (ORT's CUDA "
+        "provider and its own kernel of the op; --precision fp16 or bf16, and the other limits of ORT's kernel "
+        "in docs/decoders.md, checked before anything is written). Default cpu",
+    )

@@ -36,7 +36,20 @@ def source_problem(hf_dir: Path) -> str | None:
     return None
 
 
+def options_problem(args: argparse.Namespace) -> str | None:
+    """Why the options alone cannot make a folder (a precision the form is not exported in, a ``cuda``
+    folder ORT's CUDA kernel cannot run: :func:`pakv_onnx.providers.export_refusal`), before anything
+    is loaded; what needs the model's config is checked when it is read."""
+    from pakv_onnx import providers  # light: no torch
+
+    target = providers.ExportTarget(args.precision, args.attention, args.block_size, args.kv_cache)
+    return providers.export_refusal(target, args.execution_provider)
+
+
 def run(args: argparse.Namespace) -> int:
+    problem = options_problem(args)  # before anything is imported or written
+    if problem:
+        return _args.usage_error("export", problem)
     try:  # HF_DIR and OUT_DIR were checked before (cli.main: _args.path_problem)
         from pakv_onnx.models.hf import genai  # imports torch and transformers: only when the command runs
     except ImportError as err:
@@ -62,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
                 attention=args.attention,
                 kv_cache=args.kv_cache,
                 prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
+                precision=args.precision,
+                execution_provider=args.execution_provider,
                 progress=progress,
             )
     except genai.UnsupportedModelError as err:
@@ -71,10 +86,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"attention: {ATTENTION_LABELS[done.attention]}" + (
         f"; KV cache {done.kv_quant.kind} (per-channel scales calibrated on {CALIBRATION_PROMPTS} prompts of "
         f"{CALIBRATION_TOKENS} random tokens)" if done.kv_quant else ""))  # fmt: skip
+    options = done.config["model"]["decoder"]["session_options"]
+    runs_on = (
+        f"the CPU, custom_ops_library {options['custom_ops_library']}"
+        if "custom_ops_library" in options
+        else "ORT's CUDA provider (its own com.microsoft::PagedAttention kernel)"
+    )
     print(
         f"paged: block_size {batching['block_size']}, num_blocks {batching['num_blocks']}, "
-        f"max_batch_size {batching['max_batch_size']}; custom_ops_library "
-        f"{done.config['model']['decoder']['session_options']['custom_ops_library']}"
+        f"max_batch_size {batching['max_batch_size']}; precision {done.precision}; runs on {runs_on}"
     )
     print(f"serve it: og.Engine(og.Model({str(args.out_dir)!r}))  (pip install 'pakv-onnx[genai]')")
     print(f"or over HTTP: pakv-onnx serve {args.out_dir}  (OpenAI API; pip install 'pakv-onnx[serve]')")
@@ -96,7 +116,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "are large), genai_config.json (engine.dynamic_batching, the paged_kv state group, "
             "custom_ops_library), the plugin library copied in, and HF_DIR's tokenizer files when present. "
             "og.Engine then runs it on a CPU with continuous batching (onnxruntime-genai: pip install "
-            "'pakv-onnx[genai]'). og.Engine gives both pools of a layer one shape: DeepSeek-V3's latent "
+            "'pakv-onnx[genai]'); with --execution-provider cuda (and --precision fp16 or bf16) genai_config.json "
+            "names ORT's CUDA provider instead, whose own kernel runs the op, and no library is copied: the "
+            "model.onnx of both is the same file. og.Engine gives both pools of a layer one shape: DeepSeek-V3's latent "
             "[c_kv | k_pe] lies whole in the key pool (LATENT; the value pool og.Engine allocates goes unread) "
             "or, with --attention pakv, in two halves across both; models whose key and value rows differ "
             "otherwise are refused. Exit 0 on success, 2 for a usage error or a model og.Engine cannot serve."
@@ -105,6 +127,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
             "./tiny-llama ./tiny-llama-genai",
             "./tiny-llama ./tiny-llama-genai --block-size 32 --num-blocks 1024 --max-batch-size 8 --threads 1",
             "./tiny-llama ./tiny-llama-int8 --kv-cache int8 --prefix-caching off",
+            "./tiny-llama ./tiny-llama-gpu --precision fp16 --execution-provider cuda  # ORT's CUDA kernel",
+            "./tiny-llama ./tiny-llama-fp16 --precision fp16  # the same model.onnx, on the CPU",
         ],
     )
     _args.add_input_folder(
@@ -138,9 +162,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=KV_CACHE_CHOICES,
         default=None,
         help="quantized pools (--attention ort): int8 or fp8 (float8e4m3fn) with fixed per-channel scales "
-        f"calibrated on the model ({CALIBRATION_PROMPTS} prompts of {CALIBRATION_TOKENS} seeded random tokens); "
-        "default: fp32 pools",
+        f"calibrated on the float32 model ({CALIBRATION_PROMPTS} prompts of {CALIBRATION_TOKENS} seeded random "
+        "tokens), with any --precision; default: pools of the --precision's attention type",
     )
+    _args.add_precision(parser, what="the weights, activations, com.microsoft::PagedAttention's T and the pools")
+    _args.add_execution_provider(parser)
     parser.add_argument(
         "--prefix-caching",
         choices=("on", "off"),

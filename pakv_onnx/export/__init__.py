@@ -35,6 +35,7 @@ from pakv_onnx.export.builder import (
     make_scatter_model_for,
     scatter_node,
 )
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.ort_attention import (
     make_ort_attention_model_for,
     ort_attention_node,
@@ -85,6 +86,7 @@ __all__ = [
     "PAKV_OPSET",
     "attach_fallback",
     "attention_node",
+    "cap_ir_version",
     "export",
     "export_legacy",
     "gather_node",

@@ -30,6 +30,7 @@ from onnx import TensorProto
 from onnx import helper as h
 
 from pakv_onnx import spec
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.spec import CacheMode
 
@@ -197,8 +198,10 @@ def make_gather_model(
     output_types = [i.type.tensor_type.elem_type for i in inputs[: len(spec.OUTPUT_NAMES)]]  # key <- key_cache
     outputs = [h.make_tensor_value_info(n, t, None) for n, t in zip(spec.OUTPUT_NAMES, output_types)]
     graph = h.make_graph([node], "gather_pa_kv_cache", inputs, outputs)
-    model = h.make_model(
-        graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)]
+    model = cap_ir_version(
+        h.make_model(
+            graph, opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)]
+        )
     )
     if strict:
         _infer_outputs(model)
@@ -314,7 +317,7 @@ def make_scatter_model_for(
         h.make_graph(nodes, "scatter_pa_kv_cache", inputs, outputs),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
     )
-    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    cap_ir_version(model)
     if fallback:
         from pakv_onnx.export.fallback import attach_fallback
 
@@ -360,7 +363,7 @@ def make_attention_model_for(
         h.make_graph([attention_node(*names, scale=scale, name="attention")], "paged_attention", inputs, [output]),
         opset_imports=[h.make_opsetid("", opset_version), h.make_opsetid(spec.DOMAIN, spec.OPSET_VERSION)],
     )
-    model.ir_version = min(model.ir_version, 8)  # readable by every ORT the library supports
+    cap_ir_version(model)
     if fallback:
         from pakv_onnx.export.fallback import attach_fallback
 

@@ -14,6 +14,7 @@ import onnx
 import torch
 
 from pakv_onnx.export.builder import DEFAULT_OPSET
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.fallback import MIN_OPSET, attach_fallback
 from pakv_onnx.export.schema import register_schema
 from pakv_onnx.export.translation import register_legacy_symbolic, translation_table
@@ -30,6 +31,7 @@ def _check_opset(opset_version: int, fallback: bool) -> None:
 
 def _finish(model: onnx.ModelProto, path: str | os.PathLike | None, fallback: bool) -> onnx.ModelProto:
     trim_latent_value_outputs(model.graph)
+    cap_ir_version(model)
     if fallback:
         attach_fallback(model)
     elif not any(opset.domain == DOMAIN for opset in model.opset_import):

@@ -26,6 +26,7 @@ import torch
 from onnx import helper as h
 
 from pakv_onnx import ops
+from pakv_onnx.export.ir import cap_ir_version
 from pakv_onnx.export.torch_op import meta_routed
 from pakv_onnx.spec import DOMAIN, MS_DOMAIN, MS_OPSET_VERSION, ONNX_TYPE_OF, ORT_ATTENTION
 from pakv_onnx.validator import plan_ort_attention
@@ -261,7 +262,7 @@ def make_ort_attention_model_for(
         [h.make_tensor_value_info(o, ONNX_TYPE_OF[types[o]], None) for o in outputs],
     )  # fmt: skip
     opsets = [h.make_opsetid("", opset), h.make_opsetid(MS_DOMAIN, MS_OPSET_VERSION)]
-    return h.make_model(graph, opset_imports=opsets, ir_version=8)
+    return cap_ir_version(h.make_model(graph, opset_imports=opsets))
 
 
 __all__ = [

@@ -84,10 +84,12 @@ def _static_dim(value, axis: int) -> int | None:
     return dim if isinstance(dim, int) else None
 
 
-def _rms_norm_fails(x, gamma, axes, eps, mean) -> str | None:
+def _rms_norm_fails(x, gamma, axes, eps, mean, narrow=None) -> str | None:
     """Why ``gamma * (x / sqrt(ReduceMean(x^2, axes) + eps))`` (``mean`` the ReduceMean's output) is
     not an RMS norm over x's last axis (x fp32, 2-D or 3-D; gamma constant ``[width]``, eps a constant
-    scalar), or None when it is."""
+    scalar), or None when it is. ``narrow``: the widened form's closing Cast (x float16 / bfloat16 widened
+    to float32, normalized, cast back to x's type before gamma, as transformers' RMSNorm does in half
+    precision)."""
     attributes = mean.producer().attributes  # ONNX defaults: keepdims 1, noop_with_empty_axes 0
     if attributes.get_int("keepdims", 1) != 1 or attributes.get_int("noop_with_empty_axes", 0) != 0:
         return "the mean does not keep its axis"
@@ -99,24 +101,34 @@ def _rms_norm_fails(x, gamma, axes, eps, mean) -> str | None:
     g, e = _const(gamma), _const(eps)
     if g is None or g.shape != (_static_dim(x, rank - 1),) or e is None or e.size != 1:
         return "gamma is not a constant [width] or epsilon not a constant scalar"
-    if x.dtype != onnx.TensorProto.FLOAT:  # the models exported here are fp32
-        return "not fp32"
-    return None
+    if narrow is None:
+        return None if x.dtype == onnx.TensorProto.FLOAT else "not fp32"
+    if x.dtype not in _HALF_TYPES or narrow.producer().attributes.get_int("to", 0) != x.dtype:
+        return "not a float16 / bfloat16 x widened to float32 and cast back to its type"
+    return None if gamma.dtype == x.dtype else "gamma is not of x's type"
 
 
-def _skip_rms_norm_rule():
+_HALF_TYPES = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+
+
+def _skip_rms_norm_rule(widened: bool = False):
     """``Add(a, b)`` then an RMS norm of the sum scaled by a 1-D ``gamma`` -> one
-    ``SkipSimplifiedLayerNormalization(a, b, gamma)`` giving the normalized sum and the sum."""
+    ``SkipSimplifiedLayerNormalization(a, b, gamma)`` giving the normalized sum and the sum (``widened``:
+    the half-precision form, the sum cast to float32 for the norm and back before gamma; ORT's op
+    computes in float32 itself)."""
     from onnxscript.rewriter import pattern
 
     class SkipRmsNorm(pattern.RewriteRuleClassBase):
         def pattern(self, op, a, b, gamma, axes, eps):
             total = op.Add(a, b)
-            mean_square = op.ReduceMean(op.Pow(total, 2.0), axes, _allow_other_attributes=True, _outputs=["mean"])
-            inv_rms = op.Reciprocal(op.Sqrt(op.Add(mean_square, eps)))
-            return op.Mul(gamma, op.Mul(total, inv_rms)), total
+            x = op.Cast(total, to=onnx.TensorProto.FLOAT) if widened else total
+            mean_square = op.ReduceMean(op.Pow(x, 2.0), axes, _allow_other_attributes=True, _outputs=["mean"])
+            normalized = op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean_square, eps))))
+            if widened:
+                normalized = op.Cast(normalized, _allow_other_attributes=True, _outputs=["narrow"])
+            return op.Mul(gamma, normalized), total
 
-        def check(self, context, a, b, gamma, axes, eps, mean, **_):
+        def check(self, context, a, b, gamma, axes, eps, mean, narrow=None, **_):
             result = pattern.MatchResult()
             if context.graph_or_function is not context.model.graph:
                 return result.fail("not in the main graph (subgraphs hold the attention: not ours)")
@@ -125,7 +137,7 @@ def _skip_rms_norm_rule():
                 return result.fail("the residual and its update must be 2-D or 3-D of one rank")
             if not all(str(x) == str(y) for x, y in zip(a.shape, b.shape)):
                 return result.fail("the residual and its update differ in shape")
-            why = _rms_norm_fails(a, gamma, axes, eps, mean)
+            why = _rms_norm_fails(a, gamma, axes, eps, mean, narrow)
             return result.fail(why) if why else result
 
         def rewrite(self, op, a, b, gamma, eps, **_):
@@ -137,32 +149,39 @@ def _skip_rms_norm_rule():
     return SkipRmsNorm.rule()
 
 
-def _rms_norm_div_rule():
+def _rms_norm_div_rule(widened: bool = False):
     """An RMS norm without a residual ``Add`` (the first layer's, a latent's), ``gamma * (x *
     Reciprocal(rms))`` -> ``gamma * (x / rms)``: standard ops still, in the form ORT's own
     SimplifiedLayerNormFusion turns into one ``SimplifiedLayerNormalization`` when it loads the model
     (that op is registered in the default domain only, where ``onnx.checker`` does not know it, so
-    the file cannot hold it)."""
+    the file cannot hold it). ``widened``: the half-precision form (:func:`_skip_rms_norm_rule`'s), its
+    casts kept."""
     from onnxscript.rewriter import pattern
 
     class RmsNormDiv(pattern.RewriteRuleClassBase):
         def pattern(self, op, x, two, gamma, axes, eps):
-            mean_square = op.ReduceMean(op.Pow(x, two), axes, _allow_other_attributes=True, _outputs=["mean"])
-            return op.Mul(gamma, op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean_square, eps)))))
+            wide = op.Cast(x, to=onnx.TensorProto.FLOAT) if widened else x
+            mean_square = op.ReduceMean(op.Pow(wide, two), axes, _allow_other_attributes=True, _outputs=["mean"])
+            normalized = op.Mul(wide, op.Reciprocal(op.Sqrt(op.Add(mean_square, eps))))
+            if widened:
+                normalized = op.Cast(normalized, _allow_other_attributes=True, _outputs=["narrow"])
+            return op.Mul(gamma, normalized)
 
-        def check(self, context, x, two, gamma, axes, eps, mean, **_):
+        def check(self, context, x, two, gamma, axes, eps, mean, narrow=None, **_):
             result = pattern.MatchResult()
             if context.graph_or_function is not context.model.graph:
                 return result.fail("not in the main graph (subgraphs hold the attention: not ours)")
             if not _is_const(two, [2.0]):
                 return result.fail("not a square")
-            why = _rms_norm_fails(x, gamma, axes, eps, mean)
+            why = _rms_norm_fails(x, gamma, axes, eps, mean, narrow)
             return result.fail(why) if why else result
 
-        def rewrite(self, op, x, two, gamma, axes, eps, **_):
+        def rewrite(self, op, x, two, gamma, axes, eps, narrow=None, **_):
             # The matched nodes all go: the norm is written anew, its reduction as it was (keepdims checked).
-            mean_square = op.ReduceMean(op.Pow(x, two), axes, keepdims=1)
-            return op.Mul(gamma, op.Div(x, op.Sqrt(op.Add(mean_square, eps))))
+            wide = op.Cast(x, to=onnx.TensorProto.FLOAT) if widened else x
+            mean_square = op.ReduceMean(op.Pow(wide, two), axes, keepdims=1)
+            normalized = op.Div(wide, op.Sqrt(op.Add(mean_square, eps)))
+            return op.Mul(gamma, op.Cast(normalized, to=x.dtype) if widened else normalized)
 
     return RmsNormDiv.rule()
 
@@ -316,7 +335,7 @@ def _token_major_rotary_rule():
 
 
 def _pack_matmuls(graph) -> int:
-    """Merge the main graph's ``MatMul(a, W_i)`` sharing ``a`` (each ``W_i`` a constant fp32
+    """Merge the main graph's ``MatMul(a, W_i)`` sharing ``a`` (each ``W_i`` a constant fp32 or fp16
     ``[K, N_i]`` initializer) into ``Split(MatMul(a, [W_1 .. W_n]), [N_1 .. N_n], axis=-1)``; returns
     how many groups were merged. Each output column is the same dot product as before."""
     import onnx_ir as ir
@@ -327,7 +346,7 @@ def _pack_matmuls(graph) -> int:
             continue
         weight = node.inputs[1]
         array = _const(weight)
-        if array is None or array.ndim != 2 or array.dtype != np.float32 or not weight.is_initializer():
+        if array is None or array.ndim != 2 or array.dtype not in (np.float32, np.float16) or not weight.is_initializer():
             continue
         if any(out.is_graph_output() for out in node.outputs):
             continue
@@ -381,12 +400,14 @@ def fuse_step(model: onnx.ModelProto) -> tuple[onnx.ModelProto, FusionReport]:
     applied = {}
     rules = (
         ("skip_rms_norm", _skip_rms_norm_rule()),
-        ("rms_norm_div", _rms_norm_div_rule()),  # after it: the norms left have no residual Add
+        ("skip_rms_norm", _skip_rms_norm_rule(widened=True)),
+        ("rms_norm_div", _rms_norm_div_rule()),  # after them: the norms left have no residual Add
+        ("rms_norm_div", _rms_norm_div_rule(widened=True)),
         ("rotary", _rotary_rule()),
         ("token_major_rotary", _token_major_rotary_rule()),
     )
     for name, rule in rules:
-        applied[name] = pattern.RewriteRuleSet([rule], commute=True).apply_to_model(graph)
+        applied[name] = applied.get(name, 0) + pattern.RewriteRuleSet([rule], commute=True).apply_to_model(graph)
     applied["packed_matmul"] = _pack_matmuls(graph.graph)
     optimizer.remove_unused_nodes(graph)
     # The rewrites' Constant nodes become initializers (as the exporter writes its constants).

@@ -6,7 +6,9 @@ The folder holds ``model.onnx`` (the paged step of :mod:`~pakv_onnx.models.hf.st
 and the read of every layer inside the graph; ``model.onnx.data`` beside it when the weights are
 large), ``genai_config.json`` (``engine.dynamic_batching``, the ``paged_kv`` state group, and
 ``session_options.custom_ops_library`` naming the plugin), the plugin library copied next to it,
-and the tokenizer files of the source folder when it has them. Nothing here imports
+and the tokenizer files of the source folder when it has them. For ``execution_provider="cuda"`` the
+session options name ORT's CUDA provider instead and no library is copied: the same model.onnx runs
+with ORT's own CUDA kernel of com.microsoft::PagedAttention (:mod:`pakv_onnx.providers`). Nothing here imports
 onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
 
 What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
@@ -26,6 +28,8 @@ from pathlib import Path
 import onnx
 import torch
 
+from pakv_onnx import providers
+from pakv_onnx.export import cap_ir_version
 from pakv_onnx.models.hf.cache import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, PagedKVCache
 from pakv_onnx.models.hf.configs import cache_geometry
 from pakv_onnx.models.hf.generate import step_inputs
@@ -49,6 +53,9 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# genai_config's provider_options entry for ORT's CUDA provider: what ORT GenAI's own builder writes for a
+# paged model (onnxruntime-genai 0.18, `-e cuda --extra_options use_paged_attention=true`).
+CUDA_PROVIDER_OPTIONS = {"cuda": {"enable_cuda_graph": "0"}}
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
 
@@ -67,7 +74,9 @@ class GenaiExport:
     seconds: float
     external_data: bool
     attention: str = ORT  # the step's form (PagedDecoderStep.attention: "ort", "fused" or "gather")
-    kv_quant: object | None = None  # the quantized cache's KvQuant, or None (fp32 pools)
+    kv_quant: object | None = None  # the quantized cache's KvQuant, or None (pools of the precision's T)
+    precision: str = providers.DEFAULT_PRECISION
+    execution_provider: str = providers.CPU
 
 
 def load_hf_config(hf_dir: str | os.PathLike):
@@ -143,6 +152,48 @@ def resolve_attention(config, attention: str | None) -> str:
     return attention
 
 
+def session_options(execution_provider: str, intra_op_threads: int | None = None) -> dict:
+    """genai_config's ``model.decoder.session_options`` for ``execution_provider``: the CPU with this
+    library as ``custom_ops_library`` (its kernel of com.microsoft::PagedAttention), or ORT's CUDA
+    provider, whose own kernel runs the op (no library)."""
+    if execution_provider == providers.CPU:
+        options: dict = {"log_id": "onnxruntime-genai", "provider_options": [], "custom_ops_library": LIBRARY_NAME}
+    elif execution_provider == providers.CUDA:
+        options = {"log_id": "onnxruntime-genai", "provider_options": [CUDA_PROVIDER_OPTIONS]}
+    else:
+        raise UnsupportedModelError(
+            f"--execution-provider {execution_provider!r} is unknown (choices: {', '.join(providers.EXECUTION_PROVIDERS)})"
+        )
+    if intra_op_threads:
+        options["intra_op_num_threads"] = intra_op_threads
+    return options
+
+
+def export_target(config, *, precision: str, attention: str | None, block_size: int, kv_cache: str | None,
+                  rotary_dim: int | None = None) -> providers.ExportTarget:  # fmt: skip
+    """What :func:`pakv_onnx.providers.export_refusal` judges, read off ``config`` (a transformers config)
+    without its weights: head size and heads of the op, and the rotary span (``rotary_dim``: the step's
+    exact one, 2 x its cos table's columns; default: from the config)."""
+    if getattr(config, "kv_lora_rank", None):  # LATENT: [c_kv | k_pe], rotary over k_pe
+        head_size, offset, rotary = config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank, config.qk_rope_head_dim
+    else:
+        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = getattr(config, "rope_parameters", None) or {}
+        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
+        offset, rotary = 0, int(head_size * factor)
+    return providers.ExportTarget(
+        precision, attention, block_size, kv_cache, head_size, config.num_attention_heads,
+        rotary if rotary_dim is None else rotary_dim, offset,
+    )  # fmt: skip
+
+
+def check_target(target: providers.ExportTarget, execution_provider: str) -> None:
+    """Raise :class:`UnsupportedModelError` with :func:`pakv_onnx.providers.export_refusal`'s message."""
+    refusal = providers.export_refusal(target, execution_provider)
+    if refusal:
+        raise UnsupportedModelError(refusal)
+
+
 def genai_config(
     config,
     *,
@@ -152,17 +203,16 @@ def genai_config(
     intra_op_threads: int | None = None,
     attention: str = ORT,
     prefix_caching: bool | None = None,
+    execution_provider: str = providers.CPU,
 ) -> dict:
     """The genai_config.json of the exported step of ``config`` (a transformers config) in the
-    ``attention`` form. ``prefix_caching``: og.Engine's ``engine.dynamic_batching.prefix_caching``
+    ``attention`` form for ``execution_provider`` (:func:`session_options`: the one difference between
+    two providers' folders). ``prefix_caching``: og.Engine's ``engine.dynamic_batching.prefix_caching``
     (None: left out, og.Engine 0.18's default, on for paged models)."""
     kv_heads, head_size = check_servable(config, attention)
     layers = config.num_hidden_layers
     context = int(getattr(config, "max_position_embeddings", 0) or 4096)
-    session_options: dict = {"log_id": "onnxruntime-genai", "provider_options": [], "custom_ops_library": LIBRARY_NAME}
-    if intra_op_threads:
-        session_options["intra_op_num_threads"] = intra_op_threads
-
+    options = session_options(execution_provider, intra_op_threads)
     batching = {"block_size": block_size, "num_blocks": num_blocks, "max_batch_size": max_batch_size}
     if prefix_caching is not None:
         batching["prefix_caching"] = bool(prefix_caching)
@@ -180,7 +230,7 @@ def genai_config(
             "vocab_size": config.vocab_size,
             "context_length": context,
             "decoder": {
-                "session_options": session_options,
+                "session_options": options,
                 "filename": MODEL_FILE,
                 "head_size": head_size,
                 "hidden_size": config.hidden_size,
@@ -240,6 +290,8 @@ def export_genai(
     attention: str | None = None,
     kv_cache: str | None = None,
     prefix_caching: bool | None = None,
+    precision: str = providers.DEFAULT_PRECISION,
+    execution_provider: str = providers.CPU,
     progress: Callable[[str], None] = lambda message: None,
 ) -> GenaiExport:
     """Export the Hugging Face model in ``hf_dir`` to an ORT GenAI model folder ``out_dir`` (see the
@@ -249,20 +301,29 @@ def export_genai(
     com.microsoft::PagedAttention; the default where served) or ``pakv`` (:func:`resolve_attention`).
     ``kv_cache``: ``int8`` or ``fp8`` pools (``ort`` only), their per-channel scales calibrated on
     the model (:func:`~pakv_onnx.models.hf.kv_quant.calibrate`). ``prefix_caching``: written into
-    ``engine.dynamic_batching`` (None: og.Engine's default).
+    ``engine.dynamic_batching`` (None: og.Engine's default). ``precision``: a name of
+    :data:`pakv_onnx.providers.PRECISIONS`. ``execution_provider``: ``cpu`` or ``cuda``, the one thing
+    genai_config.json changes (the same model.onnx either way; ``cuda`` checked against
+    :data:`pakv_onnx.providers.CUDA_LIMITS`, and no library copied).
 
     Raises:
-        UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`).
+        UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`), or it cannot be
+            exported in ``precision`` or run on ``execution_provider`` (:func:`check_target`); raised
+            before anything is written.
         OSError: the source folder cannot be read or ``out_dir`` written.
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    check_servable(load_hf_config(hf_dir))  # before the weights are read
+    hf_config = load_hf_config(hf_dir)
+    check_servable(hf_config)  # before the weights are read
+    target = dict(precision=precision, block_size=block_size, kv_cache=kv_cache)
+    check_target(export_target(hf_config, attention=attention, **target), execution_provider)
     progress(f"loading {hf_dir} ...")
     model = load_hf_model(hf_dir)
     attention = resolve_attention(model.config, attention)
     if kv_cache is not None and attention != ORT:
         raise UnsupportedModelError(f"--kv-cache {kv_cache} needs --attention {ORT} (com.microsoft::PagedAttention)")
+    check_target(export_target(model.config, attention=attention, **target), execution_provider)
     config = genai_config(
         model.config,
         block_size=block_size,
@@ -271,18 +332,22 @@ def export_genai(
         intra_op_threads=intra_op_threads,
         attention=attention,
         prefix_caching=prefix_caching,
+        execution_provider=execution_provider,
     )  # refuses an unservable model before the export
-    out_dir.mkdir(parents=True, exist_ok=True)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_quant = None
     if kv_cache is not None:
         from pakv_onnx.models.hf.kv_quant import calibrate
 
         progress(f"calibrating {kv_cache} cache scales ...")
-        kv_quant = calibrate(model, kv_cache, block_size=block_size)
-    step = PagedDecoderStep(model, attention=attention, kv_quant=kv_quant)
-    progress(f"exporting one paged step ({weight_bytes / 1e6:.1f} MB of weights) ...")
-    proto = export_step(step, trace_feeds(step, block_size), None, fuse=fuse)
+        kv_quant = calibrate(model, kv_cache, block_size=block_size)  # on the float32 model
+    step = PagedDecoderStep(model, attention=attention, kv_quant=kv_quant, precision=precision)
+    if step.attention == ORT:  # the exact rotary span: the step's own table
+        exact = export_target(model.config, attention=attention, rotary_dim=2 * step.rotary_cos.shape[1], **target)
+        check_target(exact, execution_provider)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    weight_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
+    progress(f"exporting one paged step in {precision} ({weight_bytes / 1e6:.1f} MB of weights) ...")
+    proto = cap_ir_version(export_step(step, trace_feeds(step, block_size), None, fuse=fuse))
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     files = [MODEL_FILE]
     for stale in (out_dir / MODEL_FILE, out_dir / EXTERNAL_DATA_FILE):
@@ -295,12 +360,14 @@ def export_genai(
         files.append(EXTERNAL_DATA_FILE)
     else:
         onnx.save_model(proto, str(out_dir / MODEL_FILE))
-    shutil.copyfile(library_path(), out_dir / LIBRARY_NAME)
-    files.append(LIBRARY_NAME)
+    if execution_provider == providers.CPU:  # ORT's CUDA provider runs the op with its own kernel
+        shutil.copyfile(library_path(), out_dir / LIBRARY_NAME)
+        files.append(LIBRARY_NAME)
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
             shutil.copyfile(hf_dir / name, out_dir / name)
             files.append(name)
     (out_dir / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     files.append(GENAI_CONFIG)
-    return GenaiExport(out_dir, files, config, time.perf_counter() - start, external, step.attention, kv_quant)
+    seconds = time.perf_counter() - start
+    return GenaiExport(out_dir, files, config, seconds, external, step.attention, kv_quant, precision, execution_provider)

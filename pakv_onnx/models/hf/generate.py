@@ -196,3 +196,53 @@ def compare(result: Generation, reference: Generation) -> tuple[bool, float]:
             return False, float("inf")
         err = max(err, float((mine - ref).abs().max()))
     return same, err
+
+
+def teacher_forced(step: StepFn, cache: PagedKVCache, prompts: list[list[int]], tokens: list[list[int]]) -> Generation:
+    """The logits ``step`` gives when sequence ``i`` is fed its prompt and then ``tokens[i]`` (another run's
+    tokens, not its own argmax): ``logits[i][k]`` predicts ``tokens[i][k]``, so two precisions compare
+    step by step even where their greedy tokens part. ``Generation.tokens`` holds the step's own argmax at
+    each position (where it differs from ``tokens``, greedy decoding would have flipped there)."""
+    count = len(prompts)
+    chosen: list[list[int]] = [[] for _ in range(count)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(count)]
+    pending = {i: list(p) for i, p in enumerate(prompts)}
+    live = [i for i in range(count) if tokens[i]]
+    for i in live:
+        cache.add_sequence(i)
+    start = time.perf_counter()
+    while live:
+        step_logits = run_step(step, cache, live, [pending[i] for i in live])["logits"]
+        for row, i in enumerate(live):
+            chosen[i].append(int(step_logits[row].argmax()))
+            logits[i].append(step_logits[row].to(torch.float32).clone())
+            pending[i] = [tokens[i][len(chosen[i]) - 1]]
+        for i in [i for i in live if len(chosen[i]) == len(tokens[i])]:
+            cache.release(i)
+            live.remove(i)
+    return Generation(chosen, [torch.stack(x) for x in logits], time.perf_counter() - start, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flip:
+    """A position where a run's argmax differs from the reference's token: the reference's top-2 gap there
+    (a near tie when it is within the two runs' logit difference)."""
+
+    sequence: int
+    position: int
+    top2_gap: float
+    logit_diff: float  # max |run - reference| over the vocabulary at that position
+
+
+def flips(forced: Generation, reference: Generation) -> tuple[float, list[Flip]]:
+    """``(max |forced - reference| logit, the flips)`` of a :func:`teacher_forced` run fed the reference's
+    tokens, against that reference (its logits and tokens)."""
+    worst, found = 0.0, []
+    for i, (mine, ref) in enumerate(zip(forced.logits, reference.logits)):
+        diff = (mine - ref).abs().amax(dim=-1)
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        for k, (token, want) in enumerate(zip(forced.tokens[i], reference.tokens[i])):
+            if token != want:
+                top2 = ref[k].topk(2).values
+                found.append(Flip(i, k, float(top2[0] - top2[1]), float(diff[k])))
+    return worst, found

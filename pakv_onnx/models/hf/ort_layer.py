@@ -126,8 +126,15 @@ class OrtStepState:
 
     def attend(self, layer: int, query: torch.Tensor, *, latent: bool = False, **inputs_and_attributes) -> torch.Tensor:
         """Layer ``layer``'s com.microsoft::PagedAttention of ``query`` (packed QKV, or LATENT's query
-        with ``key=``) over its pools; returns the op's output ``[N, Hq * Dv]``."""
+        with ``key=``) over its pools; returns the op's output ``[N, Hq * Dv]`` in ``query``'s dtype.
+
+        The op's T is the rotary tables' dtype: a query (and key) of another dtype (the bf16 precision's
+        float32 activations) is cast to it, and the output back."""
         inputs = {name: inputs_and_attributes.pop(name, None) for name in _OPTIONAL_INPUTS}
+        activations, attention_dtype = query.dtype, self.cos.dtype
+        query = query.to(attention_dtype)
+        if inputs["key"] is not None:
+            inputs["key"] = inputs["key"].to(attention_dtype)
         key_pool = self.key_pools[layer]
         value_pool = None if latent else self.value_pools[layer]
         args = (
@@ -140,8 +147,8 @@ class OrtStepState:
             self.key_pools[layer] = key_pool
             if not latent:
                 self.value_pools[layer] = value_pool
-            return out
-        return torch.ops.pakv.ort_paged_attention(*args, **inputs_and_attributes)
+            return out.to(activations)
+        return torch.ops.pakv.ort_paged_attention(*args, **inputs_and_attributes).to(activations)
 
 
 _OPTIONAL_INPUTS = ("key", "q_norm_weight", "k_norm_weight", "k_scale", "v_scale")
@@ -183,7 +190,7 @@ class OrtGqaAttention(torch.nn.Module):
     """A GQA attention module (Llama, Qwen2, Mistral, Qwen3; its weights packed once, o_proj shared) as
     one com.microsoft::PagedAttention over the step's pools (see the module docstring)."""
 
-    def __init__(self, attention: torch.nn.Module, quant: KvQuant | None = None) -> None:
+    def __init__(self, attention: torch.nn.Module, quant: KvQuant | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         config = attention.config
         self.layer_idx, self.scaling = attention.layer_idx, float(attention.scaling)
@@ -194,7 +201,8 @@ class OrtGqaAttention(torch.nn.Module):
         if any(biased) and not all(biased):
             raise UnsupportedAttentionError(f"layer {self.layer_idx}: q/k/v projections differ in having a bias")
         width = sum(p.out_features for p in projections)
-        self.qkv = torch.nn.Linear(attention.q_proj.in_features, width, bias=all(biased))
+        weights = attention.q_proj.weight  # the packed projection keeps the model's dtype
+        self.qkv = torch.nn.Linear(attention.q_proj.in_features, width, bias=all(biased), dtype=weights.dtype)
         with torch.no_grad():
             self.qkv.weight.copy_(torch.cat([p.weight for p in projections]))
             if all(biased):
@@ -203,14 +211,15 @@ class OrtGqaAttention(torch.nn.Module):
         norms = getattr(attention, "q_norm", None), getattr(attention, "k_norm", None)
         self.qk_norm_epsilon = float(norms[0].variance_epsilon) if norms[0] is not None else None
         if self.qk_norm_epsilon is not None:
-            self.register_buffer("q_norm_weight", norms[0].weight.detach().clone(), persistent=False)
-            self.register_buffer("k_norm_weight", norms[1].weight.detach().clone(), persistent=False)
+            dtype = dtype or norms[0].weight.dtype  # the op's T
+            self.register_buffer("q_norm_weight", norms[0].weight.detach().to(dtype).clone(), persistent=False)
+            self.register_buffer("k_norm_weight", norms[1].weight.detach().to(dtype).clone(), persistent=False)
         window = sliding_window(attention)
         self.window = int(window) if window else -1
         _register_quant(self, quant, self.layer_idx, latent=False)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """``hidden_states`` fp32 ``[N, hidden]`` (the step's packed tokens) -> ``([N, hidden], None)``;
+        """``hidden_states`` ``[N, hidden]`` (the model's dtype; the step's packed tokens) -> ``([N, hidden], None)``;
         ``kwargs[ORT_STATE_KWARG]`` is the step's :class:`OrtStepState`."""
         state: OrtStepState = kwargs[ORT_STATE_KWARG]
         extra = _quant_inputs(self)
@@ -227,7 +236,7 @@ class OrtGqaAttention(torch.nn.Module):
 class OrtLatentAttention(torch.nn.Module):
     """A ``DeepseekV3Attention`` in MLA's absorbed form over one LATENT cache (see the module docstring)."""
 
-    def __init__(self, attention: torch.nn.Module, quant: KvQuant | None = None) -> None:
+    def __init__(self, attention: torch.nn.Module, quant: KvQuant | None = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         from pakv_onnx.models.hf.mla import AbsorbedLatentAttention
 
@@ -242,7 +251,7 @@ class OrtLatentAttention(torch.nn.Module):
         _register_quant(self, quant, self.layer_idx, latent=True)
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """``hidden_states`` fp32 ``[N, hidden]`` -> ``([N, hidden], None)`` (see :class:`OrtGqaAttention`)."""
+        """``hidden_states`` ``[N, hidden]`` (the model's dtype) -> ``([N, hidden], None)`` (see :class:`OrtGqaAttention`)."""
         state: OrtStepState = kwargs[ORT_STATE_KWARG]
         tokens, heads = hidden_states.shape[0], self.num_heads
         if self.q_proj is not None:
@@ -263,9 +272,10 @@ class OrtLatentAttention(torch.nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(tokens, heads * self.v_dim)), None
 
 
-def replace_attention(model: torch.nn.Module, quant: KvQuant | None = None) -> int:
+def replace_attention(model: torch.nn.Module, quant: KvQuant | None = None, dtype: torch.dtype | None = None) -> int:
     """Put :class:`OrtGqaAttention` / :class:`OrtLatentAttention` in place of every decoder layer's
-    ``self_attn`` of ``model`` (in place; that model only); returns how many were replaced.
+    ``self_attn`` of ``model`` (in place; that model only); returns how many were replaced. ``dtype``:
+    the op's T (the q/k norm weights'), default the model's.
 
     Raises:
         UnsupportedAttentionError: :func:`check_supported`.
@@ -273,13 +283,13 @@ def replace_attention(model: torch.nn.Module, quant: KvQuant | None = None) -> i
     check_supported(model.config)
     wrap = OrtLatentAttention if model_type(model.config) in LATENT_MODEL_TYPES else OrtGqaAttention
     for layer in model.model.layers:
-        layer.self_attn = wrap(layer.self_attn, quant)
+        layer.self_attn = wrap(layer.self_attn, quant, dtype)
     return len(model.model.layers)
 
 
 def decode_layers(model: torch.nn.Module, input_ids: torch.Tensor, state: OrtStepState) -> torch.Tensor:
     """The decoder over the step's packed tokens: embedding, every layer (attention replaced), final norm;
-    ``input_ids`` int64 ``[N]`` -> fp32 ``[N, hidden]``. transformers' model forward (positions, masks,
+    ``input_ids`` int64 ``[N]`` -> ``[N, hidden]`` (the model's dtype). transformers' model forward (positions, masks,
     its rotary embedding) is not run: the op reads positions from the step's inputs."""
     hidden = model.model.embed_tokens(input_ids)
     for layer in model.model.layers:

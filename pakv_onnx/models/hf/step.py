@@ -35,7 +35,8 @@ from collections.abc import Mapping
 import onnx
 import torch
 
-from pakv_onnx.export import export
+from pakv_onnx import providers
+from pakv_onnx.export import cap_ir_version, export
 from pakv_onnx.spec import DOMAIN
 from pakv_onnx.models.attention import cached_ragged_attention
 from pakv_onnx.models.hf.cache import (
@@ -130,13 +131,17 @@ class PagedDecoderStep(torch.nn.Module):
     default for the models it serves), :data:`PAKV` (the pakv ops: :data:`FUSED` for GQA models,
     :data:`GATHER` for MLA ones), or :data:`FUSED` / :data:`GATHER` by name. ``kv_quant``
     (:data:`ORT` only): int8 / fp8 pools with fixed per-channel scales
-    (:class:`~pakv_onnx.models.hf.ort_layer.KvQuant`).
+    (:class:`~pakv_onnx.models.hf.ort_layer.KvQuant`). ``precision``: a name of
+    :data:`pakv_onnx.providers.PRECISIONS` (fp16 and bf16: :data:`ORT` only); ``model`` (float32, as
+    loaded) is cast to its compute dtype here, after the rotary tables are taken from it in float32.
 
     Raises:
-        ValueError: an attention form this model has not, or ``kv_quant`` outside :data:`ORT`.
+        ValueError: an attention form this model has not, ``kv_quant`` outside :data:`ORT`, or a precision
+            the form is not exported in.
     """
 
-    def __init__(self, model: torch.nn.Module, attention: str | None = None, kv_quant=None) -> None:
+    def __init__(self, model: torch.nn.Module, attention: str | None = None, kv_quant=None,
+                 precision: str = providers.DEFAULT_PRECISION) -> None:  # fmt: skip
         super().__init__()
         from pakv_onnx.models.hf import ort_layer
 
@@ -154,15 +159,21 @@ class PagedDecoderStep(torch.nn.Module):
             raise ValueError(
                 f"a quantized KV cache needs attention {ORT!r} (com.microsoft::PagedAttention), got {attention!r}"
             )
+        refusal = providers.precision_refusal(precision, PAKV if attention in (FUSED, GATHER) else attention)
+        if refusal:
+            raise ValueError(refusal)
         if attention != ORT:
             _refuse_windows(model)
         self.head_apart = type(model).__name__ in HEAD_OVER_HIDDEN
         self.kv_quant = kv_quant
+        self.precision = providers.PRECISIONS[precision]
         if attention == ORT:
-            ort_layer.replace_attention(model, kv_quant)
-            cos, sin = ort_layer.rotary_tables(model)
-            self.register_buffer("rotary_cos", cos, persistent=False)
-            self.register_buffer("rotary_sin", sin, persistent=False)
+            attention_dtype = getattr(torch, self.precision.attention)
+            cos, sin = ort_layer.rotary_tables(model)  # float32, before the model's cast
+            model.to(getattr(torch, self.precision.compute))
+            ort_layer.replace_attention(model, kv_quant, attention_dtype)
+            self.register_buffer("rotary_cos", cos.to(attention_dtype), persistent=False)
+            self.register_buffer("rotary_sin", sin.to(attention_dtype), persistent=False)
         else:
             from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
 
@@ -186,8 +197,9 @@ class PagedDecoderStep(torch.nn.Module):
 
     @property
     def pool_dtype(self) -> torch.dtype:
-        """The pools' element type: fp32, or the quantized cache's (int8, float8_e4m3fn)."""
-        return self.kv_quant.dtype if self.kv_quant is not None else torch.float32
+        """The pools' element type: the precision's attention dtype, or the quantized cache's (int8,
+        float8_e4m3fn)."""
+        return self.kv_quant.dtype if self.kv_quant is not None else getattr(torch, self.precision.attention)
 
     @property
     def latent(self) -> bool:
@@ -232,7 +244,7 @@ class PagedDecoderStep(torch.nn.Module):
         tables = (self.rotary_cos, self.rotary_sin)
         state = OrtStepState(list(key_pools), list(value_pools), cu, past, block_table, *tables)
         hidden = decode_layers(self.model, input_ids, state)
-        logits = self.model.lm_head(torch.nn.functional.embedding(cu[1:] - 1, hidden))
+        logits = self.model.lm_head(torch.nn.functional.embedding(cu[1:] - 1, hidden)).to(torch.float32)
         return (logits, *state.key_pools, *state.value_pools)
 
 
@@ -341,6 +353,7 @@ def export_step(
         model, _ = fuse_step(model)
     logits = next(o for o in model.graph.output if o.name == "logits")
     logits.type.tensor_type.shape.dim[0].dim_param = LOGITS_BATCH_DIM
+    cap_ir_version(model)  # the fusion re-serializes the model
     if path is not None:
         onnx.save_model(model, os.fspath(path))
     return model
