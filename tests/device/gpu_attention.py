@@ -17,6 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pakv_onnx.spec import MAX_IR_VERSION
+
 TOLERANCE = {"float16": (1e-3, 2**-10), "bfloat16": (1e-2, 2**-7)}
 HOST_INPUTS = ("cumulative_sequence_length", "past_seqlens", "block_table", "slot_mapping", "attention_metadata")
 # ORT's CUDA backends: block size a power of two >= 16, head size a multiple of 8 (FACTS §14).
@@ -71,7 +73,7 @@ def orts_session(target, model):
 
     from pakv_onnx import runtime_plugin
 
-    assert model.ir_version <= 10, model.ir_version  # ORT 1.31 reads at most 13 (gpu_copies.ort_readable)
+    assert model.ir_version <= MAX_IR_VERSION, model.ir_version  # ORT 1.31 reads at most 13 (gpu_copies.ort_readable)
     if target.dry_run:
         return runtime_plugin.make_session(model)
     options = ort.SessionOptions()

@@ -61,6 +61,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "tests"), str(HE
 
 import torch  # noqa: E402  (before onnxruntime.preload_dlls: ORT then reuses torch's CUDA libraries)
 
+from pakv_onnx.spec import MAX_IR_VERSION  # noqa: E402
+
 PARTS = ("copies", "attention", "decoders")
 
 
@@ -105,7 +107,7 @@ class Target:
 
         from pakv_onnx import runtime_plugin
 
-        assert model.ir_version <= 10, f"IR version {model.ir_version}: pass the model through gpu_copies.ort_readable"
+        assert model.ir_version <= MAX_IR_VERSION, f"IR version {model.ir_version}: pass the model through gpu_copies.ort_readable"
 
         options = ort.SessionOptions()
         if not self.dry_run:
