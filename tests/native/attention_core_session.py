@@ -134,7 +134,6 @@ def plan_of(case, out):
         return None if a is None else a.ctypes.data
 
     return loader.AttentionPlan(
-        abi_version=loader.ABI_VERSION, struct_size=ctypes.sizeof(loader.AttentionPlan),
         query_type=case["query_type"], out_type=case["out_type"], tables64=1, causal=case["causal"],
         num_blocks=k.shape[0], block_size=k.shape[1], key_cache=k.ctypes.data, value_cache=v.ctypes.data,
         key_type=case["key"][0], value_type=case["value"][0], key_quant=QUANT[case["key"][1]],
