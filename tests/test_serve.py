@@ -317,21 +317,26 @@ def test_config_file_name_is_the_exports() -> None:
 
 @pytest.mark.slow  # a server of its own
 def test_full_queue_gets_429(serve_folder: Path) -> None:
-    """One request runs (batches of 1), one waits (--max-queue 1): the next gets 429."""
+    """One request runs (batches of 1), one waits (--max-queue 1): the next gets 429. The refused
+    request's client is made, and the waiting one sent raw, before anything is timed, so the queue is
+    still full when the third asks however busy the machine is (an openai client made in between took
+    longer than the running request's tokens on a loaded machine)."""
     import openai
 
     with running_server(serve_folder, "--max-batch-size", "1", "--max-queue", "1", "--num-blocks", "1024") as server:
+        refused = client(server, key="x")
         running = _open_stream(server, [5], 1000)
-        waiting = ThreadPoolExecutor(1).submit(
-            client(server, key="x").completions.create, model=serve_folder.name, prompt=[6], max_tokens=2
-        )
+        body = json.dumps({"prompt": [6], "max_tokens": 2, "temperature": 0}).encode()
+        waiting = ThreadPoolExecutor(1).submit(http_json, server, "POST", "/v1/completions", body)
         deadline = time.monotonic() + 30
-        while http_json(server, "GET", "/health")[1]["queue_depth"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        while (depth := http_json(server, "GET", "/health")[1]["queue_depth"]) < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert depth == 1, "the second request never waited in the queue"
         with pytest.raises(openai.RateLimitError, match="--max-queue 1"):
-            client(server, key="x").completions.create(model=serve_folder.name, prompt=[7], max_tokens=2)
+            refused.completions.create(model=serve_folder.name, prompt=[7], max_tokens=2)
         running.close()
-        assert waiting.result(60).usage.completion_tokens >= 1
+        status, answer, _ = waiting.result(60)
+        assert status == 200 and answer["usage"]["completion_tokens"] >= 1, answer
 
 
 @pytest.mark.slow  # servers of their own
