@@ -139,16 +139,32 @@ static double round_once(double hi, double lo, int bits, int min_step) {
   return r * power_of_two(step);
 }
 
+/* hi + lo (as round_once's) rounded once to fp32, the same value as round_once(hi, lo, 24, -149), in a few
+ * instructions: hi is first rounded to odd (when lo != 0 and hi's last bit is even, hi steps one double ulp
+ * toward lo: the exact sum lies strictly between hi and that neighbour), and a value rounded to odd with 53
+ * bits is rounded to nearest even with 24 (or fewer, subnormal) bits as the exact value is, since 53 >= 24 + 2
+ * (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+ * odd", IEEE TC 2008). */
+static inline float round_once_to_float(double hi, double lo) {
+  if (lo != 0.0 && hi - hi == 0.0) { /* inexact, hi finite (lo != 0 rules out hi == 0) */
+    uint64_t b;
+    memcpy(&b, &hi, sizeof(b));
+    if (!(b & 1u)) b += (lo > 0.0) == (hi > 0.0) ? 1 : (uint64_t)-1; /* one ulp away from / toward zero */
+    memcpy(&hi, &b, sizeof(b));
+  }
+  return (float)hi;
+}
+
 /* a c + t (a, c T values: the product is exact in double; t a T value) rounded once to T, as one
  * fused multiply-add in T's arithmetic. */
-static float fused_multiply_add(double a, double c, double t, int32_t type) {
+static inline float fused_multiply_add(double a, double c, double t, int32_t type) {
   double p = a * c, hi = p + t, back = hi - p;
   double lo = (p - (hi - back)) + (t - back); /* hi + lo == p + t exactly (two-sum) */
-  return type == ONNX_FLOAT16 ? (float)round_once(hi, lo, 11, -24) : (float)round_once(hi, lo, 24, -149);
+  return type == ONNX_FLOAT16 ? (float)round_once(hi, lo, 11, -24) : round_once_to_float(hi, lo);
 }
 
 /* One output channel of the rotation: a c + sign b s at T's operations (see the header). */
-static float rotate(float a, float b, float c, float s, float sign, int32_t type) {
+static inline float rotate(float a, float b, float c, float s, float sign, int32_t type) {
   if (type == ONNX_BFLOAT16) {
     float ac = round_to((float)((double)a * c), type);           /* T(a c) */
     float bs = round_to((float)((double)(sign * b) * s), type);  /* T(T(sign b) s): sign b is exact */
