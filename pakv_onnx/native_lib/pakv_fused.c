@@ -32,6 +32,8 @@
 #define PAKV_FUSED_PARALLEL_MIN (1 << 16)
 /* The largest head size whose scratch (2 D + lanes floats) is computed without overflow. */
 #define PAKV_FUSED_MAX_SCRATCH_HEAD ((int64_t)1 << 40)
+/* Head sizes up to this take their prologue scratch (2 D + reduction_lanes(D) floats) on the stack. */
+#define PAKV_FUSED_STACK_HEAD 256
 /* Elements per part of a parallel prologue. */
 #define PAKV_FUSED_PART_ELEMENTS (1 << 14)
 
@@ -277,7 +279,9 @@ static void run_part(void* data, size_t index) {
   prologue_run* run = (prologue_run*)data;
   const pakv_fused_plan* p = run->plan;
   int64_t t0 = (int64_t)index * run->tokens_per_part, t1 = t0 + run->tokens_per_part;
-  float* scratch = p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
+  float stack[2 * PAKV_FUSED_STACK_HEAD + PAKV_FUSED_STACK_HEAD]; /* lanes: reduction_lanes(<= 256) = 256 */
+  float* scratch = p->head_dim <= PAKV_FUSED_STACK_HEAD ? stack
+                   : p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
                        ? (float*)malloc((size_t)(2 * p->head_dim + reduction_lanes(p->head_dim)) * sizeof(float))
                        : NULL; /* no memory holds such a head: out of memory, never an overflowing size */
   if (!scratch) {
@@ -285,7 +289,7 @@ static void run_part(void* data, size_t index) {
     return;
   }
   prologue_tokens(p, t0, t1 < p->num_tokens ? t1 : p->num_tokens, scratch);
-  free(scratch);
+  if (scratch != stack) free(scratch);
 }
 
 /* ------------------------------------------------------------------------------------------- */
