@@ -138,6 +138,7 @@ static double round_once(double hi, double lo, int bits, int min_step) {
   /* hi exactly halfway: the exact value is on lo's side of it. */
   if (m - r == 0.5 && lo > 0.0) r += 1.0;
   if (m - r == -0.5 && lo < 0.0) r -= 1.0;
+  if (r == 0.0) return hi < 0.0 ? -0.0 : 0.0; /* a value too small for T keeps its sign, as IEEE's rounding does */
   return r * power_of_two(step);
 }
 
