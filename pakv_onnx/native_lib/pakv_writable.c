@@ -76,7 +76,7 @@ static int probe_one(void* addr) {
  * come back in one readv; a pipe call that meets an unreadable or unwritable byte fails whole (EFAULT, not a
  * count: it does not say which byte), so then they are asked again one at a time, in order. */
 static int64_t probe_batch(void* const* addrs, int k) {
-  struct iovec iov[PAKV_PROBES_PER_CALL];
+  struct iovec iov[PAKV_PROBES_PER_CALL] = {{0}}; /* all set below; zeroed for GCC -O1's maybe-uninitialized */
   for (int i = 0; i < k; i++) iov[i] = (struct iovec){addrs[i], 1};
   ssize_t out = writev(g_probe_pipe[1], iov, k); /* each byte read: an unreadable one cannot be written either */
   if (out == k && readv(g_probe_pipe[0], iov, k) == k) return k; /* each byte put back onto itself */
