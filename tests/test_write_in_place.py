@@ -357,15 +357,20 @@ print("OK")
 """
 
 
-def test_the_probe_works_where_process_vm_writev_is_refused(tmp_path) -> None:
-    shim = tmp_path / "no_vm_writev.so"
-    source = tmp_path / "no_vm_writev.c"
-    source.write_text(NO_VM_WRITEV)
+def _pipe_probe_with_shim(tmp_path, shim_source: str) -> subprocess.CompletedProcess:
+    """PIPE_PROBE in a fresh process with ``shim_source`` (C) compiled and LD_PRELOADed."""
+    shim, source = tmp_path / "shim.so", tmp_path / "shim.c"
+    source.write_text(shim_source)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
     env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
                             timeout=120, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-1500:]
+    return result
+
+
+def test_the_probe_works_where_process_vm_writev_is_refused(tmp_path) -> None:
+    result = _pipe_probe_with_shim(tmp_path, NO_VM_WRITEV)
     assert "process_vm_writev refused" not in result.stderr  # never asked: the pipe is the probe
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
 
@@ -387,14 +392,7 @@ def test_a_decode_steps_two_probes_need_no_pipe(tmp_path) -> None:
     """One or two probes (a decode step writes one page of each cache) are futex(2) atomic adds of 0, one call
     each (pakv_writable.c): a read-only pool is refused even where the probe's pipe cannot be made (before,
     the probe could not tell, the write went ahead and died of SIGSEGV), the pool's bytes unchanged."""
-    shim = tmp_path / "no_pipe.so"
-    source = tmp_path / "no_pipe.c"
-    source.write_text(NO_PIPE)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
-    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
-                            timeout=120, env=env)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-1500:]
+    result = _pipe_probe_with_shim(tmp_path, NO_PIPE)
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
 
 
