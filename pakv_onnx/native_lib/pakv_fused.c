@@ -199,6 +199,22 @@ static float sum_of_squares(const float* x, int64_t d, float* lanes) {
   return lanes[0];
 }
 
+/* An fp32 head at src (D floats, any alignment) rotated at `position` into out: prepare_head's values for
+ * T = float32 without a norm weight (pairs as there; each channel fp32(a c + fp32(sign b s)), one rounding). */
+static void rotate_f32_head(const pakv_fused_plan* p, const float* src, int64_t position, float* out) {
+  memcpy(out, src, (size_t)p->head_dim * sizeof(float));
+  if (p->rotary_dim == 0) return;
+  const int64_t half = p->rotary_dim / 2, step = p->rotary_interleaved ? 2 : 1, apart = p->rotary_interleaved ? 1 : half;
+  const float *cos = (const float*)p->cos_cache + position * half, *sin = (const float*)p->sin_cache + position * half;
+  float* rotated = out + p->rotary_offset;
+  for (int64_t i = 0; i < half; i++) {
+    const int64_t first = i * step, second = first + apart;
+    const float a = rotated[first], b = rotated[second], c = cos[i], s = sin[i];
+    rotated[first] = fused_multiply_add(a, c, (float)((double)-b * s), ONNX_FLOAT);
+    rotated[second] = fused_multiply_add(b, c, (float)((double)a * s), ONNX_FLOAT);
+  }
+}
+
 /* The head at src (D elements of T) through the norm (weight may be NULL) and rotary at `position`,
  * into out (D floats, each a T value); `normed` is D floats and `lanes` reduction_lanes(D) floats of
  * scratch. */
@@ -206,6 +222,10 @@ static void prepare_head(const pakv_fused_plan* p, const void* src, const void* 
                          float* lanes, float* out) {
   const int64_t d = p->head_dim;
   const int32_t type = p->query_type;
+  if (type == ONNX_FLOAT && !weight) { /* fp32, no norm (a decoder's usual head): the same values, no conversions */
+    rotate_f32_head(p, (const float*)src, position, out);
+    return;
+  }
   for (int64_t c = 0; c < d; c++) normed[c] = element_at(src, c, type);
   if (weight) {
     float mean = sum_of_squares(normed, d, lanes) / (float)d;
