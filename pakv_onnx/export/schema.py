@@ -46,12 +46,19 @@ from pakv_onnx.spec import (
     OpSignature,
 )
 
-# Type-constraint names: one per cache (key and value dtypes may differ; each output takes its
+# A type constraint of an op's schema: (symbol, the contract's dtypes it allows, the inputs and
+# outputs it types, what it is in words).
+Constraint = tuple[str, tuple, tuple[str, ...], str]
+
+# The gather's: one symbol per cache (key and value dtypes may differ; each output takes its
 # cache's), then one per index input (they may differ too).
-_KEY_CACHE, _VALUE_CACHE = INPUT_NAMES[:2]
-_CACHE_T = {_KEY_CACHE: "TK", _VALUE_CACHE: "TV"}
-_OUTPUT_T = dict(zip(OUTPUT_NAMES, (_CACHE_T[_KEY_CACHE], _CACHE_T[_VALUE_CACHE])))
-_INDEX_T = {name: f"T{i}" for i, name in enumerate(INPUT_NAMES[2:], start=2)}
+_GATHER_TYPES: list[Constraint] = [
+    *(
+        (symbol, CACHE_DTYPES, (cache, output), f"{cache} element type (and its output's)")
+        for symbol, cache, output in zip(("TK", "TV"), INPUT_NAMES[:2], OUTPUT_NAMES)
+    ),
+    *((f"T{i}", INDEX_DTYPES, (name,), f"{name} index type") for i, name in enumerate(INPUT_NAMES[2:], start=2)),
+]
 
 _DOC = (
     "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors (see pakv_onnx.spec). "
@@ -67,20 +74,6 @@ _symbol_counter = itertools.count()
 def onnx_type_str(onnx_type: int) -> str:
     """``16`` -> ``"tensor(bfloat16)"``: the type string OpSchema constraints use."""
     return f"tensor({TensorProto.DataType.Name(onnx_type).lower()})"
-
-
-def _constraint(symbol: str, dtypes, what: str) -> tuple[str, list[str], str]:
-    """The type constraint ``symbol``: one of ``dtypes`` (the contract's rows), ``what`` in words."""
-    return (symbol, [onnx_type_str(d.onnx_type) for d in dtypes], what)
-
-
-def _type_constraints() -> list[tuple[str, list[str], str]]:
-    constraints = [
-        _constraint(symbol, CACHE_DTYPES, f"{name} element type (and its output's)")
-        for name, symbol in _CACHE_T.items()
-    ]
-    constraints += [_constraint(symbol, INDEX_DTYPES, f"{name} index type") for name, symbol in _INDEX_T.items()]
-    return constraints
 
 
 def _attributes() -> list[onnx.defs.OpSchema.Attribute]:
@@ -179,14 +172,7 @@ def make_schema() -> onnx.defs.OpSchema:
     there the schema still gives the checker the names, types and attributes, and shape inference
     leaves the outputs as declared.
     """
-    return _op_schema(
-        GATHER,
-        _DOC,
-        {**_CACHE_T, **_INDEX_T, **_OUTPUT_T},
-        type_constraints=_type_constraints(),
-        attributes=_attributes(),
-        infer=_infer,
-    )
+    return _op_schema(GATHER, _DOC, _GATHER_TYPES, attributes=_attributes(), infer=_infer)
 
 
 def _formal(signature: OpSignature, names: tuple[str, ...], symbols: dict[str, str]):
@@ -201,15 +187,19 @@ def _formal(signature: OpSignature, names: tuple[str, ...], symbols: dict[str, s
     ]
 
 
-def _op_schema(signature: OpSignature, doc: str, symbols: dict[str, str], *, infer, **parameters) -> onnx.defs.OpSchema:
-    """An OpSchema of the pakv domain for ``signature``'s inputs and outputs, each typed by
-    ``symbols`` (name -> type-constraint symbol): deterministic and with ``infer`` as its shape
-    inference where this onnx has them (>= 1.17; onnx 1.16 takes neither, see :func:`make_schema`)."""
+def _op_schema(signature: OpSignature, doc: str, types: list[Constraint], *, infer, **parameters) -> onnx.defs.OpSchema:
+    """An OpSchema of the pakv domain for ``signature``'s inputs and outputs, each typed by the one of
+    ``types`` that names it: deterministic and with ``infer`` as its shape inference where this onnx
+    has them (>= 1.17; onnx 1.16 takes neither, see :func:`make_schema`)."""
     determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
     if determinism is not None:
         parameters["node_determinism"] = determinism.Deterministic
+    symbols = {name: symbol for symbol, _, names, _ in types for name in names}
     parameters["inputs"] = _formal(signature, signature.input_names, symbols)
     parameters["outputs"] = _formal(signature, signature.output_names, symbols)
+    parameters["type_constraints"] = [
+        (symbol, [onnx_type_str(d.onnx_type) for d in dtypes], what) for symbol, dtypes, _, what in types
+    ]
     schema = onnx.defs.OpSchema(signature.op_type, DOMAIN, OPSET_VERSION, doc, **parameters)
     if hasattr(schema, "set_type_and_shape_inference_function"):
         schema.set_type_and_shape_inference_function(infer)
@@ -225,8 +215,16 @@ _SCATTER_DOC = (
     "(a runtime may make them the input caches' own buffers: bound so by the host, or aliased where the plugin's "
     "registration opted in)."
 )
-# key and key_cache share TK (and key_cache_out), value and value_cache TV; slot_mapping TS.
-_SCATTER_T = dict(zip((*SCATTER.input_names, *SCATTER.output_names), ("TK", "TV", "TK", "TV", "TS", "TK", "TV")))
+# key, key_cache and key_cache_out share TK, the value side TV; slot_mapping TS.
+_SCATTER_TYPES: list[Constraint] = [
+    *(
+        (symbol, CACHE_DTYPES, (rows, cache, out), f"{rows} and {cache} element type (and {out}'s)")
+        for symbol, rows, cache, out in zip(
+            ("TK", "TV"), SCATTER.input_names[:2], SCATTER.input_names[2:4], SCATTER.output_names
+        )
+    ),
+    ("TS", INDEX_DTYPES, SCATTER.input_names[4:], "slot_mapping index type"),
+]
 
 
 def _infer_scatter(ctx) -> None:
@@ -238,18 +236,7 @@ def _infer_scatter(ctx) -> None:
 
 def make_scatter_schema() -> onnx.defs.OpSchema:
     """A fresh OpSchema for ScatterPaKvCache (not registered); see :func:`make_schema` for old onnx."""
-    return _op_schema(
-        SCATTER,
-        _SCATTER_DOC,
-        _SCATTER_T,
-        type_constraints=[
-            _constraint("TK", CACHE_DTYPES, "key and key_cache element type (and key_cache_out's)"),
-            _constraint("TV", CACHE_DTYPES, "value and value_cache element type (and value_cache_out's)"),
-            _constraint("TS", INDEX_DTYPES, "slot_mapping index type"),
-        ],
-        attributes=[_attributes()[0]],
-        infer=_infer_scatter,
-    )
+    return _op_schema(SCATTER, _SCATTER_DOC, _SCATTER_TYPES, attributes=[_attributes()[0]], infer=_infer_scatter)
 
 
 # --------------------------------------------------------------------------- #
@@ -263,7 +250,18 @@ _ATTENTION_DOC = (
     "0 .. L - n + j. Hq is a multiple of Hk (GQA). fp32 scores and softmax; output [N, Hq, Dv] in query's type."
 )
 # query, both caches and the output share T; the index inputs each their own (int32 or int64).
-_ATTENTION_T = dict(zip((*ATTENTION.input_names, *ATTENTION.output_names), ("T", "T", "T", "TB", "TC", "TP", "T")))
+_ATTENTION_TYPES: list[Constraint] = [
+    (
+        "T",
+        ATTENTION_DTYPES,
+        (*ATTENTION.input_names[:3], *ATTENTION.output_names),
+        "query, key_cache, value_cache and output type",
+    ),
+    *(
+        (symbol, INDEX_DTYPES, (name,), f"{name} index type")
+        for symbol, name in zip(("TB", "TC", "TP"), ATTENTION.input_names[3:])
+    ),
+]
 
 
 def _infer_attention(ctx) -> None:
@@ -287,13 +285,7 @@ def make_attention_schema() -> onnx.defs.OpSchema:
     return _op_schema(
         ATTENTION,
         _ATTENTION_DOC,
-        _ATTENTION_T,
-        type_constraints=[
-            _constraint("T", ATTENTION_DTYPES, "query, key_cache, value_cache and output type"),
-            _constraint("TB", INDEX_DTYPES, "block_table index type"),
-            _constraint("TC", INDEX_DTYPES, "cumulative_sequence_lengths index type"),
-            _constraint("TP", INDEX_DTYPES, "past_sequence_lengths index type"),
-        ],
+        _ATTENTION_TYPES,
         attributes=[
             onnx.defs.OpSchema.Attribute(
                 ATTR_SCALE,
