@@ -27,8 +27,8 @@ def load_hf(name: str) -> ModuleType:
     """
     try:
         module = importlib.import_module(f"pakv_onnx.models.hf.{name}")
+        _interrupt.check()
+        quiet_transformers()
     except ImportError as err:
         raise ImportError(f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}") from err
-    _interrupt.check()
-    quiet_transformers()
     return module
