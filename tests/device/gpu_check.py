@@ -1,10 +1,10 @@
 """The GPU check: the library's CUDA entries, ORT's CUDA PagedAttention against the plugin, and
 exported decoders on og.Engine's CUDA EP against the CPU with the plugin -- one script, one device call.
 
-RUN ON REAL HARDWARE ONCE, BEFORE ISSUE 36 (FACTS §14: one H200, the gather entry's matrix and speed,
-after two hand fixes now made here). This version has not run on a GPU yet: only ``--dry-run`` (the
-same code on the CPU execution provider with CPU tensors) runs on the project's machines, in
-tests/test_device_script.py.
+RUN ON AN H200 ON 2026-12-04 (all three parts; docs/plugin-hosts.md has the figures). Changed since,
+unrun on a GPU: the copy kernel's own memory pool and larger pieces (gpu_copies measures them), the
+``--dump`` option. On the project's machines only ``--dry-run`` runs (the same code on the CPU
+execution provider with CPU tensors, tests/test_device_script.py).
 
 Parts (``--parts``, default all):
 
