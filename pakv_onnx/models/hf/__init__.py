@@ -34,13 +34,12 @@ from pakv_onnx.models.hf.generate import (
     session_step,
     step_inputs,
 )
+from pakv_onnx.models.hf.forms import paged_attention, register_attention
+from pakv_onnx.models.hf.kwargs import ATTN_IMPLEMENTATION
 from pakv_onnx.models.hf.step import (
-    ATTN_IMPLEMENTATION,
     PagedDecoderStep,
     export_step,
-    paged_attention,
     present_bindings,
-    register_attention,
     run_step_torch,
     step_feeds,
     step_input_names,
