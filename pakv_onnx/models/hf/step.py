@@ -6,8 +6,9 @@ decoded token: prefill and decode are the same graph), packed as ``input_ids [N]
 computes each token's position and cache slot from the step's inputs, and every layer writes its
 new K/V rows into its pools with ScatterPaKvCache and reads past + new back through the updated
 pools with GatherPaKvCache (:class:`~pakv_onnx.models.hf.cache.StepCache`), then attends per
-sequence through :func:`paged_attention`, registered with transformers' ``AttentionInterface``
-under :data:`ATTN_IMPLEMENTATION` — no transformers module is patched. No host write remains.
+sequence through :func:`~pakv_onnx.models.hf.forms.paged_attention`, registered with transformers'
+``AttentionInterface`` — no transformers module is patched. No host write remains. The model's
+attention is replaced before the step wraps it (:func:`~pakv_onnx.models.hf.forms.prepare_attention`).
 GQA decoders (Llama and the like: every model but MLA's) attend instead with one
 ``pakv::PagedAttention`` per layer over the updated pools, read in place through the block table
 (:class:`~pakv_onnx.models.hf.cache.FusedStepCache`; ``attention=``:data:`FUSED` of
@@ -99,6 +100,10 @@ class PagedDecoderStep(torch.nn.Module):
     (:class:`~pakv_onnx.models.hf.ort_layer.KvQuant`). ``precision``: a name of
     :data:`pakv_onnx.providers.PRECISIONS` (fp16 and bf16: :data:`ORT` only); ``model`` (float32, as
     loaded) is cast to its compute dtype here, after the rotary tables are taken from it in float32.
+
+    ``model``: a transformers causal LM, whose attention is replaced here
+    (:func:`~pakv_onnx.models.hf.forms.prepare_attention` with ``attention``, ``kv_quant``, ``precision``),
+    or a :class:`~pakv_onnx.models.hf.forms.PreparedModel` (replaced already; the other arguments unused).
 
     Raises:
         ValueError: an attention form this model has not, ``kv_quant`` outside :data:`ORT`, or a precision
