@@ -32,9 +32,9 @@ def export_walk(tmp_path: Path, arch: str, **options) -> list[str]:
             return
         callee = Path(frame.f_code.co_filename).name
         caller = frame.f_back.f_code.co_filename if frame.f_back else ""
-        if caller != frame.f_code.co_filename and not torch.compiler.is_exporting():
-            if not stays or stays[-1] != callee:
-                stays.append(callee)
+        entered = caller != frame.f_code.co_filename and not torch.compiler.is_exporting()
+        if entered and (not stays or stays[-1] != callee):
+            stays.append(callee)
 
     sys.setprofile(on_call)
     try:

@@ -52,16 +52,8 @@ from pakv_onnx.models.hf.cache import (
 )
 from pakv_onnx.models.hf.configs import CacheGeometry, cache_geometry
 from pakv_onnx.models.hf.forms import PreparedModel, prepare_attention
-from pakv_onnx.models.hf.kwargs import (  # noqa: F401  (ATTENTION_CHOICES, PAKV: the forms' names, read from here too)
-    ATTENTION_CHOICES,
-    FUSED,
-    FUSED_CACHE_KWARG,
-    GATHER,
-    KV_SEQ_LENS_KWARG,
-    ORT,
-    PAKV,
-    QUERY_SEQ_LENS_KWARG,
-)
+from pakv_onnx.models.hf.kwargs import ATTENTION_CHOICES, GATHER, PAKV  # noqa: F401  (the forms' names, read from here too)
+from pakv_onnx.models.hf.kwargs import FUSED, FUSED_CACHE_KWARG, KV_SEQ_LENS_KWARG, ORT, QUERY_SEQ_LENS_KWARG
 
 FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
 LOGITS_BATCH_DIM = "batch_size"
