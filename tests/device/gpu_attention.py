@@ -89,7 +89,7 @@ def run_orts(target, call) -> dict[str, torch.Tensor]:
 
     from pakv_onnx import runtime_plugin
 
-    session = orts_session(target, ort_readable(model_for(call)))
+    session = orts_session(target, ort_readable(model_for(call, shaped=True)))
     feeds = {name: None if t is None else (t if name in HOST_INPUTS else t.to(target.device))
              for name, t in call.inputs.items()}  # fmt: skip
     out = {"key_cache_out": feeds["key_cache"]}
@@ -109,7 +109,7 @@ def run_plugins(call) -> dict[str, torch.Tensor]:
 
     from pakv_onnx import runtime_plugin
 
-    session = runtime_plugin.make_session(ort_readable(model_for(call)))
+    session = runtime_plugin.make_session(ort_readable(model_for(call, shaped=True)))
     out = {"key_cache_out": call.inputs["key_cache"]}
     if call.inputs["value_cache"] is not None:
         out["value_cache_out"] = call.inputs["value_cache"]

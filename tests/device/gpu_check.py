@@ -39,6 +39,11 @@ onnx, a CPU onnxruntime, no onnxruntime-gpu):
       cat /tmp/wheels/ort-part-* > /tmp/wheels/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
       PAKV_GPU_WHEELS=/tmp/wheels bash tests/device/gpu_check.sh --quick --json $OUT/gpu.json
 
+  The device image's transformers (5.17) is older than the `hf` extra's (>= 5.24): export the
+  decoders part's folders where the extra is installed and carry them with a wheel part:
+      python3 tests/device/gpu_check.py --export-decoders folders     # 32 folders, ~2 min on 2 cores
+      ... gpu_check.sh --decoder-folders /tmp/folders ...
+
   gpu_check.sh then installs the wheels with pip --no-index --no-deps --target into a folder put first
   on PYTHONPATH (the device's torch stays), builds the library in place (gcc only) and runs this script.
 
@@ -78,6 +83,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--strict", action="store_true", help="a missed speed goal fails the run")
     parser.add_argument("--device-id", type=int, default=0)
+    parser.add_argument("--export-decoders", type=Path, metavar="DIR",
+                        help="only export the decoders part's folders into DIR and exit (any machine with the "
+                             "`hf` extra; no GPU): for a GPU machine whose transformers is too old")
+    parser.add_argument("--decoder-folders", type=Path, metavar="DIR",
+                        help="the decoders part runs the folders --export-decoders made in DIR instead of exporting")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in args.parts if p not in PARTS]
@@ -166,14 +176,15 @@ def run(args, target: Target) -> dict:
         print("\n".join(gpu_copies.report(rows)), flush=True)
         checks = gpu_copies.goals(rows, args.large_blocks)
         for check in checks:
-            print(f"goal {'met' if check['met'] else 'MISSED'}: {check['goal']} ({check['value']})", flush=True)
+            verdict = "reported" if check.get("reported") else f"goal {'met' if check['met'] else 'MISSED'}"
+            print(f"{verdict}: {check['goal']} ({check['value']})", flush=True)
         results.update(matrix=matrix, scatter=scatter, bench=rows, goals=checks)
     if "attention" in args.parts:
         results["attention"] = gpu_attention.run_paged_attention(target, args.quick)
         print("\n".join(gpu_attention.report(results["attention"])), flush=True)
     if "decoders" in args.parts:
         with tempfile.TemporaryDirectory(prefix="pakv-gpu-decoders-") as work:
-            results["decoders"] = gpu_decoders.run_decoders(target, args.quick, Path(work))
+            results["decoders"] = gpu_decoders.run_decoders(target, args.quick, Path(work), args.decoder_folders)
         print("\n".join(gpu_decoders.report(results["decoders"])), flush=True)
     return results
 
@@ -193,6 +204,13 @@ def failed(results: dict, strict: bool) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.export_decoders:
+        import gpu_decoders
+
+        args.export_decoders.mkdir(parents=True, exist_ok=True)
+        names = gpu_decoders.export_folders(args.quick, args.export_decoders)
+        print(f"exported {len(names)} folders into {args.export_decoders}: {', '.join(names)}", flush=True)
+        return 0
     target = Target(args.dry_run, args.device_id)
     reason = setup(target)
     if reason:

@@ -201,7 +201,7 @@ EXPORT pakv_CUresult cuMemcpyBatchAsync(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr
 #define MAX_LIVE 64
 static void* g_live[MAX_LIVE];
 static size_t g_live_bytes[MAX_LIVE];
-static int g_module_token, g_function_token;
+static int g_module_token, g_function_token, g_inline_token;
 
 /* The live allocation [p, p + bytes) lies in, or -1. */
 static int live_index(uintptr_t p, size_t bytes) {
@@ -258,26 +258,35 @@ EXPORT pakv_CUresult cuMemcpyHtoDAsync_v2(pakv_CUdeviceptr dst, const void* src,
 EXPORT pakv_CUresult cuModuleLoadData(pakv_CUmodule* module, const void* image) {
   add(F_MODULE_LOAD, 1);
   const char* ptx = (const char*)image;
-  int ok = ptx && strstr(ptx, ".entry pakv_copy_runs(") && strstr(ptx, ".version ") && strstr(ptx, ".target sm_");
+  int ok = ptx && strstr(ptx, ".entry pakv_copy_runs(") && strstr(ptx, ".entry pakv_copy_runs_inline(") &&
+           strstr(ptx, ".version ") && strstr(ptx, ".target sm_");
   *module = ok ? &g_module_token : NULL;
   return ok ? PAKV_CUDA_SUCCESS : 218; /* CUDA_ERROR_INVALID_PTX */
 }
 
 EXPORT pakv_CUresult cuModuleGetFunction(pakv_CUfunction* function, pakv_CUmodule module, const char* name) {
-  int ok = module == &g_module_token && strcmp(name, "pakv_copy_runs") == 0;
-  *function = ok ? &g_function_token : NULL;
-  return ok ? PAKV_CUDA_SUCCESS : 500; /* CUDA_ERROR_NOT_FOUND */
+  int ok = module == &g_module_token;
+  *function = !ok ? NULL
+              : strcmp(name, "pakv_copy_runs") == 0        ? (void*)&g_function_token
+              : strcmp(name, "pakv_copy_runs_inline") == 0 ? (void*)&g_inline_token
+                                                           : NULL;
+  return *function ? PAKV_CUDA_SUCCESS : 500; /* CUDA_ERROR_NOT_FOUND */
 }
 
-/* pakv_copy_runs(const {dst, src, bytes}* runs, unsigned long long count), done on the host. */
+/* pakv_copy_runs(const {dst, src, bytes}* runs, unsigned long long count), its list in "device memory"
+ * from cuMemAllocAsync, or pakv_copy_runs_inline({count, {dst, src, bytes}[160]}), its list in the
+ * parameter; done on the host. */
+#define FAKE_INLINE_RUNS 160
 EXPORT pakv_CUresult cuLaunchKernel(pakv_CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                                     unsigned int block_x, unsigned int block_y, unsigned int block_z,
                                     unsigned int shared_bytes, pakv_CUstream stream, void** params, void** extra) {
-  pakv_CUdeviceptr runs = params ? *(pakv_CUdeviceptr*)params[0] : 0;
-  unsigned long long count = params ? *(unsigned long long*)params[1] : 0;
+  int in_param = f == &g_inline_token;
+  pakv_CUdeviceptr runs = !params ? 0 : in_param ? (uintptr_t)((unsigned long long*)params[0] + 1) : *(pakv_CUdeviceptr*)params[0];
+  unsigned long long count = !params ? 0 : in_param ? *(unsigned long long*)params[0] : *(unsigned long long*)params[1];
   pthread_mutex_lock(&g_lock);
-  int bad = f != &g_function_token || !grid_x || grid_y != 1 || grid_z != 1 || !block_x || block_x > 1024 ||
-            block_y != 1 || block_z != 1 || extra || !count || live_index((uintptr_t)runs, count * 24) < 0;
+  int bad = (f != &g_function_token && !in_param) || !grid_x || grid_y != 1 || grid_z != 1 || !block_x ||
+            block_x > 1024 || block_y != 1 || block_z != 1 || extra || !count ||
+            (in_param ? count > FAKE_INLINE_RUNS : live_index((uintptr_t)runs, count * 24) < 0);
   pthread_mutex_unlock(&g_lock);
   int rc = enter(F_CU_LAUNCH, stream, bad, PAKV_CUDA_ERROR_INVALID_VALUE);
   if (rc) return rc;
