@@ -135,3 +135,11 @@ def test_refusals_are_the_same_either_way(front, value) -> None:
             describe(front, (value,), (("key_cache", 0),), dlpack)
         errors.append((type(info.value), str(info.value)))
     assert errors[0] == errors[1]
+
+
+def test_the_dtype_probe_reads_only_the_tensors_the_table_came_from(front) -> None:
+    """DLPack's table may be handed only objects of its own type: anything else is refused by name."""
+    exchange = torch.Tensor.__dlpack_c_exchange_api__
+    assert front.dlpack_key(exchange, torch.empty(0, dtype=torch.bfloat16)) == 4 | 16 << 8 | 1 << 16
+    with pytest.raises(TypeError, match="float.* is not read by this exchange table"):
+        front.dlpack_key(exchange, 3.0)

@@ -170,8 +170,10 @@ static int describe_dlpack(PyObject* tensor, int is_index, pakv_tensor* rec, PyO
   rec->data = (const char*)view.data + view.byte_offset;
   rec->ndim = view.ndim;
   int32_t kept = view.ndim < PAKV_MAX_RANK ? view.ndim : PAKV_MAX_RANK;
-  memcpy(rec->dims, view.shape, sizeof(int64_t) * (size_t)kept);
-  memcpy(rec->strides, view.strides, sizeof(int64_t) * (size_t)kept);
+  if (kept > 0) { /* a 0-d tensor's shape may be NULL */
+    memcpy(rec->dims, view.shape, sizeof(int64_t) * (size_t)kept);
+    memcpy(rec->strides, view.strides, sizeof(int64_t) * (size_t)kept);
+  }
   memcpy(rec->device, "cpu", 4);
   rec->present = 1;
   if (is_index) keep_host(tensor, rec, hosts, at);
@@ -310,12 +312,17 @@ static PyObject* run(PyObject* self, PyObject* args) {
 
 /* The DLPack exchange table inside torch's capsule, or NULL (None, another major version, or no
  * dltensor_from_py_object_no_sync): the attribute route is then used. */
-static dl_from_py_fn exchange_function(PyObject* exchange) {
+static const dl_exchange_api* exchange_api(PyObject* exchange) {
   if (exchange == Py_None) return NULL;
   const dl_exchange_api* api = PyCapsule_GetPointer(exchange, "dlpack_exchange_api");
-  if (!api) return NULL; /* the Python error stays set: configure() raises it */
-  if (api->header.major != DL_MAJOR) return NULL;
-  return api->dltensor_from_py_object_no_sync;
+  if (!api) return NULL; /* the Python error stays set: the caller raises it */
+  if (api->header.major != DL_MAJOR || !api->dltensor_from_py_object_no_sync) return NULL;
+  return api;
+}
+
+static dl_from_py_fn exchange_function(PyObject* exchange) {
+  const dl_exchange_api* api = exchange_api(exchange);
+  return api ? api->dltensor_from_py_object_no_sync : NULL;
 }
 
 /* The table {dlpack key: ONNX element type} into g_dl_types; -1 with a Python error. */
@@ -369,15 +376,24 @@ static PyObject* configure(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-/* dlpack_key(exchange, tensor) -> int or None: the DLPack element type torch gives `tensor`
- * (code | bits << 8 | lanes << 16), None where DLPack cannot describe it. */
+/* dlpack_key(exchange, tensor) -> int or None: the DLPack element type torch gives `tensor` (a
+ * torch.Tensor: the type the exchange table came from), code | bits << 8 | lanes << 16; None where
+ * DLPack cannot describe it. */
 static PyObject* dlpack_key(PyObject* self, PyObject* args) {
   PyObject *exchange, *tensor;
   if (!PyArg_ParseTuple(args, "OO", &exchange, &tensor)) return NULL;
-  dl_from_py_fn from_py = exchange_function(exchange);
-  if (!from_py) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "dlpack_key: no exchange table");
+  const dl_exchange_api* api = exchange_api(exchange);
+  if (!api) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "dlpack_key: no exchange table");
+  /* The table reads only objects of the type it came from (DLPack's rule): ask the object's type. */
+  PyObject* own = PyObject_GetAttrString((PyObject*)Py_TYPE(tensor), "__dlpack_c_exchange_api__");
+  const void* own_api = own ? PyCapsule_GetPointer(own, "dlpack_exchange_api") : NULL;
+  Py_XDECREF(own);
+  if (own_api != api) {
+    PyErr_Clear();
+    return PyErr_Format(PyExc_TypeError, "dlpack_key: %R is not read by this exchange table", (PyObject*)Py_TYPE(tensor));
+  }
   dl_tensor view;
-  if (from_py(tensor, &view) != 0) {
+  if (api->dltensor_from_py_object_no_sync(tensor, &view) != 0) {
     PyErr_Clear();
     Py_RETURN_NONE;
   }
