@@ -11,6 +11,13 @@ session options name ORT's CUDA provider instead and no library is copied: the s
 with ORT's own CUDA kernel of com.microsoft::PagedAttention (:mod:`pakv_onnx.providers`). Nothing here imports
 onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
 
+The export is one pass, one file per stage, each entered once (tests/test_hf_export_walk.py): the
+config (:func:`~pakv_onnx.models.hf.servable.judge_export`: the form, og.Engine's pools, the provider's
+limits; every refusal before a weight is read) -> the pools' geometry
+(:func:`~pakv_onnx.models.hf.configs.cache_geometry`) -> the attention replacement
+(:func:`~pakv_onnx.models.hf.forms.prepare_attention`) -> the step and its export
+(:mod:`~pakv_onnx.models.hf.step`) -> the folder (here).
+
 What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
 docs/decoders.md ("Serve it with ORT GenAI").
 """
