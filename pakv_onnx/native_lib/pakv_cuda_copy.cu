@@ -2,7 +2,7 @@
  * device. pakv_device_cuda.c uses it for every call of more than one run where the driver can load PTX
  * (cuModuleLoadData): on an H200 (CUDA 13 driver, 2026-12-04) cuMemcpyBatchAsync cost what one
  * cuMemcpyDtoDAsync per run costs, 40x a memcpy of the same bytes at 262,144 tokens. The host splits
- * runs into pieces of at most PAKV_COPY_PIECE_BYTES, so
+ * runs into pieces (64 KiB, more in a large call), so
  * one thread block copies one piece at a time. A list of up to PAKV_COPY_INLINE_RUNS pieces goes in
  * the launch's parameter (pakv_copy_runs_inline); a longer one is uploaded first (pakv_copy_runs).
  *
@@ -21,7 +21,7 @@
 //  pakv_cuda_copy.ptx; echo '  ;') > pakv_cuda_copy_ptx.h && rm pakv_cuda_copy.ptx
 
 struct pakv_copy_run {
-  unsigned long long dst, src, bytes; /* device addresses; bytes <= PAKV_COPY_PIECE_BYTES */
+  unsigned long long dst, src, bytes; /* device addresses; bytes: at most a piece (pakv_device_cuda.c) */
 };
 
 /* A short list passed by value as the launch's parameter (no device memory, no upload): 8 + 160 x 24

@@ -77,8 +77,11 @@ static int forced_path(void) {
   return -1;
 }
 
-/* Kernel pieces: runs split so one thread block copies at most this many bytes at a time. */
+/* Kernel pieces: runs split so one thread block copies at most piece_bytes() at a time: 64 KiB, or
+ * more for a large call, so that a call has at most about PAKV_COPY_TARGET_PIECES pieces beyond one
+ * per run (a 1 GB gather of 256 KiB blocks: 4,096 pieces, a 98 KB list, not 16,384 and 393 KB). */
 #define PAKV_COPY_PIECE_BYTES ((size_t)64 * 1024)
+#define PAKV_COPY_TARGET_PIECES ((size_t)2048)
 #define PAKV_COPY_THREADS 256u
 #define PAKV_COPY_MAX_BLOCKS ((size_t)1 << 16)
 /* pakv_cuda_copy.cu's pakv_copy_inline, mirrored: a list of at most this many pieces is the launch's
@@ -90,6 +93,7 @@ typedef struct {
   unsigned long long runs[PAKV_COPY_INLINE_RUNS][3]; /* dst, src, bytes */
 } copy_inline;
 _Static_assert(sizeof(copy_inline) == 3848, "pakv_copy_inline's size in pakv_cuda_copy.cu");
+_Static_assert(sizeof(pakv_CUmemPoolProps) == 88, "CUmemPoolProps' size in cuda.h");
 /* Contexts whose module was loaded (a module belongs to one context). */
 #define PAKV_COPY_MAX_CONTEXTS 16
 
@@ -97,9 +101,30 @@ typedef struct {
   pakv_CUcontext ctx;
   pakv_CUfunction function; /* pakv_copy_runs: the list in device memory */
   pakv_CUfunction inline_function; /* pakv_copy_runs_inline: the list in the parameter */
+  pakv_CUmemoryPool pool;          /* the library's pool for long lists; NULL: the device's current pool */
 } loaded_kernel;
 static loaded_kernel g_kernels[PAKV_COPY_MAX_CONTEXTS];
 static pthread_mutex_t g_kernel_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* A pool on the current context's device that keeps what it has taken (release threshold: all), or
+ * NULL where the driver lacks the calls or refuses (the device's current pool then serves). */
+static pakv_CUmemoryPool own_pool(const pakv_driver* d) {
+  pakv_CUdevice device = 0;
+  if (!d->cu_ctx_device || !d->cu_pool_create || !d->cu_pool_set || !d->cu_alloc_from_pool ||
+      d->cu_ctx_device(&device) != PAKV_CUDA_SUCCESS)
+    return NULL;
+  pakv_CUmemPoolProps props;
+  memset(&props, 0, sizeof(props));
+  props.allocType = PAKV_CU_MEM_ALLOCATION_TYPE_PINNED;
+  props.location.type = PAKV_CU_MEM_LOCATION_TYPE_DEVICE;
+  props.location.id = device;
+  pakv_CUmemoryPool pool = NULL;
+  uint64_t keep = UINT64_MAX; /* bounded by the largest list in flight at once: 24 bytes a piece */
+  if (d->cu_pool_create(&pool, &props) != PAKV_CUDA_SUCCESS || !pool ||
+      d->cu_pool_set(pool, PAKV_CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &keep) != PAKV_CUDA_SUCCESS)
+    return NULL; /* a pool made but not configured is left alone: it holds nothing */
+  return pool;
+}
 
 /* The copy kernels of the current context, loaded from the embedded PTX on first use there; NULL when
  * the driver lacks a call it needs or the load fails (the caller falls back to the copies). */
@@ -122,6 +147,7 @@ static const loaded_kernel* copy_kernel(const pakv_driver* d) {
         inline_function) {
       g_kernels[i].function = function;
       g_kernels[i].inline_function = inline_function;
+      g_kernels[i].pool = own_pool(d);
       g_kernels[i].ctx = ctx; /* last: a reader matching ctx sees both functions (under the lock anyway) */
       found = &g_kernels[i];
     }
@@ -130,20 +156,30 @@ static const loaded_kernel* copy_kernel(const pakv_driver* d) {
   return found;
 }
 
-/* Pieces of at most PAKV_COPY_PIECE_BYTES covering the list's runs, in order. */
-static size_t count_pieces(const pakv_copy_list* l) {
+/* The call's piece size: PAKV_COPY_PIECE_BYTES, or the total over PAKV_COPY_TARGET_PIECES rounded
+ * up to 16 bytes (a multiple of 16 keeps aligned runs' pieces aligned for the 16-byte copy). The
+ * runs' sizes sum without overflow: each is a slice of one of two caches the validator sized. */
+static size_t piece_bytes(const pakv_copy_list* l) {
+  size_t total = 0;
+  for (size_t i = 0; i < l->count; i++) total += l->bytes[i];
+  size_t share = (total / PAKV_COPY_TARGET_PIECES + 15) & ~(size_t)15;
+  return share > PAKV_COPY_PIECE_BYTES ? share : PAKV_COPY_PIECE_BYTES;
+}
+
+/* Pieces of at most `piece` bytes covering the list's runs, in order. */
+static size_t count_pieces(const pakv_copy_list* l, size_t piece) {
   size_t pieces = 0;
-  for (size_t i = 0; i < l->count; i++) pieces += (l->bytes[i] + PAKV_COPY_PIECE_BYTES - 1) / PAKV_COPY_PIECE_BYTES;
+  for (size_t i = 0; i < l->count; i++) pieces += l->bytes[i] / piece + (l->bytes[i] % piece != 0);
   return pieces;
 }
 
-static void fill_pieces(const pakv_copy_list* l, unsigned long long (*piece)[3]) {
+static void fill_pieces(const pakv_copy_list* l, size_t piece, unsigned long long (*out)[3]) {
   size_t n = 0;
   for (size_t i = 0; i < l->count; i++)
-    for (size_t at = 0; at < l->bytes[i]; at += PAKV_COPY_PIECE_BYTES, n++) {
-      piece[n][0] = l->dst[i] + at;
-      piece[n][1] = l->src[i] + at;
-      piece[n][2] = l->bytes[i] - at < PAKV_COPY_PIECE_BYTES ? l->bytes[i] - at : PAKV_COPY_PIECE_BYTES;
+    for (size_t at = 0; at < l->bytes[i]; at += piece, n++) {
+      out[n][0] = l->dst[i] + at;
+      out[n][1] = l->src[i] + at;
+      out[n][2] = l->bytes[i] - at < piece ? l->bytes[i] - at : piece;
     }
 }
 
@@ -152,10 +188,10 @@ static unsigned int grid_for(size_t pieces) {
 }
 
 /* A short list in the launch's parameter: nothing allocated, nothing uploaded. */
-static int inline_copies(cuda_call* c, pakv_CUfunction function, size_t pieces) {
+static int inline_copies(cuda_call* c, pakv_CUfunction function, size_t piece, size_t pieces) {
   copy_inline list;
   list.count = pieces;
-  fill_pieces(c->list, list.runs);
+  fill_pieces(c->list, piece, list.runs);
   void* params[] = {&list};
   pakv_CUresult rc = c->d->cu_launch(function, grid_for(pieces), 1, 1, PAKV_COPY_THREADS, 1, 1, 0, c->stream,
                                      params, NULL);
@@ -166,14 +202,16 @@ static int inline_copies(cuda_call* c, pakv_CUfunction function, size_t pieces) 
  * in stream order. 1: the kernel path is unavailable (nothing queued); 0 done; -1 error. The host
  * array may be freed at once: an upload from pageable memory is staged before the call returns. */
 static int kernel_copies(cuda_call* c, const loaded_kernel* kernel) {
-  size_t pieces = count_pieces(c->list);
-  if (pieces <= PAKV_COPY_INLINE_RUNS) return inline_copies(c, kernel->inline_function, pieces);
+  size_t piece = piece_bytes(c->list), pieces = count_pieces(c->list, piece);
+  if (pieces <= PAKV_COPY_INLINE_RUNS) return inline_copies(c, kernel->inline_function, piece, pieces);
   unsigned long long(*host)[3] = malloc(pieces * sizeof(*host));
   if (!host) return pakv_fail(c->err, "%s (CUDAExecutionProvider): out of memory for %zu copy pieces", c->op, pieces);
-  fill_pieces(c->list, host);
+  fill_pieces(c->list, piece, host);
   pakv_CUdeviceptr runs = 0;
   size_t bytes = pieces * sizeof(*host);
-  if (c->d->cu_alloc_async(&runs, bytes, c->stream) != PAKV_CUDA_SUCCESS || !runs) {
+  pakv_CUresult taken = kernel->pool ? c->d->cu_alloc_from_pool(&runs, bytes, kernel->pool, c->stream)
+                                     : c->d->cu_alloc_async(&runs, bytes, c->stream);
+  if (taken != PAKV_CUDA_SUCCESS || !runs) {
     free(host);
     return 1; /* no stream-ordered memory here (a device without memory pools): the copies instead */
   }

@@ -1,10 +1,10 @@
 """The GPU check: the library's CUDA entries, ORT's CUDA PagedAttention against the plugin, and
 exported decoders on og.Engine's CUDA EP against the CPU with the plugin -- one script, one device call.
 
-RUN ON REAL HARDWARE ONCE, BEFORE ISSUE 36 (FACTS §14: one H200, the gather entry's matrix and speed,
-after two hand fixes now made here). This version has not run on a GPU yet: only ``--dry-run`` (the
-same code on the CPU execution provider with CPU tensors) runs on the project's machines, in
-tests/test_device_script.py.
+RUN ON AN H200 ON 2026-12-04 (all three parts; docs/plugin-hosts.md has the figures). Changed since,
+unrun on a GPU: the copy kernel's own memory pool and larger pieces (gpu_copies measures them), the
+``--dump`` option. On the project's machines only ``--dry-run`` runs (the same code on the CPU
+execution provider with CPU tensors, tests/test_device_script.py).
 
 Parts (``--parts``, default all):
 
@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--strict", action="store_true", help="a missed speed goal fails the run")
     parser.add_argument("--device-id", type=int, default=0)
+    parser.add_argument("--dump", type=Path, metavar="FILE",
+                        help="attention part: save ORT's outputs of the cases that disagree here (torch.save)")
     parser.add_argument("--export-decoders", type=Path, metavar="DIR",
                         help="only export the decoders part's folders into DIR and exit (any machine with the "
                              "`hf` extra; no GPU): for a GPU machine whose transformers is too old")
@@ -180,7 +182,7 @@ def run(args, target: Target) -> dict:
             print(f"{verdict}: {check['goal']} ({check['value']})", flush=True)
         results.update(matrix=matrix, scatter=scatter, bench=rows, goals=checks)
     if "attention" in args.parts:
-        results["attention"] = gpu_attention.run_paged_attention(target, args.quick)
+        results["attention"] = gpu_attention.run_paged_attention(target, args.quick, args.dump)
         print("\n".join(gpu_attention.report(results["attention"])), flush=True)
     if "decoders" in args.parts:
         with tempfile.TemporaryDirectory(prefix="pakv-gpu-decoders-") as work:
