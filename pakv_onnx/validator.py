@@ -19,6 +19,7 @@ import array
 import ctypes
 import struct
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,12 +117,35 @@ _describe = None  # pakv_front.c's describe(address, values, roles) -> hosts, bo
 
 
 def _describer():
-    """Bind the front's extension to torch and the dtype table once (native code loads on first use)."""
+    """Bind the front's extension to torch and the dtype tables once (native code loads on first use).
+
+    Where torch offers DLPack's C exchange table, the extension reads CPU tensors through it (no
+    Python object made per tensor); otherwise through their attributes (pakv_front.c)."""
     global _describe
     front = native_lib.front()
-    front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other)
+    exchange = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    dl_types = None if exchange is None else _dlpack_element_types(front, exchange)
+    front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other, exchange, dl_types)
     _describe = front.describe
     return _describe
+
+
+def _dlpack_element_types(front: Any, exchange: Any) -> dict[int, int]:
+    """{DLPack element type: ONNX element type} of the DLPack types exactly one torch dtype has, read off
+    an empty tensor of each dtype; a type two dtypes share (or one torch cannot make) is left to the
+    extension's lookup by dtype."""
+    seen: dict[int, set[int]] = {}
+    for dtype in {value for value in vars(torch).values() if isinstance(value, torch.dtype)}:
+        try:
+            with warnings.catch_warnings():  # complex32 and the quantized dtypes warn when made
+                warnings.simplefilter("ignore")
+                probe = torch.empty(0, dtype=dtype)
+        except (RuntimeError, TypeError):
+            continue
+        key = front.dlpack_key(exchange, probe)
+        if key is not None:
+            seen.setdefault(key, set()).add(ONNX_ELEMENT_TYPE_OF.get(dtype, 0))
+    return {key: types.pop() for key, types in seen.items() if len(types) == 1}
 
 
 def _call_array(call_size: int, words: int, entries: int, one_per_entry: Any) -> tuple[array.array, int]:
