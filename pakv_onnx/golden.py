@@ -13,16 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from pakv_onnx.plans import (
-    AttentionPlan,
-    AttentionTensors,
-    GatherPlan,
-    GatherTensors,
-    OrtAttentionPlan,
-    OrtAttentionTensors,
-    ScatterPlan,
-    ScatterTensors,
-)
+from pakv_onnx import plans
 from pakv_onnx.spec import ORT_ATTENTION, CacheMode
 
 
@@ -38,7 +29,7 @@ def _block_rows(cache: torch.Tensor, mode: CacheMode, block: int, rows: int) -> 
     return fractals.transpose(0, 1).reshape(rows, -1)
 
 
-def gather_golden(plan: GatherPlan, tensors: GatherTensors) -> None:
+def gather_golden(plan: plans.GatherPlan, tensors: plans.GatherTensors) -> None:
     """Gather every sequence's tokens from the paged caches into the outputs, in place.
 
     Args:
@@ -66,7 +57,7 @@ def _token_rows(cache: torch.Tensor, mode: CacheMode, block: int, slot: int) -> 
     return cache[block, :, slot, :]
 
 
-def scatter_golden(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+def scatter_golden(plan: plans.ScatterPlan, tensors: plans.ScatterTensors) -> None:
     """Write every token with a slot into its cache row, in place; padding tokens (slot < 0) are skipped.
 
     Args:
@@ -91,7 +82,7 @@ def _context_rows(cache: torch.Tensor, row: list[int], length: int, block_size: 
     return torch.cat(blocks).narrow(0, 0, length)
 
 
-def attention_golden(plan: AttentionPlan, tensors: AttentionTensors) -> None:
+def attention_golden(plan: plans.AttentionPlan, tensors: plans.AttentionTensors) -> None:
     """Causal GQA attention of every sequence's new tokens over its context, into ``tensors.out``.
 
     Per sequence with n new tokens and a context of L: its rows gathered through the block table,
@@ -198,7 +189,7 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor
 
 
 def _prepare_heads(
-    plan: OrtAttentionPlan, x: torch.Tensor, weight: torch.Tensor | None, rotary: tuple[torch.Tensor | None, ...]
+    plan: plans.OrtAttentionPlan, x: torch.Tensor, weight: torch.Tensor | None, rotary: tuple[torch.Tensor | None, ...]
 ) -> torch.Tensor:
     """Heads ``[N, H, D]`` of T through RMSNorm (with ``weight``) and rotary (``rotary``: cos_cache,
     sin_cache) at each token's position, operation for operation as ORT's CUDA kernel
@@ -240,7 +231,7 @@ def _scales(scale: torch.Tensor | None, heads: int, dim: int) -> torch.Tensor | 
     return scale.expand(heads * dim).reshape(heads, dim) if scale.numel() == 1 else scale.reshape(heads, dim)
 
 
-def ort_attention_golden(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -> None:
+def ort_attention_golden(plan: plans.OrtAttentionPlan, tensors: plans.OrtAttentionTensors) -> None:
     """com.microsoft::PagedAttention: every new token's key (and value) written into its slot, then
     attention of every new token over its sequence's context read back from the caches.
 

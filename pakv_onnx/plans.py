@@ -24,20 +24,40 @@ from pakv_onnx.spec import CacheMode
 
 
 @dataclasses.dataclass(frozen=True)
-class GatherPlan:
-    """One GatherPaKvCache call, validated (:func:`pakv_onnx.validator.plan_gather`).
+class CachePairPlan:
+    """What a validated gather or scatter says of its key and value caches and its token rows.
 
     Attributes:
         cache_mode: layout of both caches.
-        is_seq_lens_cumsum: how ``seq_lens`` was given (kept for backends that mirror the op).
         num_blocks, block_size: cache geometry shared by key and value.
+        num_tokens: T, token rows (each output's rows for a gather, ``key`` / ``value``'s for a scatter).
+        key_token_shape, value_token_shape: one token's row in its cache (``(H, D)`` for Norm,
+            ``(H*D,)`` for PA_NZ): a gather's output row; a scatter's ``key`` / ``value`` are
+            ``[T, H, D]`` either way.
+        key_dtype, value_dtype: element types of key_cache / value_cache (and of the key / value
+            rows); they may differ.
+        key_row_bytes, value_row_bytes: bytes of one token row (0 for an empty token shape).
+    """
+
+    cache_mode: CacheMode
+    num_blocks: int
+    block_size: int
+    num_tokens: int
+    key_token_shape: tuple[int, ...]
+    value_token_shape: tuple[int, ...]
+    key_dtype: torch.dtype
+    value_dtype: torch.dtype
+    key_row_bytes: int
+    value_row_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherPlan(CachePairPlan):
+    """One GatherPaKvCache call, validated (:func:`pakv_onnx.validator.plan_gather`).
+
+    Attributes (besides :class:`CachePairPlan`'s):
+        is_seq_lens_cumsum: how ``seq_lens`` was given (kept for backends that mirror the op).
         num_seqs: Q.
-        num_tokens: T, rows of each output.
-        key_token_shape, value_token_shape: shape of one output row
-            (``(H, D)`` for Norm, ``(H*D,)`` for PA_NZ).
-        key_dtype, value_dtype: element type of key_cache / value_cache (and of the
-            key / value output); they may differ.
-        key_row_bytes, value_row_bytes: bytes of one output row (0 for an empty token shape).
         index: ``3 * Q`` int64 (a buffer: the validator's scratch): per-sequence lengths, output
             starts and first block-table columns (``seq_offset // bs``, floored: the module doc's
             FLOOR RULE), as validated.
@@ -46,18 +66,8 @@ class GatherPlan:
         native: the validator's C plan and its records (``kernels.native`` runs it), or ``None``.
     """
 
-    cache_mode: CacheMode
     is_seq_lens_cumsum: bool
-    num_blocks: int
-    block_size: int
     num_seqs: int
-    num_tokens: int
-    key_token_shape: tuple[int, ...]
-    value_token_shape: tuple[int, ...]
-    key_dtype: torch.dtype
-    value_dtype: torch.dtype
-    key_row_bytes: int
-    value_row_bytes: int
     index: Sequence[int] = dataclasses.field(repr=False)
     tables: torch.Tensor = dataclasses.field(repr=False)
     native: Any = dataclasses.field(default=None, repr=False, compare=False)
@@ -188,32 +198,15 @@ class GatherTensors(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class ScatterPlan:
+class ScatterPlan(CachePairPlan):
     """One ScatterPaKvCache call, validated (:func:`pakv_onnx.validator.plan_scatter`).
 
-    Attributes:
-        cache_mode: layout of both caches.
-        num_blocks, block_size: cache geometry shared by key and value.
-        num_tokens: T, rows of ``key`` / ``value`` (and entries of ``slot_mapping``).
-        key_token_shape, value_token_shape: one token's row in its cache (``(H, D)`` Norm,
-            ``(H*D,)`` PA_NZ); ``key`` / ``value`` are ``[T, H, D]`` either way.
-        key_dtype, value_dtype: element types of key_cache / value_cache (and of key / value).
-        key_row_bytes, value_row_bytes: bytes of one token row.
+    Attributes (besides :class:`CachePairPlan`'s; ``num_tokens`` is also ``slot_mapping``'s entries):
         slots: the caller's ``slot_mapping`` on the host, int32/int64 ``[T]`` as given: every
             entry below ``num_blocks * block_size``, no two equal; negative ones are padding.
         native: the validator's C plan and what it points at (``kernels.native`` runs it), or ``None``.
     """
 
-    cache_mode: CacheMode
-    num_blocks: int
-    block_size: int
-    num_tokens: int
-    key_token_shape: tuple[int, ...]
-    value_token_shape: tuple[int, ...]
-    key_dtype: torch.dtype
-    value_dtype: torch.dtype
-    key_row_bytes: int
-    value_row_bytes: int
     slots: torch.Tensor = dataclasses.field(repr=False)
     native: Any = dataclasses.field(default=None, repr=False, compare=False)
 

@@ -98,18 +98,44 @@ class OpSignature:
     def parameter_names(self) -> tuple[str, ...]:
         return (*self.input_names, *self.attribute_defaults)
 
-    def inputs_of(self, args: Sequence[Any]) -> tuple[Any, ...]:
-        """``args`` as the op's tensor inputs, in order: the one binder of the entry points that take
-        them positionally (``plan_attention(*inputs)``, ``make_attention_model_for(*examples)``).
+    def inputs_of(self, args: Sequence[Any], named: dict[str, Any] | None = None) -> tuple[Any, ...]:
+        """``args`` (then the inputs ``named`` gives by name) as the op's tensor inputs, in order, absent
+        optional ones ``None``: the one binder of the entry points that take them positionally
+        (``plan_gather(*inputs)``, ``plan_scatter(*inputs)``, ``plan_attention(*inputs)``,
+        ``make_attention_model_for(*examples)``).
 
         Raises:
-            TypeError: not exactly one argument per input (the message names them in order).
+            TypeError: too few or too many inputs (the message names them in order), or a name that
+                is not an input, given twice, or a required input missing.
         """
-        if len(args) != len(self.input_names):
-            raise TypeError(
-                f"{self.op_type} takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), got {len(args)}"
-            )
-        return tuple(args)
+        names = self.input_names
+        if named:
+            return self._merged(args, named)
+        if len(args) == len(names):
+            return tuple(args)
+        required = len(names)
+        while required and names[required - 1] in self.optional_inputs:
+            required -= 1
+        if required <= len(args) < len(names):
+            return (*args, *(None,) * (len(names) - len(args)))
+        count = f"{required} to {len(names)}" if required < len(names) else f"{len(names)}"
+        raise TypeError(f"{self.op_type} takes {count} inputs ({', '.join(names)}), got {len(args)}")
+
+    def _merged(self, args: Sequence[Any], named: dict[str, Any]) -> tuple[Any, ...]:
+        """:meth:`inputs_of` where some inputs come by name: ``args`` fill the first ones."""
+        names = self.input_names
+        if len(args) > len(names):
+            return self.inputs_of(args)  # the count's refusal
+        for name in named:
+            if name not in names:
+                raise TypeError(f"{self.op_type} got an unknown input {name!r} (inputs: {', '.join(names)})")
+            if names.index(name) < len(args):
+                raise TypeError(f"{self.op_type} got {name!r} twice")
+        rest = names[len(args) :]
+        for name in rest:
+            if name not in named and name not in self.optional_inputs:
+                raise TypeError(f"{self.op_type} is missing the required input {name!r}")
+        return (*args, *(named.get(name) for name in rest))
 
     def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> dict[str, Any]:
         """Positional/keyword arguments as ``{name: value}`` in signature order, defaults filled.

@@ -19,6 +19,7 @@ import array
 import ctypes
 import struct
 import threading
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +31,7 @@ from pakv_onnx.spec import (
     ATTENTION,
     DEFAULT_CACHE_MODE,
     DEFAULT_IS_SEQ_LENS_CUMSUM,
+    GATHER,
     ONNX_ELEMENT_TYPE_OF,
     ORT_ATTENTION,
     ORT_ATTENTION_HOST_INPUTS,
@@ -52,15 +54,26 @@ _SCATTER_ROLES = (
     *((name, _OPTIONAL) for name in SCATTER.output_names),
 )
 
+
+def _call_layout(
+    call: type[ctypes.Structure], tail_field: str, tail_format: str, plan_format: str
+) -> tuple[int, int, int, struct.Struct, struct.Struct]:
+    """Where the validator writes and reads one op's call block (a pakv_*_call of pakv_contract.h):
+    its size in bytes, the offsets of its records and of its scalar tail (from ``tail_field`` on:
+    the op's attributes, then scratch_len, scratch, error), the tail's struct (``tail_format``) and
+    the struct of the plan fields at its start (``plan_format``)."""
+    tail_at = getattr(call, tail_field).offset
+    return ctypes.sizeof(call), call.records.offset, tail_at, struct.Struct(tail_format), struct.Struct(plan_format)
+
+
 # One int64 array per call: the pakv_gather_call (plan, records, attributes), then the plan's
 # 3 x Q index entries (its scratch). It stays with the plan: the C plan points into it.
-_CALL_SIZE = ctypes.sizeof(native_lib.GatherCall)
+# The tail: nz, cumsum, scratch_len, scratch, error.
+_CALL_SIZE, _RECORDS_AT, _TAIL_AT, _TAIL, _PLAN_FIELDS = _call_layout(
+    native_lib.GatherCall, "nz", "@iiqPP", native_lib.PLAN_FORMAT
+)
 _CALL_WORDS = _CALL_SIZE // 8
-_RECORDS_AT = native_lib.GatherCall.records.offset
 _RECORD_SIZE = ctypes.sizeof(native_lib.Tensor)
-_TAIL_AT = native_lib.GatherCall.nz.offset
-_TAIL = struct.Struct("@iiqPP")  # nz, cumsum, scratch_len, scratch, error
-_PLAN_FIELDS = struct.Struct(native_lib.PLAN_FORMAT)
 _AT = native_lib.PLAN_FIELD_AT
 _NUM_BLOCKS, _BLOCK_SIZE, _NUM_SEQS, _NUM_TOKENS = (
     _AT[n] for n in ("num_blocks", "block_size", "num_seqs", "num_tokens")
@@ -104,12 +117,35 @@ _describe = None  # pakv_front.c's describe(address, values, roles) -> hosts, bo
 
 
 def _describer():
-    """Bind the front's extension to torch and the dtype table once (native code loads on first use)."""
+    """Bind the front's extension to torch and the dtype tables once (native code loads on first use).
+
+    Where torch offers DLPack's C exchange table, the extension reads CPU tensors through it (no
+    Python object made per tensor); otherwise through their attributes (pakv_front.c)."""
     global _describe
     front = native_lib.front()
-    front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other)
+    exchange = getattr(torch.Tensor, "__dlpack_c_exchange_api__", None)
+    dl_types = None if exchange is None else _dlpack_element_types(front, exchange)
+    front.configure(torch.Tensor, dict(ONNX_ELEMENT_TYPE_OF), _describe_other, exchange, dl_types)
     _describe = front.describe
     return _describe
+
+
+def _dlpack_element_types(front: Any, exchange: Any) -> dict[int, int]:
+    """{DLPack element type: ONNX element type} of the DLPack types exactly one torch dtype has, read off
+    an empty tensor of each dtype; a type two dtypes share (or one torch cannot make) is left to the
+    extension's lookup by dtype."""
+    seen: dict[int, set[int]] = {}
+    for dtype in {value for value in vars(torch).values() if isinstance(value, torch.dtype)}:
+        try:
+            with warnings.catch_warnings():  # complex32 and the quantized dtypes warn when made
+                warnings.simplefilter("ignore")
+                probe = torch.empty(0, dtype=dtype)
+        except (RuntimeError, TypeError):
+            continue
+        key = front.dlpack_key(exchange, probe)
+        if key is not None:
+            seen.setdefault(key, set()).add(ONNX_ELEMENT_TYPE_OF.get(dtype, 0))
+    return {key: types.pop() for key, types in seen.items() if len(types) == 1}
 
 
 def _call_array(call_size: int, words: int, entries: int, one_per_entry: Any) -> tuple[array.array, int]:
@@ -135,18 +171,18 @@ def _raise(kind: int) -> None:
 
 
 def plan_gather(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_offset: torch.Tensor | None = None,
-    *,
+    *inputs: torch.Tensor | None,
     cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
     is_seq_lens_cumsum: bool | int = DEFAULT_IS_SEQ_LENS_CUMSUM,
     key_out: torch.Tensor | None = None,
     value_out: torch.Tensor | None = None,
+    **named_inputs: torch.Tensor | None,
 ) -> GatherPlan:
     """Validate one GatherPaKvCache call and return its plan.
+
+    ``inputs`` are the op's, in ``spec.GATHER.input_names`` order (key_cache, value_cache,
+    block_tables, seq_lens, then optionally seq_offset), the later ones also by name
+    (``named_inputs``), bound by ``spec.GATHER.inputs_of``.
 
     Args:
         key_cache: ``[nb, bs, Hk, Dk]`` (Norm) or ``[nb, Hk*Dk // E, bs, E]`` (PA_NZ); any
@@ -168,6 +204,9 @@ def plan_gather(
     """
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
     is_cumsum = is_seq_lens_cumsum if type(is_seq_lens_cumsum) is bool else parse_cumsum_flag(is_seq_lens_cumsum)
+    if len(inputs) != 5 or named_inputs:  # the fronts pass all five positionally: no binding to do
+        inputs = GATHER.inputs_of(inputs, named_inputs)
+    key_cache, value_cache, block_tables, seq_lens, seq_offset = inputs
     values = (key_cache, value_cache, block_tables, seq_lens, seq_offset, key_out, value_out)
     num_seqs = block_tables.shape[0] if isinstance(block_tables, torch.Tensor) and block_tables.dim() == 2 else 0
     call, scratch = _call_array(_CALL_SIZE, 3, num_seqs, seq_lens)
@@ -217,26 +256,25 @@ def check_outputs(plan: GatherPlan, key_out: torch.Tensor, value_out: torch.Tens
 _OUTPUTS = struct.Struct("@PP")  # the plan's key_out, value_out: validated outputs it may write
 
 
-_SCATTER_SIZE = ctypes.sizeof(native_lib.ScatterCall)
-_SCATTER_RECORDS_AT = native_lib.ScatterCall.records.offset
-_SCATTER_TAIL_AT = native_lib.ScatterCall.nz.offset
-_SCATTER_TAIL = struct.Struct("@iiqPP")  # nz, reserved, scratch_len, scratch, error
-_SCATTER_FIELDS = struct.Struct(native_lib.SCATTER_PLAN_FORMAT)
+# The tail: nz, reserved, scratch_len, scratch, error.
+_SCATTER_SIZE, _SCATTER_RECORDS_AT, _SCATTER_TAIL_AT, _SCATTER_TAIL, _SCATTER_FIELDS = _call_layout(
+    native_lib.ScatterCall, "nz", "@iiqPP", native_lib.SCATTER_PLAN_FORMAT
+)
 _SAT = native_lib.SCATTER_PLAN_FIELD_AT
 
 
 def plan_scatter(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    *,
+    *inputs: torch.Tensor,
     cache_mode: str | CacheMode = DEFAULT_CACHE_MODE,
     key_cache_out: torch.Tensor | None = None,
     value_cache_out: torch.Tensor | None = None,
+    **named_inputs: torch.Tensor,
 ) -> ScatterPlan:
     """Validate one ScatterPaKvCache call and return its plan.
+
+    ``inputs`` are the op's five, in ``spec.SCATTER.input_names`` order (key, value, key_cache,
+    value_cache, slot_mapping), the later ones also by name (``named_inputs``), bound by
+    ``spec.SCATTER.inputs_of``.
 
     Args:
         key, value: ``[T, Hk, Dk]`` / ``[T, Hv, Dv]`` rows of their caches' dtypes (each token
@@ -256,6 +294,9 @@ def plan_scatter(
         ValueError: any other contract violation, named by the C validator.
     """
     mode = cache_mode if type(cache_mode) is CacheMode else parse_cache_mode(cache_mode)
+    if len(inputs) != 5 or named_inputs:  # the fronts pass all five positionally: no binding to do
+        inputs = SCATTER.inputs_of(inputs, named_inputs)
+    key, value, key_cache, value_cache, slot_mapping = inputs
     values = (key, value, key_cache, value_cache, slot_mapping, key_cache_out, value_cache_out)
     num_tokens = key.shape[0] if isinstance(key, torch.Tensor) and key.dim() >= 1 else 0
     call, scratch = _call_array(_SCATTER_SIZE, 2, num_tokens, slot_mapping)
@@ -287,11 +328,10 @@ def plan_scatter(
     return plan
 
 
-_ATTENTION_SIZE = ctypes.sizeof(native_lib.AttentionCall)
-_ATTENTION_RECORDS_AT = native_lib.AttentionCall.records.offset
-_ATTENTION_TAIL_AT = native_lib.AttentionCall.scale.offset
-_ATTENTION_TAIL = struct.Struct("@fiqPP")  # scale, reserved, scratch_len, scratch, error
-_ATTENTION_FIELDS = struct.Struct(native_lib.ATTENTION_PLAN_FORMAT)
+# The tail: scale, reserved, scratch_len, scratch, error.
+_ATTENTION_SIZE, _ATTENTION_RECORDS_AT, _ATTENTION_TAIL_AT, _ATTENTION_TAIL, _ATTENTION_FIELDS = _call_layout(
+    native_lib.AttentionCall, "scale", "@fiqPP", native_lib.ATTENTION_PLAN_FORMAT
+)
 _AAT = native_lib.ATTENTION_PLAN_FIELD_AT
 # query, the caches, the three index tensors (read on the host), then the output (may be None).
 _ATTENTION_ROLES = (

@@ -59,8 +59,8 @@ def one_node_models() -> dict[str, onnx.ModelProto]:
 def decoder_models(tmp: Path) -> dict[str, onnx.ModelProto]:
     """A tiny Llama's paged step (fused, as exported) and the model.onnx of its ORT GenAI folder (fp16)."""
     from pakv_onnx.models.hf.configs import build_model, save_sample_folder
-    from pakv_onnx.models.hf.genai import MODEL_FILE, export_genai, trace_feeds
-    from pakv_onnx.models.hf.step import PagedDecoderStep, export_step
+    from pakv_onnx.models.hf.genai import MODEL_FILE, export_genai
+    from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, trace_feeds
 
     step = PagedDecoderStep(build_model("llama", 0))
     models = {"export_step": export_step(step, trace_feeds(step, 16), None)}

@@ -99,13 +99,19 @@ def graph_feeds(inputs: dict, names: Sequence[str]) -> list[torch.Tensor] | None
 
 
 def plugin_refusal(
-    make_model: Callable[[], onnx.ModelProto], names: Sequence[str], tensors: Sequence[torch.Tensor], backend: str
+    make_model_for: Callable[..., onnx.ModelProto],
+    names: Sequence[str],
+    tensors: Sequence[torch.Tensor],
+    backend: str,
+    **attributes: object,
 ) -> str | None:
-    """Run ``make_model()`` once on ``tensors`` (fed as ``names``) in a plugin session of ``backend``:
-    the ORT error's message, ``""`` if the call ran, or ``None`` if ORT refused the session itself (a
-    dtype outside the op's type constraints, which is not the plugin's answer)."""
+    """Run the one-node model ``make_model_for(*tensors, **attributes)`` makes (no fallback, opset 17)
+    once on ``tensors`` (fed as ``names``) in a plugin session of ``backend``: the ORT error's message,
+    ``""`` if the call ran, or ``None`` if ORT refused the model or the session itself (a dtype outside
+    the op's type constraints, which is not the plugin's answer)."""
     try:
-        session = runtime_plugin.make_session(make_model(), backend=backend)
+        model = make_model_for(*tensors, fallback=False, opset_version=17, **attributes)
+        session = runtime_plugin.make_session(model, backend=backend)
     except Exception:  # noqa: BLE001 - refused at session creation, before the plugin sees a call
         return None
     try:

@@ -200,15 +200,18 @@ def random_ort_call(
     return OrtCall(inputs, attributes)
 
 
-def model_for(call: OrtCall, outputs: tuple[str, ...] = OUTPUT_NAMES) -> onnx.ModelProto:
-    """The one-node model of a call: its present inputs (typed, unranked), the given outputs."""
+def model_for(call: OrtCall, outputs: tuple[str, ...] = OUTPUT_NAMES, shaped: bool = False) -> onnx.ModelProto:
+    """The one-node model of a call: its present inputs (typed; unranked, or with the call's static
+    shapes when ``shaped``: ORT's CUDA kernel's shape inference requires ranked caches, and it picks
+    its backends from static shapes), the given outputs."""
     names = [name if call.inputs[name] is not None else "" for name in INPUT_NAMES]
     while names and not names[-1]:
         names.pop()
     latent = call.attributes.get("kv_cache_layout") == "LATENT"
     outs = [o for o in outputs if not (latent and o == "value_cache_out")]
     node = helper.make_node("PagedAttention", names, outs, domain="com.microsoft", **call.attributes)
-    graph_inputs = [helper.make_tensor_value_info(n, ONNX_TYPES[call.inputs[n].dtype], None) for n in names if n]
+    graph_inputs = [helper.make_tensor_value_info(n, ONNX_TYPES[call.inputs[n].dtype], list(call.inputs[n].shape) if shaped else None)
+                    for n in names if n]  # fmt: skip
     types = {"output": call.inputs["query"].dtype, "key_cache_out": call.inputs["key_cache"].dtype,
              "value_cache_out": call.inputs["key_cache"].dtype}  # fmt: skip
     graph_outputs = [helper.make_tensor_value_info(o, ONNX_TYPES[types[o]], None) for o in outs]

@@ -312,8 +312,7 @@ def _ort_refusal(inputs: dict, scale: object, backend: str) -> str | None:
     tensors = graph_feeds(inputs, ATTENTION.input_names)
     if tensors is None or not isinstance(scale, float):
         return None
-    model = lambda: make_attention_model_for(*tensors, scale=scale, fallback=False, opset_version=17)  # noqa: E731
-    return plugin_refusal(model, ATTENTION.input_names, tensors, backend)
+    return plugin_refusal(make_attention_model_for, ATTENTION.input_names, tensors, backend, scale=scale)
 
 
 @pytest.mark.parametrize("name", list(refusals()))

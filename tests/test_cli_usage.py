@@ -463,3 +463,32 @@ def test_every_help_example_parses(tmp_path: Path, monkeypatch: pytest.MonkeyPat
                 assert parser.parse_args(argv).command == name
             except SystemExit:
                 pytest.fail(f"the --help example `pakv-onnx {' '.join(argv)}` does not parse")
+
+
+@pytest.mark.parametrize("where", ["import", "progress bars"])
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_a_missing_transformers_is_a_usage_error_naming_the_extra(
+    command: str, where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The transformers commands import it when they run (commands._libraries.load_hf): a transformers
+    that fails there, at the import of the command's module or when its progress bars are turned off,
+    is one line naming the extra to install (exit 2), not a traceback."""
+    from pakv_onnx.commands import _libraries
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"")
+    argv = {"generate": ["generate", "--batch", "1"], "export": ["export", str(hf), str(tmp_path / "out")]}[command]
+    if where == "import":
+        module = {"generate": "check", "export": "genai"}[command]
+        monkeypatch.setitem(sys.modules, f"pakv_onnx.models.hf.{module}", None)  # its import fails
+    else:
+
+        def broken() -> None:
+            raise ModuleNotFoundError("No module named 'transformers.utils'")
+
+        monkeypatch.setattr(_libraries, "quiet_transformers", broken)
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"pakv-onnx {command}: error: it needs transformers (pip install 'pakv-onnx[hf]'): " in err, err

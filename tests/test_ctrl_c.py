@@ -251,6 +251,23 @@ def test_ctrl_c_in_demo_leaves_nothing(tmp_path: Path, env: dict[str, str]) -> N
     assert sweep(demo_command(tmp_path), env, tmp_path, instants=2, whole=12.0) == []
 
 
+
+def _as_command(script: str, name: str, arguments: tuple[str, ...]) -> str:
+    """``script`` (it defines ``run(args)`` and imports sys, types, cli and _args) registered as the CLI
+    command ``name`` taking the positional ``arguments``, then run with the script's own argv."""
+    return script + f"""
+def add_parser(commands):
+    parser = _args.add_command(commands, {name!r}, help="test", description="test", examples=[""])
+    for argument in {arguments!r}:
+        parser.add_argument(argument)
+    parser.set_defaults(run=run)
+
+sys.modules[{name!r}] = types.SimpleNamespace(add_parser=add_parser)
+cli.COMMAND_MODULES += ({name!r},)
+sys.exit(cli.main([{name!r}, *sys.argv[1:]]))
+"""
+
+
 # A command that never reaches a safe point: `python` spins in Python code, `native` sits in a call
 # into C (time.sleep holds no Python frame). Each registers its folder for the hard exit and prints
 # "started"; a Ctrl-C ends it after the grace period, a second one at once.
@@ -268,17 +285,8 @@ def run(args):
             time.sleep(1000)
         else:
             sum(range(1000))
-
-def add_parser(commands):
-    parser = _args.add_command(commands, "stuck", help="test", description="test", examples=[""])
-    parser.add_argument("how")
-    parser.add_argument("folder")
-    parser.set_defaults(run=run)
-
-sys.modules["stuck"] = types.SimpleNamespace(add_parser=add_parser)
-cli.COMMAND_MODULES += ("stuck",)
-sys.exit(cli.main(["stuck", *sys.argv[1:]]))
 """
+_STUCK = _as_command(_STUCK, "stuck", ("how", "folder"))
 
 
 @pytest.mark.parametrize(("how", "presses"), [("python", 1), ("native", 1), ("native", 2)])
@@ -330,17 +338,8 @@ def run(args):
         asyncio.run(serve())
     print("stopped", file=sys.stderr, flush=True)
     return 0
-
-def add_parser(commands):
-    parser = _args.add_command(commands, "server", help="test", description="test", examples=[""])
-    parser.add_argument("how")
-    parser.add_argument("shutdown")
-    parser.set_defaults(run=run)
-
-sys.modules["server"] = types.SimpleNamespace(add_parser=add_parser)
-cli.COMMAND_MODULES += ("server",)
-sys.exit(cli.main(["server", *sys.argv[1:]]))
 """
+_SERVER = _as_command(_SERVER, "server", ("how", "shutdown"))
 
 
 @pytest.mark.parametrize("how", ["handed-over", "not-handed-over"])

@@ -36,7 +36,7 @@ from pakv_onnx.models.hf import (
     session_step,
     step_inputs,
 )
-from pakv_onnx.models.hf import kv_quant, ort_layer
+from pakv_onnx.models.hf import kv_quant, ort_layer, servable
 from pakv_onnx.models.hf.configs import SAMPLE_WINDOW
 
 SEED = 0
@@ -110,10 +110,10 @@ def test_rotary_tables_are_the_models_own_angles_scaled_rope_too() -> None:
 def test_models_without_an_ort_form_are_refused() -> None:
     from transformers import GPT2Config
 
-    with pytest.raises(ort_layer.UnsupportedAttentionError, match="model type 'gpt2' has no com.microsoft"):
-        ort_layer.check_supported(GPT2Config())
+    with pytest.raises(servable.UnsupportedAttentionError, match="model type 'gpt2' has no com.microsoft"):
+        servable.check_supported(GPT2Config())
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-    with pytest.raises(ort_layer.UnsupportedAttentionError, match="rope_type 'dynamic' changes its angles"):
+    with pytest.raises(servable.UnsupportedAttentionError, match="rope_type 'dynamic' changes its angles"):
         PagedDecoderStep(build_model("llama", SEED, rope_parameters=rope), attention="ort")
     with pytest.raises(ValueError, match="sliding window of 8 tokens: the pakv ops attend over the whole context"):
         PagedDecoderStep(build_model("mistral", SEED), attention="pakv")

@@ -165,8 +165,7 @@ def _ort_refusal(inputs: dict, mode: str, backend: str) -> str | None:
         return None
     if len({t.data_ptr() for t in tensors[2:4]}) < 2:
         return None  # two graph inputs cannot be one buffer through the Python API
-    model = lambda: make_scatter_model_for(*tensors, cache_mode=mode, fallback=False, opset_version=17)  # noqa: E731
-    return plugin_refusal(model, SCATTER.input_names, tensors, backend)
+    return plugin_refusal(make_scatter_model_for, SCATTER.input_names, tensors, backend, cache_mode=mode)
 
 
 @pytest.mark.parametrize("name", list(refusals()))

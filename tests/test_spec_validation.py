@@ -445,3 +445,33 @@ def test_malformed_inputs_only_raise_documented_errors(call, backend: str) -> No
     # Accepted: the result must then be what the golden says.
     want_key, want_value = pakv_onnx.gather_pa_kv_cache(**inputs, **attrs, backend="golden")
     assert bitwise_equal(key, want_key) and bitwise_equal(value, want_value)
+
+
+def test_the_gather_and_scatter_validators_bind_the_ops_inputs_positionally() -> None:
+    """plan_gather and plan_scatter take the op's inputs positionally through the one binder
+    (spec.GATHER / spec.SCATTER.inputs_of): seq_offset, the gather's optional last input, may be left
+    out (the same plan as None), and inputs may come by name; too few or too many is a TypeError naming
+    the inputs in order, as is a name given twice, unknown or missing."""
+    from pakv_onnx.cases import random_scatter_case
+    from pakv_onnx.validator import plan_scatter
+
+    case = random_case(3, with_seq_offset=False)
+    inputs = case.inputs()
+    assert inputs[4] is None
+    short, full = plan_gather(*inputs[:4], **case.attributes()), plan_gather(*inputs, **case.attributes())
+    assert (short.num_tokens, short.key_out_shape, bytes(short.index)) == (full.num_tokens, full.key_out_shape, bytes(full.index))
+    names = r"\(key_cache, value_cache, block_tables, seq_lens, seq_offset\)"
+    for count in (3, 6):
+        with pytest.raises(TypeError, match=rf"^GatherPaKvCache takes 4 to 5 inputs {names}, got {count}$"):
+            plan_gather(*(inputs * 2)[:count])
+    by_name = plan_gather(*inputs[:2], block_tables=inputs[2], seq_lens=inputs[3], **case.attributes())
+    assert bytes(by_name.index) == bytes(full.index)
+    with pytest.raises(TypeError, match=r"^GatherPaKvCache got 'key_cache' twice$"):
+        plan_gather(*inputs[:4], key_cache=inputs[0])
+    with pytest.raises(TypeError, match=r"^GatherPaKvCache got an unknown input 'seq_len' \(inputs: key_cache, "):
+        plan_gather(*inputs[:3], seq_len=inputs[3])
+    with pytest.raises(TypeError, match=r"^GatherPaKvCache is missing the required input 'seq_lens'$"):
+        plan_gather(*inputs[:2], block_tables=inputs[2])
+    scatter = random_scatter_case(3).inputs()
+    with pytest.raises(TypeError, match=r"^ScatterPaKvCache takes 5 inputs \(key, value, key_cache, value_cache, "):
+        plan_scatter(*scatter[:4])

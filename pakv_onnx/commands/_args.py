@@ -16,6 +16,7 @@ own there) and gets the same name, range and refusal as every other command:
 :func:`add_max_batch_size`             ``--max-batch-size``: requests batched together, >= 1
 :func:`add_threads`                    ``--threads``: ORT intra-op threads, >= 1
 :func:`add_seed`                       ``--seed``: 0..2^32-1
+:func:`add_random_cases`               ``--random N`` random cases, ``--seed`` the first one's
 :func:`add_output_folder`              ``--out DIR`` or a positional OUT_DIR, with ``--force``
 :func:`add_input_folder`               a folder the command reads (HF_DIR, MODEL_DIR)
 :func:`add_precision`                  ``--precision``: fp32, fp16 or bf16 (:mod:`pakv_onnx.providers`)
@@ -205,6 +206,13 @@ def add_threads(parser: argparse.ArgumentParser, *, help: str) -> None:
 def add_seed(parser: argparse.ArgumentParser, *, help: str) -> None:
     """``--seed N``: 0..:data:`MAX_SEED`, default 0; ``help`` says what it seeds."""
     parser.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, metavar="N", help=f"{help} (default 0)")
+
+
+def add_random_cases(parser: argparse.ArgumentParser, *, default: int, help: str, seed_help: str) -> None:
+    """``--random N``: how many random cases to add, >= 0 (``help`` says which), and :func:`add_seed`
+    (``seed_help``) for the seed of the first of them."""
+    parser.add_argument("--random", type=non_negative_int, default=default, metavar="N", help=help)
+    add_seed(parser, help=seed_help)
 
 
 @dataclasses.dataclass(frozen=True)

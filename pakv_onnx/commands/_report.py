@@ -1,6 +1,17 @@
-"""The per-case lines the checking commands print, in one format."""
+"""The lines the commands print, in one format: progress, and the checking commands' per-case lines."""
 
 from __future__ import annotations
+
+import sys
+
+from pakv_onnx.commands import _interrupt
+
+
+def progress(message: str) -> None:
+    """A command's progress line on stderr (``  .. message``), at a safe point for Ctrl-C: our own code,
+    between steps."""
+    _interrupt.check()
+    print(f"  .. {message}", file=sys.stderr, flush=True)
 
 
 def case_line(index: int, total: int, passed: bool, case_id: str, summary: str, detail: str, seconds: float) -> str:

@@ -129,12 +129,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"backend to check: auto or one of {', '.join(kernels.backend_names())}; it must be able to run "
         "here (default: auto, the first of " + ", ".join(kernels.AUTO_PREFERENCE) + " that can run each case)",
     )
-    parser.add_argument(
-        "--random",
-        type=_args.non_negative_int,
+    _args.add_random_cases(
+        parser,
         default=0,
-        metavar="N",
         help="also run N random small cases (all dtypes and layouts)",
+        seed_help="first seed of the random cases",
     )
-    _args.add_seed(parser, help="first seed of the random cases")
     parser.set_defaults(run=run)

@@ -14,11 +14,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt, _outputs
+from pakv_onnx.commands import _args, _interrupt, _outputs, _report
 
 # Without --backend: these, and pypto-cpu where pypto is installed (demo.run_graph's add_pypto_cpu).
 DEFAULT_BACKENDS = ("native", "golden")
@@ -54,10 +53,6 @@ def run(args: argparse.Namespace) -> int:
             f"memory grows with the longest sequence squared) but this machine has {have / 2**30:.0f} GiB",
         )
 
-    def progress(message: str) -> None:
-        _interrupt.check()  # a safe point: our own code, between steps
-        print(f"  .. {message}", file=sys.stderr, flush=True)
-
     with contextlib.ExitStack() as stack:
         # With --out: staged beside DIR and published when every graph has run; else a temporary folder.
         if args.out:
@@ -79,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 num_tokens=args.tokens,
                 seed=args.seed,
                 repeats=args.repeats,
-                progress=progress,
+                progress=_report.progress,
                 on_data=keep_data if args.out else None,
                 add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
             )

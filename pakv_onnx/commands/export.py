@@ -10,10 +10,9 @@ replaced; others are left). The export is written to a staging folder and publis
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
+from pakv_onnx.commands import _args, _libraries, _outputs, _report
 
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
 KV_CACHE_CHOICES = ("int8", "fp8")  # models.hf.ort_layer.KV_CACHE_DTYPES (a test ties them)
@@ -51,15 +50,9 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _args.usage_error("export", problem)
     try:  # HF_DIR and OUT_DIR were checked before (cli.main: _args.path_problem)
-        from pakv_onnx.models.hf import genai  # imports torch and transformers: only when the command runs
+        genai = _libraries.load_hf("genai")
     except ImportError as err:
-        return _args.usage_error("export", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
-    _interrupt.check()
-    _libraries.quiet_transformers()
-
-    def progress(message: str) -> None:
-        _interrupt.check()  # a safe point: our own code, between steps
-        print(f"  .. {message}", file=sys.stderr, flush=True)
+        return _args.usage_error("export", str(err))
 
     try:
         with _outputs.staged_folder(args.out_dir, replace=(genai.MODEL_FILE, genai.EXTERNAL_DATA_FILE)) as staging:
@@ -77,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 prefix_caching=None if args.prefix_caching is None else args.prefix_caching == "on",
                 precision=args.precision,
                 execution_provider=args.execution_provider,
-                progress=progress,
+                progress=_report.progress,
             )
     except genai.UnsupportedModelError as err:
         return _args.usage_error("export", str(err))

@@ -7,7 +7,7 @@ import contextlib
 import json
 import sys
 
-from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs
+from pakv_onnx.commands import _args, _interrupt, _libraries, _outputs, _report
 
 ARCH_CHOICES = ("llama", "qwen2", "mistral", "qwen3", "deepseek")  # models.hf.configs.ARCHS (a test ties them)
 ATTENTION_CHOICES = ("ort", "pakv")  # models.hf.step.ATTENTION_CHOICES (a test ties them)
@@ -24,15 +24,9 @@ def run(args: argparse.Namespace) -> int:
     if refusal:
         return _args.usage_error("generate", refusal)
     try:
-        from pakv_onnx.models.hf import check  # imports transformers: only when the command runs
+        check = _libraries.load_hf("check")
     except ImportError as err:
-        return _args.usage_error("generate", f"it needs transformers (pip install 'pakv-onnx[hf]'): {err}")
-    _interrupt.check()
-    _libraries.quiet_transformers()
-
-    def progress(message: str) -> None:
-        _interrupt.check()  # a safe point: our own code, between steps
-        print(f"  .. {message}", file=sys.stderr, flush=True)
+        return _args.usage_error("generate", str(err))
 
     with contextlib.ExitStack() as stack:  # --out: staged, published at the end; else a temporary folder
         if args.out:
@@ -48,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
             backends=args.backend or DEFAULT_BACKENDS,
             out_dir=out_dir,
             attention=args.attention,
-            progress=progress,
+            progress=_report.progress,
             add_pypto_cpu=args.backend is None,  # the default set; a --backend list is run as given
             precision=args.precision,
         )

@@ -103,14 +103,20 @@ def _floor_tiles(shape, chunk: int):
 
 def _measure(case_id: str, shape, specs, jobs: int, timeout: float):
     """Cost-model results of every spec, then of the floor at every chunk (batched subprocesses)."""
-    from pakv_onnx.pypto import runs
-
     chunks = sorted({t.chunk for t in specs if t.kind == "entries"})
     floor_specs = [(c, _floor_tiles(shape, c)) for c in chunks]
+    return _costs_and_floors({"case": case_id}, specs, floor_specs, jobs, timeout)
+
+
+def _costs_and_floors(request: dict, specs, floor_specs, jobs: int, timeout: float):
+    """The cost model's result for each of ``specs`` and for each ``(chunk, tiles)`` of ``floor_specs``
+    that has tiles (``{chunk: result}``), run as ``request`` items in ``jobs`` batched subprocesses."""
+    from pakv_onnx.pypto import runs
+
     floor_specs = [(c, t) for c, t in floor_specs if t is not None]
-    items = [{"mode": "cost", "case": case_id, "tiles": t.to_json()} for t in specs]
-    items += [{"mode": "floor", "case": case_id, "tiles": t.to_json()} for _, t in floor_specs]
-    groups = [items[i::jobs] for i in range(jobs)]
+    items = [{**request, "mode": "cost", "tiles": t.to_json()} for t in specs]
+    items += [{**request, "mode": "floor", "tiles": t.to_json()} for _, t in floor_specs]
+    groups = [items[i::jobs] for i in range(jobs)]  # round-robin: each subprocess gets every jobs-th item
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         done = list(pool.map(lambda group: runs.run_batch(group, timeout=timeout) if group else [], groups))
     results = [None] * len(items)
@@ -215,22 +221,11 @@ def scatter_candidates(shape, chunks: list[int] | None) -> list:
 def scatter_measure(case_id: str, shape, specs, jobs: int, timeout: float):
     """Cost-model results of every scatter spec, then of the floor (the written rows copied
     contiguously) at every candidate chunk."""
-    from pakv_onnx.pypto import runs, scatter_host
+    from pakv_onnx.pypto import scatter_host
     from pakv_onnx.pypto import tiles as tiles_mod
 
     floor_specs = [(c, scatter_host.floor_tiles(shape, c)) for c in tiles_mod.candidate_chunks(shape.block_size)]
-    floor_specs = [(c, t) for c, t in floor_specs if t is not None]
-    items = [{"op": "scatter", "mode": "cost", "case": case_id, "tiles": t.to_json()} for t in specs]
-    items += [{"op": "scatter", "mode": "floor", "case": case_id, "tiles": t.to_json()} for _, t in floor_specs]
-    groups = [items[i::jobs] for i in range(jobs)]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        done = list(pool.map(lambda group: runs.run_batch(group, timeout=timeout) if group else [], groups))
-    results = [None] * len(items)
-    for g, group_results in enumerate(done):
-        for k, result in enumerate(group_results):
-            results[g + k * jobs] = result
-    floors = {c: r for (c, _), r in zip(floor_specs, results[len(specs) :])}
-    return results[: len(specs)], floors
+    return _costs_and_floors({"op": "scatter", "case": case_id}, specs, floor_specs, jobs, timeout)
 
 
 def tune_scatter(case_id: str, *, chunks=None, jobs: int = 1, timeout: float = 600, save: bool = True, say=None):

@@ -247,14 +247,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "ids; the caches must match the torch reference bit for bit, unwritten rows untouched)",
     )
     parser.add_argument("--cases", nargs="+", metavar="ID", help="case ids to verify (default: the list above)")
-    parser.add_argument(
-        "--random",
-        type=_args.non_negative_int,
+    _args.add_random_cases(
+        parser,
         default=DEFAULT_KERNEL_CASES,
-        metavar="N",
         help=f"random kernel-N cases in the default list (default: {DEFAULT_KERNEL_CASES})",
+        seed_help="first N of the kernel-N cases",
     )
-    _args.add_seed(parser, help="first N of the kernel-N cases")
     parser.add_argument("--list", action="store_true", help="list the default cases with T and their shapes, and exit")
     parser.add_argument("--device", choices=("cpu", "npu"), default="cpu", help="where the kernel runs (default: cpu)")
     parser.add_argument(

@@ -29,6 +29,7 @@ from pakv_onnx.spec import (
     ATTENTION,
     ATTENTION_DTYPES,
     ATTR_SCALE,
+    GATHER,
     SCATTER,
     ATTR_CACHE_MODE,
     ATTR_IS_SEQ_LENS_CUMSUM,
@@ -40,17 +41,24 @@ from pakv_onnx.spec import (
     INPUT_NAMES,
     OP_TYPE,
     OPSET_VERSION,
-    OPTIONAL_INPUTS,
     OUTPUT_NAMES,
     CacheMode,
+    OpSignature,
 )
 
-# Type-constraint names: one per cache (key and value dtypes may differ; each output takes its
+# A type constraint of an op's schema: (symbol, the contract's dtypes it allows, the inputs and
+# outputs it types, what it is in words).
+Constraint = tuple[str, tuple, tuple[str, ...], str]
+
+# The gather's: one symbol per cache (key and value dtypes may differ; each output takes its
 # cache's), then one per index input (they may differ too).
-_KEY_CACHE, _VALUE_CACHE = INPUT_NAMES[:2]
-_CACHE_T = {_KEY_CACHE: "TK", _VALUE_CACHE: "TV"}
-_OUTPUT_T = dict(zip(OUTPUT_NAMES, (_CACHE_T[_KEY_CACHE], _CACHE_T[_VALUE_CACHE])))
-_INDEX_T = {name: f"T{i}" for i, name in enumerate(INPUT_NAMES[2:], start=2)}
+_GATHER_TYPES: list[Constraint] = [
+    *(
+        (symbol, CACHE_DTYPES, (cache, output), f"{cache} element type (and its output's)")
+        for symbol, cache, output in zip(("TK", "TV"), INPUT_NAMES[:2], OUTPUT_NAMES)
+    ),
+    *((f"T{i}", INDEX_DTYPES, (name,), f"{name} index type") for i, name in enumerate(INPUT_NAMES[2:], start=2)),
+]
 
 _DOC = (
     "Gather the paged KV cache blocks of a batch of sequences into contiguous tensors (see pakv_onnx.spec). "
@@ -66,30 +74,6 @@ _symbol_counter = itertools.count()
 def onnx_type_str(onnx_type: int) -> str:
     """``16`` -> ``"tensor(bfloat16)"``: the type string OpSchema constraints use."""
     return f"tensor({TensorProto.DataType.Name(onnx_type).lower()})"
-
-
-def _type_constraints() -> list[tuple[str, list[str], str]]:
-    index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
-    cache_types = [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES]
-    constraints = [
-        (symbol, list(cache_types), f"{name} element type (and its output's)") for name, symbol in _CACHE_T.items()
-    ]
-    for name, symbol in _INDEX_T.items():
-        constraints.append((symbol, list(index_types), f"{name} index type"))
-    return constraints
-
-
-def _formal_inputs() -> list[onnx.defs.OpSchema.FormalParameter]:
-    params = []
-    for name in INPUT_NAMES:
-        option = (
-            onnx.defs.OpSchema.FormalParameterOption.Optional
-            if name in OPTIONAL_INPUTS
-            else onnx.defs.OpSchema.FormalParameterOption.Single
-        )
-        symbol = _CACHE_T.get(name) or _INDEX_T[name]
-        params.append(onnx.defs.OpSchema.FormalParameter(name, symbol, param_option=option))
-    return params
 
 
 def _attributes() -> list[onnx.defs.OpSchema.Attribute]:
@@ -188,24 +172,35 @@ def make_schema() -> onnx.defs.OpSchema:
     there the schema still gives the checker the names, types and attributes, and shape inference
     leaves the outputs as declared.
     """
-    return _op_schema(
-        OP_TYPE,
-        _DOC,
-        inputs=_formal_inputs(),
-        outputs=[onnx.defs.OpSchema.FormalParameter(name, _OUTPUT_T[name]) for name in OUTPUT_NAMES],
-        type_constraints=_type_constraints(),
-        attributes=_attributes(),
-        infer=_infer,
-    )
+    return _op_schema(GATHER, _DOC, _GATHER_TYPES, attributes=_attributes(), infer=_infer)
 
 
-def _op_schema(op_type: str, doc: str, *, infer, **parameters) -> onnx.defs.OpSchema:
-    """An OpSchema of the pakv domain: deterministic and with ``infer`` as its shape inference where
-    this onnx has them (>= 1.17; onnx 1.16 takes neither, see :func:`make_schema`)."""
+def _formal(signature: OpSignature, names: tuple[str, ...], symbols: dict[str, str]):
+    """``names`` (of ``signature``'s inputs or outputs) as OpSchema parameters typed by ``symbols``
+    (name -> type-constraint symbol); the signature's optional inputs are optional."""
+    option = onnx.defs.OpSchema.FormalParameterOption
+    return [
+        onnx.defs.OpSchema.FormalParameter(
+            name, symbols[name], param_option=option.Optional if name in signature.optional_inputs else option.Single
+        )
+        for name in names
+    ]
+
+
+def _op_schema(signature: OpSignature, doc: str, types: list[Constraint], *, infer, **parameters) -> onnx.defs.OpSchema:
+    """An OpSchema of the pakv domain for ``signature``'s inputs and outputs, each typed by the one of
+    ``types`` that names it: deterministic and with ``infer`` as its shape inference where this onnx
+    has them (>= 1.17; onnx 1.16 takes neither, see :func:`make_schema`)."""
     determinism = getattr(onnx.defs.OpSchema, "NodeDeterminism", None)
     if determinism is not None:
         parameters["node_determinism"] = determinism.Deterministic
-    schema = onnx.defs.OpSchema(op_type, DOMAIN, OPSET_VERSION, doc, **parameters)
+    symbols = {name: symbol for symbol, _, names, _ in types for name in names}
+    parameters["inputs"] = _formal(signature, signature.input_names, symbols)
+    parameters["outputs"] = _formal(signature, signature.output_names, symbols)
+    parameters["type_constraints"] = [
+        (symbol, [onnx_type_str(d.onnx_type) for d in dtypes], what) for symbol, dtypes, _, what in types
+    ]
+    schema = onnx.defs.OpSchema(signature.op_type, DOMAIN, OPSET_VERSION, doc, **parameters)
     if hasattr(schema, "set_type_and_shape_inference_function"):
         schema.set_type_and_shape_inference_function(infer)
     return schema
@@ -220,8 +215,16 @@ _SCATTER_DOC = (
     "(a runtime may make them the input caches' own buffers: bound so by the host, or aliased where the plugin's "
     "registration opted in)."
 )
-# key and key_cache share TK, value and value_cache TV; slot_mapping TS.
-_SCATTER_T = dict(zip(SCATTER.input_names, ("TK", "TV", "TK", "TV", "TS")))
+# key, key_cache and key_cache_out share TK, the value side TV; slot_mapping TS.
+_SCATTER_TYPES: list[Constraint] = [
+    *(
+        (symbol, CACHE_DTYPES, (rows, cache, out), f"{rows} and {cache} element type (and {out}'s)")
+        for symbol, rows, cache, out in zip(
+            ("TK", "TV"), SCATTER.input_names[:2], SCATTER.input_names[2:4], SCATTER.output_names
+        )
+    ),
+    ("TS", INDEX_DTYPES, SCATTER.input_names[4:], "slot_mapping index type"),
+]
 
 
 def _infer_scatter(ctx) -> None:
@@ -233,20 +236,7 @@ def _infer_scatter(ctx) -> None:
 
 def make_scatter_schema() -> onnx.defs.OpSchema:
     """A fresh OpSchema for ScatterPaKvCache (not registered); see :func:`make_schema` for old onnx."""
-    cache_types = [onnx_type_str(d.onnx_type) for d in CACHE_DTYPES]
-    return _op_schema(
-        SCATTER.op_type,
-        _SCATTER_DOC,
-        inputs=[onnx.defs.OpSchema.FormalParameter(n, _SCATTER_T[n]) for n in SCATTER.input_names],
-        outputs=[onnx.defs.OpSchema.FormalParameter(n, t) for n, t in zip(SCATTER.output_names, ("TK", "TV"))],
-        type_constraints=[
-            ("TK", list(cache_types), "key and key_cache element type (and key_cache_out's)"),
-            ("TV", list(cache_types), "value and value_cache element type (and value_cache_out's)"),
-            ("TS", [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES], "slot_mapping index type"),
-        ],
-        attributes=[_attributes()[0]],
-        infer=_infer_scatter,
-    )
+    return _op_schema(SCATTER, _SCATTER_DOC, _SCATTER_TYPES, attributes=[_attributes()[0]], infer=_infer_scatter)
 
 
 # --------------------------------------------------------------------------- #
@@ -259,8 +249,19 @@ _ATTENTION_DOC = (
     "New token j of a sequence with n new tokens and a context of L sits at position L - n + j and sees positions "
     "0 .. L - n + j. Hq is a multiple of Hk (GQA). fp32 scores and softmax; output [N, Hq, Dv] in query's type."
 )
-# query and both caches share T; the index inputs each their own (int32 or int64).
-_ATTENTION_T = dict(zip(ATTENTION.input_names, ("T", "T", "T", "TB", "TC", "TP")))
+# query, both caches and the output share T; the index inputs each their own (int32 or int64).
+_ATTENTION_TYPES: list[Constraint] = [
+    (
+        "T",
+        ATTENTION_DTYPES,
+        (*ATTENTION.input_names[:3], *ATTENTION.output_names),
+        "query, key_cache, value_cache and output type",
+    ),
+    *(
+        (symbol, INDEX_DTYPES, (name,), f"{name} index type")
+        for symbol, name in zip(("TB", "TC", "TP"), ATTENTION.input_names[3:])
+    ),
+]
 
 
 def _infer_attention(ctx) -> None:
@@ -281,22 +282,10 @@ def _infer_attention(ctx) -> None:
 
 def make_attention_schema() -> onnx.defs.OpSchema:
     """A fresh OpSchema for PagedAttention (not registered); see :func:`make_schema` for old onnx."""
-    index_types = [onnx_type_str(d.onnx_type) for d in INDEX_DTYPES]
     return _op_schema(
-        ATTENTION.op_type,
+        ATTENTION,
         _ATTENTION_DOC,
-        inputs=[onnx.defs.OpSchema.FormalParameter(n, _ATTENTION_T[n]) for n in ATTENTION.input_names],
-        outputs=[onnx.defs.OpSchema.FormalParameter(ATTENTION.output_names[0], "T")],
-        type_constraints=[
-            (
-                "T",
-                [onnx_type_str(d.onnx_type) for d in ATTENTION_DTYPES],
-                "query, key_cache, value_cache and output type",
-            ),
-            ("TB", list(index_types), "block_table index type"),
-            ("TC", list(index_types), "cumulative_sequence_lengths index type"),
-            ("TP", list(index_types), "past_sequence_lengths index type"),
-        ],
+        _ATTENTION_TYPES,
         attributes=[
             onnx.defs.OpSchema.Attribute(
                 ATTR_SCALE,

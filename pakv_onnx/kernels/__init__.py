@@ -18,28 +18,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # annotations only: the registry imports without torch (the CLI's --help lists it)
     import torch
 
-    from pakv_onnx.plans import (
-        AttentionPlan,
-        AttentionTensors,
-        GatherPlan,
-        GatherTensors,
-        OrtAttentionPlan,
-        OrtAttentionTensors,
-        ScatterPlan,
-        ScatterTensors,
-    )
+    from pakv_onnx import plans
 
     # gather(plan, tensors): reads tensors.key_cache / value_cache, writes tensors.key_out / value_out.
-    GatherFn = Callable[[GatherPlan, GatherTensors], None]
+    GatherFn = Callable[[plans.GatherPlan, plans.GatherTensors], None]
     # scatter(plan, tensors): reads tensors.key / value, writes their rows into tensors.key_cache / value_cache.
-    ScatterFn = Callable[[ScatterPlan, ScatterTensors], None]
+    ScatterFn = Callable[[plans.ScatterPlan, plans.ScatterTensors], None]
     # attention(plan, tensors): reads tensors.query and the caches, writes tensors.out.
-    AttentionFn = Callable[[AttentionPlan, AttentionTensors], None]
+    AttentionFn = Callable[[plans.AttentionPlan, plans.AttentionTensors], None]
     # ort_attention(plan, tensors): writes the new rows into tensors.key_cache / value_cache, then tensors.out.
-    OrtAttentionFn = Callable[[OrtAttentionPlan, OrtAttentionTensors], None]
+    OrtAttentionFn = Callable[[plans.OrtAttentionPlan, plans.OrtAttentionTensors], None]
 
 
-def _handles_every_call(plan: GatherPlan, cache: torch.Tensor) -> str | None:
+def _handles_every_call(plan: plans.GatherPlan, cache: torch.Tensor) -> str | None:
     """The default ``unsupported_reason``: the backend takes every valid call."""
     return None
 
@@ -82,7 +73,7 @@ class Backend:
     description: str
     gather: GatherFn
     unavailable_reason: Callable[[], str | None] = lambda: None
-    unsupported_reason: Callable[[GatherPlan, torch.Tensor], str | None] = _handles_every_call
+    unsupported_reason: Callable[[plans.GatherPlan, torch.Tensor], str | None] = _handles_every_call
     reads_pool_views: bool = False
     mixed_dtypes: bool = False
     scatter: ScatterFn | None = None
@@ -97,7 +88,7 @@ class Backend:
         return known[1]
 
     def refusal(
-        self, plan: GatherPlan | ScatterPlan | AttentionPlan | OrtAttentionPlan, caches: tuple[torch.Tensor, ...]
+        self, plan: plans.GatherPlan | plans.ScatterPlan | plans.AttentionPlan | plans.OrtAttentionPlan, caches: tuple[torch.Tensor, ...]
     ) -> str | None:
         """Why this backend cannot run this call here (``None``: it can)."""
         plans = sys.modules["pakv_onnx.plans"]  # loaded: it made `plan`
@@ -160,7 +151,7 @@ def get_backend(name: str) -> Backend:
 
 def resolve_backend(
     name: str,
-    plan: GatherPlan | ScatterPlan | AttentionPlan,
+    plan: plans.GatherPlan | plans.ScatterPlan | plans.AttentionPlan,
     cache: torch.Tensor,
     value_cache: torch.Tensor | None = None,
 ) -> Backend:
@@ -198,7 +189,7 @@ def clear_availability_cache() -> None:
     _availability.clear()
 
 
-def _resolve_auto(plan: GatherPlan | ScatterPlan | AttentionPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
+def _resolve_auto(plan: plans.GatherPlan | plans.ScatterPlan | plans.AttentionPlan, caches: tuple[torch.Tensor, torch.Tensor]) -> Backend:
     """The first backend of AUTO_PREFERENCE that can run the call."""
     reasons = []
     for candidate in AUTO_PREFERENCE:

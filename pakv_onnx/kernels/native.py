@@ -14,18 +14,8 @@ import ctypes
 
 import torch
 
-from pakv_onnx import native_lib
+from pakv_onnx import native_lib, plans
 from pakv_onnx.kernels import Backend
-from pakv_onnx.plans import (
-    AttentionPlan,
-    AttentionTensors,
-    GatherPlan,
-    GatherTensors,
-    OrtAttentionPlan,
-    OrtAttentionTensors,
-    ScatterPlan,
-    ScatterTensors,
-)
 
 # int64 words of a C plan (native_lib.Plan): the addresses it was validated for.
 _WORDS = tuple(getattr(native_lib.Plan, f).offset // 8 for f in ("key_cache", "value_cache", "key_out", "value_out"))
@@ -39,7 +29,7 @@ def _unavailable() -> str | None:
     return None
 
 
-def _unsupported(plan: GatherPlan, cache: torch.Tensor) -> str | None:
+def _unsupported(plan: plans.GatherPlan, cache: torch.Tensor) -> str | None:
     if not cache.is_cpu:
         return f"it runs on CPU tensors only, got {cache.device}"
     return None
@@ -53,7 +43,7 @@ def _require_output(name: str, out: torch.Tensor, shape: tuple[int, ...], dtype:
         )
 
 
-def gather_native(plan: GatherPlan, tensors: GatherTensors) -> None:
+def gather_native(plan: plans.GatherPlan, tensors: plans.GatherTensors) -> None:
     """Gather with the C core.
 
     Args:
@@ -90,7 +80,7 @@ _SCATTER_WORDS = tuple(
 )
 
 
-def scatter_native(plan: ScatterPlan, tensors: ScatterTensors) -> None:
+def scatter_native(plan: plans.ScatterPlan, tensors: plans.ScatterTensors) -> None:
     """Scatter with the C core: the validator's plan, run on the tensors it was made for (one
     memcpy per written token row, PA_NZ one per fractal; caches written in place, pool views too)."""
     if plan.native is None:
@@ -107,7 +97,7 @@ _ATTENTION_WORDS = tuple(
 )
 
 
-def attention_native(plan: AttentionPlan, tensors: AttentionTensors) -> None:
+def attention_native(plan: plans.AttentionPlan, tensors: plans.AttentionTensors) -> None:
     """PagedAttention with the C attention core: the validator's plan, run on the tensors it was made
     for (caches read in place through the block table, pool views too), on the calling thread."""
     if plan.native is None:
@@ -122,7 +112,7 @@ def attention_native(plan: AttentionPlan, tensors: AttentionTensors) -> None:
     native_lib.run_attention(call.buffer_info()[0])
 
 
-def ort_attention_native(plan: OrtAttentionPlan, tensors: OrtAttentionTensors) -> None:
+def ort_attention_native(plan: plans.OrtAttentionPlan, tensors: plans.OrtAttentionTensors) -> None:
     """com.microsoft::PagedAttention with the C cores: the validator's plan bound to these caches (the
     ones it was made for) and output, the prologue writing the caches in place, then the attention,
     on the calling thread."""

@@ -63,7 +63,9 @@ static int open_driver(int which, pakv_driver* out, pakv_err* err) {
          SYMBOL("cuMemcpyBatchAsync", cu_batch_v1, 0) || SYMBOL("cuModuleLoadData", cu_module_load, 0) ||
          SYMBOL("cuModuleGetFunction", cu_module_function, 0) || SYMBOL("cuLaunchKernel", cu_launch, 0) ||
          SYMBOL("cuMemAllocAsync", cu_alloc_async, 0) || SYMBOL("cuMemFreeAsync", cu_free_async, 0) ||
-         SYMBOL("cuMemcpyHtoDAsync_v2", cu_upload, 0);
+         SYMBOL("cuMemcpyHtoDAsync_v2", cu_upload, 0) || SYMBOL("cuCtxGetDevice", cu_ctx_device, 0) ||
+         SYMBOL("cuMemPoolCreate", cu_pool_create, 0) || SYMBOL("cuMemPoolSetAttribute", cu_pool_set, 0) ||
+         SYMBOL("cuMemAllocFromPoolAsync", cu_alloc_from_pool, 0);
     pakv_CUresult result = rc ? 0 : init(0); /* idempotent; ORT's CUDA runtime has normally done it already */
     if (!rc && result != PAKV_CUDA_SUCCESS) rc = pakv_fail(err, "cuInit(0) failed with CUresult %d", result);
   } else {

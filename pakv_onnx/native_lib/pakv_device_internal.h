@@ -27,6 +27,10 @@ typedef struct {
   pakv_cuMemAllocAsync_fn cu_alloc_async;
   pakv_cuMemFreeAsync_fn cu_free_async;
   pakv_cuMemcpyHtoDAsync_fn cu_upload;
+  pakv_cuCtxGetDevice_fn cu_ctx_device;             /* optional, with the next three (the kernel's own pool) */
+  pakv_cuMemPoolCreate_fn cu_pool_create;
+  pakv_cuMemPoolSetAttribute_fn cu_pool_set;
+  pakv_cuMemAllocFromPoolAsync_fn cu_alloc_from_pool;
   /* AscendCL */
   pakv_aclrtMemcpyAsync_fn acl_memcpy;
   pakv_aclrtMemcpy2dAsync_fn acl_memcpy_2d;
@@ -50,8 +54,9 @@ void pakv_copy_list_free(pakv_copy_list* l);
 int pakv_cuda_failed(const pakv_driver* d, pakv_err* err, const char* op, const char* call, pakv_CUresult rc);
 
 /* Queue the list's copies on `stream`, then free the list: one copy as itself; more in one launch,
- * cuMemcpyBatchAsync where the driver has it (not on the legacy default stream), else the embedded
- * copy kernel, else (older drivers) one cuMemcpyDtoDAsync_v2 per copy; PAKV_ONNX_CUDA_COPY forces one.
+ * the embedded copy kernel where the driver can load it, else cuMemcpyBatchAsync where the driver has
+ * it (not on the legacy default stream), else one cuMemcpyDtoDAsync_v2 per copy; PAKV_ONNX_CUDA_COPY
+ * forces one.
  * 0, or -1 with err. */
 int pakv_cuda_issue_copies(const pakv_driver* d, pakv_copy_list* l, void* stream, const char* op, pakv_err* err);
 

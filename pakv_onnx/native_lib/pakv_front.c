@@ -12,7 +12,15 @@
  * input, a non-tensor, a tensor subclass, a tensor on a device) goes to the Python function given
  * to configure(), which raises the TypeError for a non-tensor or returns what to describe: the
  * tensor (a device index tensor made contiguous), its data address, the host copy to read (index
- * tensors) or None, and the device name. */
+ * tensors) or None, and the device name.
+ *
+ * How a CPU tensor is read: where torch offers DLPack's C exchange table
+ * (`torch.Tensor.__dlpack_c_exchange_api__`, torch >= 2.10), one call of its
+ * dltensor_from_py_object_no_sync fills a DLTensor that points at the tensor's own sizes and
+ * strides: no Python object is made. Otherwise (older torch, or a tensor that call refuses) five
+ * attribute reads (is_cpu, data_ptr(), dtype, shape, stride()), each making Python objects: about
+ * 0.35 us a tensor, most of the front's own cost at seven tensors a call. Both routes write the
+ * same record (tests/test_front_records.py). */
 #ifndef Py_LIMITED_API
 #define Py_LIMITED_API 0x030A0000
 #endif
@@ -26,6 +34,53 @@
 
 enum { ROLE_OPTIONAL = 1, ROLE_INDEX = 2 }; /* the role bits of each position (validator.py) */
 
+/* DLPack's C layout, major version 1 (the layout of dlpack.h, stable within a major version). */
+enum { DL_MAJOR = 1, DL_CPU = 1 };
+typedef struct {
+  int32_t device_type;
+  int32_t device_id;
+} dl_device;
+typedef struct {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+} dl_dtype;
+typedef struct {
+  void* data;
+  dl_device device;
+  int32_t ndim;
+  dl_dtype dtype;
+  int64_t* shape;
+  int64_t* strides; /* NULL: row-major (allowed by DLPack; torch always gives them) */
+  uint64_t byte_offset;
+} dl_tensor;
+typedef struct dl_api_header {
+  uint32_t major;
+  uint32_t minor;
+  struct dl_api_header* prev_api;
+} dl_api_header;
+typedef int (*dl_from_py_fn)(void* py_object, dl_tensor* out); /* 0, or -1 with a Python error set */
+typedef struct {
+  dl_api_header header;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  dl_from_py_fn dltensor_from_py_object_no_sync; /* may be NULL */
+  void* current_work_stream;
+} dl_exchange_api;
+
+/* DLPack element type -> ONNX element type, for the DLPack types exactly one torch dtype has
+ * (validator._dlpack_element_types builds it from spec.ONNX_ELEMENT_TYPE_OF); any other type is
+ * looked up by its torch dtype, as the attribute route does. */
+enum { DL_TYPES_MAX = 64 };
+typedef struct {
+  uint32_t key; /* code | bits << 8 | lanes << 16 */
+  int32_t elem_type;
+} dl_type_entry;
+
+static dl_from_py_fn g_dl_from_py; /* NULL: the attribute route */
+static dl_type_entry g_dl_types[DL_TYPES_MAX];
+static Py_ssize_t g_dl_type_count;
 static PyObject* g_tensor_type; /* torch.Tensor */
 static PyObject* g_element_types; /* torch.dtype -> ONNX element type (spec.ONNX_ELEMENT_TYPE_OF) */
 static PyObject* g_other;       /* Python: (name, value, is_index) -> (tensor, data, host or None, device) */
@@ -47,16 +102,22 @@ static int read_address(PyObject* number, const void** out) {
   return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* shape, strides and element type of `tensor` into `rec`. A rank over PAKV_MAX_RANK keeps its
- * first dims and its true ndim, which the validator refuses by name. */
-static int read_layout(PyObject* tensor, pakv_tensor* rec) {
-  Py_ssize_t rank, stride_rank;
+/* The ONNX element type of `tensor`'s torch dtype (0: none) into `rec`. */
+static int read_element_type(PyObject* tensor, pakv_tensor* rec) {
   PyObject* dtype = PyObject_GetAttr(tensor, s_dtype);
   if (!dtype) return -1;
   PyObject* element_type = PyDict_GetItemWithError(g_element_types, dtype);
   Py_DECREF(dtype);
   if (!element_type && PyErr_Occurred()) return -1;
   rec->elem_type = element_type ? (int32_t)PyLong_AsLong(element_type) : 0;
+  return 0;
+}
+
+/* shape, strides and element type of `tensor` into `rec`. A rank over PAKV_MAX_RANK keeps its
+ * first dims and its true ndim, which the validator refuses by name. */
+static int read_layout(PyObject* tensor, pakv_tensor* rec) {
+  Py_ssize_t rank, stride_rank;
+  if (read_element_type(tensor, rec)) return -1;
   PyObject* shape = PyObject_GetAttr(tensor, s_shape);
   if (!shape) return -1;
   int bad = read_ints(shape, rec->dims, &rank);
@@ -71,9 +132,61 @@ static int read_layout(PyObject* tensor, pakv_tensor* rec) {
   return 0;
 }
 
+/* An index tensor's record reads its data on the host: keep the tensor in hosts[at]. */
+static void keep_host(PyObject* tensor, pakv_tensor* rec, PyObject* hosts, Py_ssize_t at) {
+  rec->host_data = rec->data;
+  Py_INCREF(tensor);
+  PyList_SetItem(hosts, at, tensor); /* steals the reference */
+}
+
+/* A DLPack element type as one number: code | bits << 8 | lanes << 16. */
+static uint32_t dl_key(dl_dtype type) { return (uint32_t)type.code | (uint32_t)type.bits << 8 | (uint32_t)type.lanes << 16; }
+
+/* The element type of a DLPack type from the table; -1: not in it (ask the torch dtype). */
+static int32_t dl_element_type(dl_dtype type) {
+  uint32_t key = dl_key(type);
+  for (Py_ssize_t i = 0; i < g_dl_type_count; i++)
+    if (g_dl_types[i].key == key) return g_dl_types[i].elem_type;
+  return -1;
+}
+
+/* What describe_dlpack did: described it, found it off the CPU (the Python path's), or was refused. */
+enum { DL_DESCRIBED = 1, DL_NOT_CPU = 0, DL_REFUSED = 2 };
+
+/* A CPU tensor through DLPack's exchange table: DL_DESCRIBED, DL_NOT_CPU, DL_REFUSED (a tensor
+ * DLPack cannot describe: sparse, without storage...; the attribute route then says what it is;
+ * nothing written), or -1 with a Python error. */
+static int describe_dlpack(PyObject* tensor, int is_index, pakv_tensor* rec, PyObject* hosts, Py_ssize_t at) {
+  dl_tensor view;
+  if (g_dl_from_py(tensor, &view) != 0) {
+    PyErr_Clear();
+    return DL_REFUSED;
+  }
+  if (view.device.device_type != DL_CPU) return DL_NOT_CPU;
+  if (view.ndim < 0 || (view.ndim > 0 && (!view.shape || !view.strides))) return DL_REFUSED;
+  int32_t element_type = dl_element_type(view.dtype);
+  if (element_type < 0 && read_element_type(tensor, rec)) return -1;
+  if (element_type >= 0) rec->elem_type = element_type;
+  rec->data = (const char*)view.data + view.byte_offset;
+  rec->ndim = view.ndim;
+  int32_t kept = view.ndim < PAKV_MAX_RANK ? view.ndim : PAKV_MAX_RANK;
+  if (kept > 0) { /* a 0-d tensor's shape may be NULL */
+    memcpy(rec->dims, view.shape, sizeof(int64_t) * (size_t)kept);
+    memcpy(rec->strides, view.strides, sizeof(int64_t) * (size_t)kept);
+  }
+  memcpy(rec->device, "cpu", 4);
+  rec->present = 1;
+  if (is_index) keep_host(tensor, rec, hosts, at);
+  return DL_DESCRIBED;
+}
+
 /* A CPU torch.Tensor; 1 when it is one and was described, 0 when it needs the Python path. */
 static int describe_cpu(PyObject* tensor, int is_index, pakv_tensor* rec, PyObject* hosts, Py_ssize_t at) {
   if ((PyObject*)Py_TYPE(tensor) != g_tensor_type) return 0;
+  if (g_dl_from_py) {
+    int done = describe_dlpack(tensor, is_index, rec, hosts, at);
+    if (done != DL_REFUSED) return done;
+  }
   PyObject* is_cpu = PyObject_GetAttr(tensor, s_is_cpu);
   if (!is_cpu) return -1;
   int on_host = is_cpu == Py_True;
@@ -84,11 +197,7 @@ static int describe_cpu(PyObject* tensor, int is_index, pakv_tensor* rec, PyObje
   int bad = read_address(data, &rec->data);
   Py_DECREF(data);
   if (bad) return -1;
-  if (is_index) {
-    rec->host_data = rec->data;
-    Py_INCREF(tensor);
-    PyList_SetItem(hosts, at, tensor); /* steals the reference */
-  }
+  if (is_index) keep_host(tensor, rec, hosts, at);
   memcpy(rec->device, "cpu", 4);
   rec->present = 1;
   return read_layout(tensor, rec) ? -1 : 1;
@@ -201,11 +310,60 @@ static PyObject* run(PyObject* self, PyObject* args) {
   return PyLong_FromLong(result);
 }
 
-/* configure(tensor_type, element_types, other): once, at import of pakv_onnx.validator. */
+/* The DLPack exchange table inside torch's capsule, or NULL (None, another major version, or no
+ * dltensor_from_py_object_no_sync): the attribute route is then used. */
+static const dl_exchange_api* exchange_api(PyObject* exchange) {
+  if (exchange == Py_None) return NULL;
+  const dl_exchange_api* api = PyCapsule_GetPointer(exchange, "dlpack_exchange_api");
+  if (!api) return NULL; /* the Python error stays set: the caller raises it */
+  if (api->header.major != DL_MAJOR || !api->dltensor_from_py_object_no_sync) return NULL;
+  return api;
+}
+
+static dl_from_py_fn exchange_function(PyObject* exchange) {
+  const dl_exchange_api* api = exchange_api(exchange);
+  return api ? api->dltensor_from_py_object_no_sync : NULL;
+}
+
+/* The table {dlpack key: ONNX element type} into g_dl_types; -1 with a Python error. */
+static int set_dl_types(PyObject* dl_types) {
+  if (PyDict_Size(dl_types) > DL_TYPES_MAX) {
+    PyErr_Format(PyExc_ValueError, "configure: more than %d DLPack element types", DL_TYPES_MAX);
+    return -1;
+  }
+  PyObject *key, *value;
+  Py_ssize_t pos = 0, count = 0;
+  while (PyDict_Next(dl_types, &pos, &key, &value)) {
+    unsigned long packed = PyLong_AsUnsignedLong(key);
+    long element_type = PyLong_AsLong(value);
+    if (PyErr_Occurred()) return -1;
+    if (packed > UINT32_MAX || element_type < 0 || element_type > INT32_MAX) {
+      PyErr_SetString(PyExc_ValueError, "configure: a DLPack key or element type out of range");
+      return -1;
+    }
+    g_dl_types[count].key = (uint32_t)packed;
+    g_dl_types[count].elem_type = (int32_t)element_type;
+    count++;
+  }
+  g_dl_type_count = count;
+  return 0;
+}
+
+/* configure(tensor_type, element_types, other, exchange, dl_types): once, at the first describe of
+ * pakv_onnx.validator. exchange: torch.Tensor.__dlpack_c_exchange_api__ or None (the attribute
+ * route); dl_types: {dlpack_key: ONNX element type} of the DLPack types one torch dtype has. */
 static PyObject* configure(PyObject* self, PyObject* args) {
-  PyObject *tensor_type, *element_types, *other;
-  if (!PyArg_ParseTuple(args, "OO!O", &tensor_type, &PyDict_Type, &element_types, &other)) return NULL;
+  PyObject *tensor_type, *element_types, *other, *exchange = Py_None, *dl_types = Py_None;
+  if (!PyArg_ParseTuple(args, "OO!O|OO", &tensor_type, &PyDict_Type, &element_types, &other, &exchange, &dl_types))
+    return NULL;
   if (!PyCallable_Check(other)) return PyErr_Format(PyExc_TypeError, "configure: other must be callable");
+  if (dl_types != Py_None && !PyDict_Check(dl_types))
+    return PyErr_Format(PyExc_TypeError, "configure: dl_types must be a dict or None");
+  dl_from_py_fn from_py = exchange_function(exchange);
+  if (PyErr_Occurred()) return NULL;
+  g_dl_from_py = NULL; /* the table changes below: no DLPack read until both are set */
+  g_dl_type_count = 0;
+  if (from_py && dl_types != Py_None && set_dl_types(dl_types)) return NULL;
   PyObject* old[] = {g_tensor_type, g_element_types, g_other};
   Py_INCREF(tensor_type);
   Py_INCREF(element_types);
@@ -213,18 +371,48 @@ static PyObject* configure(PyObject* self, PyObject* args) {
   g_tensor_type = tensor_type;
   g_element_types = element_types;
   g_other = other;
+  g_dl_from_py = from_py;
   for (size_t i = 0; i < sizeof old / sizeof old[0]; i++) Py_XDECREF(old[i]);
   Py_RETURN_NONE;
 }
 
+/* dlpack_key(exchange, tensor) -> int or None: the DLPack element type torch gives `tensor` (a
+ * torch.Tensor: the type the exchange table came from), code | bits << 8 | lanes << 16; None where
+ * DLPack cannot describe it. */
+static PyObject* dlpack_key(PyObject* self, PyObject* args) {
+  PyObject *exchange, *tensor;
+  if (!PyArg_ParseTuple(args, "OO", &exchange, &tensor)) return NULL;
+  const dl_exchange_api* api = exchange_api(exchange);
+  if (!api) return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "dlpack_key: no exchange table");
+  /* The table reads only objects of the type it came from (DLPack's rule): ask the object's type. */
+  PyObject* own = PyObject_GetAttrString((PyObject*)Py_TYPE(tensor), "__dlpack_c_exchange_api__");
+  const void* own_api = own ? PyCapsule_GetPointer(own, "dlpack_exchange_api") : NULL;
+  Py_XDECREF(own);
+  if (own_api != api) {
+    PyErr_Clear();
+    return PyErr_Format(PyExc_TypeError, "dlpack_key: %R is not read by this exchange table", (PyObject*)Py_TYPE(tensor));
+  }
+  dl_tensor view;
+  if (api->dltensor_from_py_object_no_sync(tensor, &view) != 0) {
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return PyLong_FromUnsignedLong(dl_key(view.dtype));
+}
+
 static PyObject* record_size(PyObject* self, PyObject* unused) { return PyLong_FromSize_t(sizeof(pakv_tensor)); }
 
+static PyObject* reads_dlpack(PyObject* self, PyObject* unused) { return PyBool_FromLong(g_dl_from_py != NULL); }
+
 static PyMethodDef METHODS[] = {
-    {"configure", configure, METH_VARARGS, "configure(tensor_type, element_types, other): set once at import."},
+    {"configure", configure, METH_VARARGS,
+     "configure(tensor_type, element_types, other, exchange=None, dl_types=None): set once before describing."},
+    {"dlpack_key", dlpack_key, METH_VARARGS, "dlpack_key(exchange, tensor) -> int or None: its DLPack type."},
     {"describe", describe, METH_VARARGS, "describe(address, values, roles) -> hosts: write pakv_tensor records."},
     {"call", call, METH_VARARGS, "call(function, pointer) -> int: int function(void*), GIL released."},
     {"run", run, METH_VARARGS, "run(function, plan, error, error_len) -> int: a plan runner, GIL released."},
     {"record_size", record_size, METH_NOARGS, "sizeof(pakv_tensor) as this module was compiled."},
+    {"reads_dlpack", reads_dlpack, METH_NOARGS, "Whether CPU tensors are read through DLPack's exchange table."},
     {NULL, NULL, 0, NULL},
 };
 

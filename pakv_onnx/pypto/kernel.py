@@ -35,6 +35,8 @@ entry counts are dynamic. Note: no ``from __future__ import annotations`` here (
 the tensor annotations as objects).
 """
 
+import functools
+
 import pypto
 
 DYN = pypto.DYNAMIC
@@ -94,8 +96,22 @@ def gather_norm_kernel(
         _copy_rows(value_rows, value_out, chunk, tiles[3:5], src, dst, valid)
 
 
-def _nz_group(planes, fractals: int, group: int, chunk: int, block, slot, first, valid):
-    """Fractals ``first .. first+group`` of ``chunk`` slots of one block, ``[group, chunk, E]`` -> ``[chunk, group, E]``.
+def each_move(entries, name: str, pieces: int, stride: int, fields: tuple, move) -> None:
+    """One flat ``pypto.loop`` named ``name`` over the int32 rows of ``entries`` ``[E, pieces * stride]``.
+
+    A row holds ``pieces`` moves of ``stride`` fields each; ``move`` is called once per move with
+    that move's fields ``fields`` (indices into its ``stride``), in that order, as PyPTO scalars:
+    only the named fields are read. Called from the kernels' bodies, this runs as plain Python
+    while PyPTO traces (not inlined by its parser), so the loop is the kernel's own.
+    """
+    for e in pypto.loop(entries.shape[0], name=name, idx_name="e"):
+        for i in range(pieces):
+            move(*[entries[e, stride * i + f] for f in fields])
+
+
+def _nz_group(planes, out, fractals: int, group: int, chunk: int, block, slot, dst, valid, first):
+    """Fractals ``first .. first+group`` of ``chunk`` slots of one block, ``[group, chunk, E]`` -> ``[chunk, group, E]``,
+    assembled at ``[dst, first, 0]`` of ``out`` ``[T, C, E]``.
 
     One vector tile for the view and the transpose: the transpose's tile also tiles the
     copy-in, and any other shape splits it into two DMAs.
@@ -105,7 +121,22 @@ def _nz_group(planes, fractals: int, group: int, chunk: int, block, slot, first,
     part = pypto.view(
         planes, [group, chunk, e_dim], [block * fractals + first, slot, 0], valid_shape=[group, valid, e_dim]
     )
-    return pypto.transpose(part, 0, 1)
+    pypto.assemble(pypto.transpose(part, 0, 1), [dst, first, 0], out)
+
+
+def _nz_entry(
+    key_planes, value_planes, key_out, value_out, tiles: tuple, block, slot, dst, valid, key_first, value_first
+):
+    """One entry of :func:`gather_nz_kernel`: its key fractal group, then its value fractal group."""
+    chunk = tiles[0]
+    _nz_group(key_planes, key_out, tiles[5], tiles[1], chunk, block, slot, dst, valid, key_first)
+    _nz_group(value_planes, value_out, tiles[6], tiles[3], chunk, block, slot, dst, valid, value_first)
+
+
+# the fields of an NZ entry each kernel reads: (block, slot, dst, valid, key_first, value_first) and,
+# for chunk == 1, the same less ``valid`` (always 1)
+_NZ_FIELDS = (0, 1, 2, 3, 4, 5)
+_NZ_ROWS_FIELDS = (0, 1, 2, 4, 5)
 
 
 def gather_nz_kernel(
@@ -121,22 +152,8 @@ def gather_nz_kernel(
     The caches come as ``[nb*C, bs, E]`` views, the outputs as ``[T, C, E]``. ``tiles`` = (chunk,
     key group, chunk, value group, chunk, key C, value C).
     """
-    chunk = tiles[0]
-    key_group = tiles[1]
-    value_group = tiles[3]
-    key_c = tiles[5]
-    value_c = tiles[6]
-    for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
-        block = entries[e, 0]
-        slot = entries[e, 1]
-        dst = entries[e, 2]
-        valid = entries[e, 3]
-        key_first = entries[e, 4]
-        value_first = entries[e, 5]
-        key_part = _nz_group(key_planes, key_c, key_group, chunk, block, slot, key_first, valid)
-        pypto.assemble(key_part, [dst, key_first, 0], key_out)
-        value_part = _nz_group(value_planes, value_c, value_group, chunk, block, slot, value_first, valid)
-        pypto.assemble(value_part, [dst, value_first, 0], value_out)
+    entry = functools.partial(_nz_entry, key_planes, value_planes, key_out, value_out, tiles)
+    each_move(entries, "entry_loop", 1, NZ_ENTRY_FIELDS, _NZ_FIELDS, entry)
 
 
 def _nz_row_group(rows, out, fractals: int, group: int, block, slot, dst, first):
@@ -145,6 +162,12 @@ def _nz_row_group(rows, out, fractals: int, group: int, block, slot, dst, first)
     pypto.set_vec_tile_shapes(group, e_dim)
     part = pypto.view(rows, [group, e_dim], [block * fractals + first, slot * e_dim])
     pypto.assemble(part, [dst * fractals + first, 0], out)
+
+
+def _nz_rows_entry(key_rows, value_rows, key_out, value_out, tiles: tuple, block, slot, dst, key_first, value_first):
+    """One entry of :func:`gather_nz_rows_kernel`: its key fractal rows, then its value fractal rows."""
+    _nz_row_group(key_rows, key_out, tiles[5], tiles[1], block, slot, dst, key_first)
+    _nz_row_group(value_rows, value_out, tiles[6], tiles[3], block, slot, dst, value_first)
 
 
 def gather_nz_rows_kernel(
@@ -160,18 +183,8 @@ def gather_nz_rows_kernel(
     The caches come as ``[nb*C, bs*E]`` fractal rows, the outputs as ``[T*C, E]``. ``tiles`` as
     :func:`gather_nz_kernel`.
     """
-    key_group = tiles[1]
-    value_group = tiles[3]
-    key_c = tiles[5]
-    value_c = tiles[6]
-    for e in pypto.loop(entries.shape[0], name="entry_loop", idx_name="e"):
-        block = entries[e, 0]
-        slot = entries[e, 1]
-        dst = entries[e, 2]
-        key_first = entries[e, 4]
-        value_first = entries[e, 5]
-        _nz_row_group(key_rows, key_out, key_c, key_group, block, slot, dst, key_first)
-        _nz_row_group(value_rows, value_out, value_c, value_group, block, slot, dst, value_first)
+    entry = functools.partial(_nz_rows_entry, key_rows, value_rows, key_out, value_out, tiles)
+    each_move(entries, "entry_loop", 1, NZ_ENTRY_FIELDS, _NZ_ROWS_FIELDS, entry)
 
 
 def copy_kernel(
@@ -237,21 +250,29 @@ KERNELS = {
 _JIT_CACHE: dict = {}
 
 
+def compiled(fn, host_tensors: list, cache: dict, *, sim: bool, verify: bool):
+    """Kernel function ``fn`` compiled by ``pypto.frontend.jit`` for NPU or SIM, once per (fn, sim, verify) in ``cache``.
+
+    ``host_tensors``: the names of ``fn``'s index tensors read on the host; ``verify`` turns on
+    PyPTO's pass-verify interpreter (SIM only).
+    """
+    key = (fn, sim, verify)
+    if key not in cache:
+        runtime = dict(_RUNTIME_OPTIONS, run_mode=pypto.RunMode.SIM if sim else pypto.RunMode.NPU)
+        if host_tensors:  # an empty list raises std::bad_cast in pypto 0.2.0
+            runtime["ready_on_host_tensors"] = list(host_tensors)
+        cache[key] = pypto.frontend.jit(
+            runtime_options=runtime,
+            pass_options=dict(_PASS_OPTIONS),
+            verify_options={"enable_pass_verify": True} if verify else None,
+        )(fn)
+    return cache[key]
+
+
 def jit_kernel(kind: str, *, sim: bool, verify: bool = False, kernel_fn=None):
     """Kernel ``kind`` (a key of :data:`KERNELS`) compiled by ``pypto.frontend.jit`` for NPU or SIM.
 
     ``kernel_fn`` replaces the kernel body (tests inject deliberately wrong kernels);
     ``verify`` turns on PyPTO's pass-verify interpreter (SIM only).
     """
-    fn = kernel_fn or KERNELS[kind]
-    key = (fn, sim, verify)
-    if key not in _JIT_CACHE:
-        runtime = dict(_RUNTIME_OPTIONS, run_mode=pypto.RunMode.SIM if sim else pypto.RunMode.NPU)
-        if _HOST_TENSORS[kind]:  # an empty list raises std::bad_cast in pypto 0.2.0
-            runtime["ready_on_host_tensors"] = list(_HOST_TENSORS[kind])
-        _JIT_CACHE[key] = pypto.frontend.jit(
-            runtime_options=runtime,
-            pass_options=dict(_PASS_OPTIONS),
-            verify_options={"enable_pass_verify": True} if verify else None,
-        )(fn)
-    return _JIT_CACHE[key]
+    return compiled(kernel_fn or KERNELS[kind], _HOST_TENSORS[kind], _JIT_CACHE, sim=sim, verify=verify)

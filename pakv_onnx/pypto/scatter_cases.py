@@ -25,7 +25,6 @@ from pakv_onnx.pypto.host import SUPPORTED_DTYPES, dtype_name
 from pakv_onnx.spec import CacheMode, nz_last_dim
 
 SMALL_NUM_BLOCKS = 24
-FEATURE_CASES = ("scatter-mixed-norm", "scatter-mixed-nz", "scatter-pad")
 
 
 def dtype_by_name() -> dict[str, torch.dtype]:
@@ -165,28 +164,25 @@ def _dtype_case(case_id: str, name: str, mode: CacheMode) -> ScatterCase:
     )
 
 
+# each feature case: its seed and the options of :func:`kernel_case` it fixes
+_FEATURE_OPTIONS = {
+    "scatter-mixed-norm": (
+        21,
+        dict(dtype=torch.bfloat16, value_dtype=torch.int8, mode=CacheMode.NORM, block_size=16, num_tokens=40),  # noqa: C408
+    ),
+    "scatter-mixed-nz": (
+        22,
+        dict(dtype=torch.float16, value_dtype=torch.float32, mode=CacheMode.PA_NZ, block_size=16, num_tokens=40),  # noqa: C408
+    ),
+    "scatter-pad": (23, dict(pad_share=0.7, slot_dtype=torch.int64, block_size=4, num_tokens=20)),  # noqa: C408
+}
+
+FEATURE_CASES = tuple(_FEATURE_OPTIONS)
+
+
 def _feature_case(name: str) -> ScatterCase:
-    if name == "scatter-mixed-norm":
-        return kernel_case(
-            21,
-            dtype=torch.bfloat16,
-            value_dtype=torch.int8,
-            mode=CacheMode.NORM,
-            block_size=16,
-            num_tokens=40,
-            case_id=name,
-        )
-    if name == "scatter-mixed-nz":
-        return kernel_case(
-            22,
-            dtype=torch.float16,
-            value_dtype=torch.float32,
-            mode=CacheMode.PA_NZ,
-            block_size=16,
-            num_tokens=40,
-            case_id=name,
-        )
-    return kernel_case(23, pad_share=0.7, slot_dtype=torch.int64, block_size=4, num_tokens=20, case_id=name)
+    seed, options = _FEATURE_OPTIONS[name]
+    return kernel_case(seed, case_id=name, **options)
 
 
 def parse_shape_case(case_id: str) -> ScatterCase:

@@ -33,14 +33,18 @@ counts are dynamic. No ``from __future__ import annotations`` here (PyPTO reads 
 annotations as objects).
 """
 
+import functools
+
 import pypto
 
-from pakv_onnx.pypto.kernel import _PASS_OPTIONS, _RUNTIME_OPTIONS
+from pakv_onnx.pypto.kernel import compiled, each_move
 
 DYN = pypto.DYNAMIC
 STATIC = pypto.STATIC
 
 MOVE_FIELDS = 5  # src, dst_a, dst_b, valid, first
+_NORM_FIELDS = (0, 1, 3)  # src, dst (a cache row), valid
+_NZ_FIELDS = (0, 1, 2, 3, 4)  # src, block, row, valid, first
 
 
 def _norm_move(src_rows, cache_rows, chunk: int, tile, src, dst, valid):
@@ -51,12 +55,8 @@ def _norm_move(src_rows, cache_rows, chunk: int, tile, src, dst, valid):
 
 
 def _norm_loop(src_rows, entries, cache_rows, chunk: int, pieces: int, tile, name: str):
-    for e in pypto.loop(entries.shape[0], name=name, idx_name="e"):
-        for i in range(pieces):
-            src = entries[e, MOVE_FIELDS * i]
-            dst = entries[e, MOVE_FIELDS * i + 1]
-            valid = entries[e, MOVE_FIELDS * i + 3]
-            _norm_move(src_rows, cache_rows, chunk, tile, src, dst, valid)
+    move = functools.partial(_norm_move, src_rows, cache_rows, chunk, tile)
+    each_move(entries, name, pieces, MOVE_FIELDS, _NORM_FIELDS, move)
 
 
 def scatter_norm_kernel(
@@ -84,14 +84,8 @@ def _nz_move(src_fractals, planes, fractals: int, group: int, chunk: int, src, b
 
 
 def _nz_loop(src_fractals, entries, planes, fractals: int, group: int, chunk: int, pieces: int, name: str):
-    for e in pypto.loop(entries.shape[0], name=name, idx_name="e"):
-        for i in range(pieces):
-            src = entries[e, MOVE_FIELDS * i]
-            block = entries[e, MOVE_FIELDS * i + 1]
-            row = entries[e, MOVE_FIELDS * i + 2]
-            valid = entries[e, MOVE_FIELDS * i + 3]
-            first = entries[e, MOVE_FIELDS * i + 4]
-            _nz_move(src_fractals, planes, fractals, group, chunk, src, block, row, valid, first)
+    move = functools.partial(_nz_move, src_fractals, planes, fractals, group, chunk)
+    each_move(entries, name, pieces, MOVE_FIELDS, _NZ_FIELDS, move)
 
 
 def scatter_nz_kernel(
@@ -118,14 +112,8 @@ def _nz_row_move(src_rows, cache_rows, fractals: int, group: int, src, block, ro
 
 
 def _nz_rows_loop(src_rows, entries, cache_rows, fractals: int, group: int, pieces: int, name: str):
-    for e in pypto.loop(entries.shape[0], name=name, idx_name="e"):
-        for i in range(pieces):
-            src = entries[e, MOVE_FIELDS * i]
-            block = entries[e, MOVE_FIELDS * i + 1]
-            row = entries[e, MOVE_FIELDS * i + 2]
-            valid = entries[e, MOVE_FIELDS * i + 3]
-            first = entries[e, MOVE_FIELDS * i + 4]
-            _nz_row_move(src_rows, cache_rows, fractals, group, src, block, row, valid, first)
+    move = functools.partial(_nz_row_move, src_rows, cache_rows, fractals, group)
+    each_move(entries, name, pieces, MOVE_FIELDS, _NZ_FIELDS, move)
 
 
 def scatter_nz_rows_kernel(
@@ -154,14 +142,4 @@ def jit_kernel(kind: str, *, sim: bool, verify: bool = False, kernel_fn=None):
     ``kernel_fn`` replaces the kernel body (tests inject deliberately wrong kernels);
     ``verify`` turns on PyPTO's pass-verify interpreter (SIM only).
     """
-    fn = kernel_fn or KERNELS[kind]
-    key = (fn, sim, verify)
-    if key not in _JIT_CACHE:
-        runtime = dict(_RUNTIME_OPTIONS, run_mode=pypto.RunMode.SIM if sim else pypto.RunMode.NPU)
-        runtime["ready_on_host_tensors"] = list(_HOST_TENSORS)
-        _JIT_CACHE[key] = pypto.frontend.jit(
-            runtime_options=runtime,
-            pass_options=dict(_PASS_OPTIONS),
-            verify_options={"enable_pass_verify": True} if verify else None,
-        )(fn)
-    return _JIT_CACHE[key]
+    return compiled(kernel_fn or KERNELS[kind], _HOST_TENSORS, _JIT_CACHE, sim=sim, verify=verify)

@@ -89,7 +89,7 @@ def run_orts(target, call) -> dict[str, torch.Tensor]:
 
     from pakv_onnx import runtime_plugin
 
-    session = orts_session(target, ort_readable(model_for(call)))
+    session = orts_session(target, ort_readable(model_for(call, shaped=True)))
     feeds = {name: None if t is None else (t if name in HOST_INPUTS else t.to(target.device))
              for name, t in call.inputs.items()}  # fmt: skip
     out = {"key_cache_out": feeds["key_cache"]}
@@ -109,7 +109,7 @@ def run_plugins(call) -> dict[str, torch.Tensor]:
 
     from pakv_onnx import runtime_plugin
 
-    session = runtime_plugin.make_session(ort_readable(model_for(call)))
+    session = runtime_plugin.make_session(ort_readable(model_for(call, shaped=True)))
     out = {"key_cache_out": call.inputs["key_cache"]}
     if call.inputs["value_cache"] is not None:
         out["value_cache_out"] = call.inputs["value_cache"]
@@ -136,10 +136,13 @@ def compare(label: str, dtype: str, orts: dict, plugins: dict) -> dict:
             "max_output_error": float(error.max()) if error.size else 0.0}  # fmt: skip
 
 
-def run_paged_attention(target, quick: bool) -> dict:
+def run_paged_attention(target, quick: bool, dump=None) -> dict:
+    """Every case through both kernels. ``dump`` (a path): ORT's outputs of the cases that disagree,
+    saved with torch.save as {label: output} (the inputs are the seeded cases: rebuild them here)."""
     from ort_attention_cases import random_ort_call
 
     results = {"cases": 0, "agree": 0, "refused_by_ort": [], "rows": []}
+    disagreeing = {}
     for seed, (label, dtype, options) in enumerate(cases(quick)):
         call = random_ort_call(900 + seed, dtype=dtype, **options)
         try:
@@ -151,6 +154,11 @@ def run_paged_attention(target, quick: bool) -> dict:
         results["rows"].append(row)
         results["cases"] += 1
         results["agree"] += int(row["caches_equal"] and row["output_within_one_step"])
+        if not (row["caches_equal"] and row["output_within_one_step"]):
+            disagreeing[label] = {"seed": 900 + seed, "output": orts["output"], "key_cache": orts["key_cache"],
+                                  "value_cache": orts["value_cache"]}  # fmt: skip
+    if dump is not None:
+        torch.save(disagreeing, dump)
     return results
 
 

@@ -1,10 +1,10 @@
 """The GPU check: the library's CUDA entries, ORT's CUDA PagedAttention against the plugin, and
 exported decoders on og.Engine's CUDA EP against the CPU with the plugin -- one script, one device call.
 
-RUN ON REAL HARDWARE ONCE, BEFORE ISSUE 36 (FACTS §14: one H200, the gather entry's matrix and speed,
-after two hand fixes now made here). This version has not run on a GPU yet: only ``--dry-run`` (the
-same code on the CPU execution provider with CPU tensors) runs on the project's machines, in
-tests/test_device_script.py.
+RUN ON AN H200 ON 2026-12-04 (all three parts; docs/plugin-hosts.md has the figures). Changed since,
+unrun on a GPU: the copy kernel's own memory pool and larger pieces (gpu_copies measures them), the
+``--dump`` option. On the project's machines only ``--dry-run`` runs (the same code on the CPU
+execution provider with CPU tensors, tests/test_device_script.py).
 
 Parts (``--parts``, default all):
 
@@ -38,6 +38,11 @@ onnx, a CPU onnxruntime, no onnxruntime-gpu):
   carry wheels/ort-part-* and the genai wheel over (one call each while the machine stays warm), then:
       cat /tmp/wheels/ort-part-* > /tmp/wheels/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_28_x86_64.whl
       PAKV_GPU_WHEELS=/tmp/wheels bash tests/device/gpu_check.sh --quick --json $OUT/gpu.json
+
+  The device image's transformers (5.17) is older than the `hf` extra's (>= 5.24): export the
+  decoders part's folders where the extra is installed and carry them with a wheel part:
+      python3 tests/device/gpu_check.py --export-decoders folders     # 32 folders, ~2 min on 2 cores
+      ... gpu_check.sh --decoder-folders /tmp/folders ...
 
   gpu_check.sh then installs the wheels with pip --no-index --no-deps --target into a folder put first
   on PYTHONPATH (the device's torch stays), builds the library in place (gcc only) and runs this script.
@@ -78,6 +83,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--strict", action="store_true", help="a missed speed goal fails the run")
     parser.add_argument("--device-id", type=int, default=0)
+    parser.add_argument("--dump", type=Path, metavar="FILE",
+                        help="attention part: save ORT's outputs of the cases that disagree here (torch.save)")
+    parser.add_argument("--export-decoders", type=Path, metavar="DIR",
+                        help="only export the decoders part's folders into DIR and exit (any machine with the "
+                             "`hf` extra; no GPU): for a GPU machine whose transformers is too old")
+    parser.add_argument("--decoder-folders", type=Path, metavar="DIR",
+                        help="the decoders part runs the folders --export-decoders made in DIR instead of exporting")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]
     unknown = [p for p in args.parts if p not in PARTS]
@@ -166,14 +178,15 @@ def run(args, target: Target) -> dict:
         print("\n".join(gpu_copies.report(rows)), flush=True)
         checks = gpu_copies.goals(rows, args.large_blocks)
         for check in checks:
-            print(f"goal {'met' if check['met'] else 'MISSED'}: {check['goal']} ({check['value']})", flush=True)
+            verdict = "reported" if check.get("reported") else f"goal {'met' if check['met'] else 'MISSED'}"
+            print(f"{verdict}: {check['goal']} ({check['value']})", flush=True)
         results.update(matrix=matrix, scatter=scatter, bench=rows, goals=checks)
     if "attention" in args.parts:
-        results["attention"] = gpu_attention.run_paged_attention(target, args.quick)
+        results["attention"] = gpu_attention.run_paged_attention(target, args.quick, args.dump)
         print("\n".join(gpu_attention.report(results["attention"])), flush=True)
     if "decoders" in args.parts:
         with tempfile.TemporaryDirectory(prefix="pakv-gpu-decoders-") as work:
-            results["decoders"] = gpu_decoders.run_decoders(target, args.quick, Path(work))
+            results["decoders"] = gpu_decoders.run_decoders(target, args.quick, Path(work), args.decoder_folders)
         print("\n".join(gpu_decoders.report(results["decoders"])), flush=True)
     return results
 
@@ -193,6 +206,13 @@ def failed(results: dict, strict: bool) -> bool:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.export_decoders:
+        import gpu_decoders
+
+        args.export_decoders.mkdir(parents=True, exist_ok=True)
+        names = gpu_decoders.export_folders(args.quick, args.export_decoders)
+        print(f"exported {len(names)} folders into {args.export_decoders}: {', '.join(names)}", flush=True)
+        return 0
     target = Target(args.dry_run, args.device_id)
     reason = setup(target)
     if reason:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command, on a machine with an NVIDIA GPU and its driver (libcuda.so.1).
-# Run on real hardware once before issue 36 (FACTS §14); this version has not run on a GPU yet
-# (tests/test_device_script.py runs only `gpu_check.py --dry-run` on a CPU).
+# Its steps ran on an H200 on 2026-12-04 (by hand, docs/plugin-hosts.md "The GPU check"); the
+# project's machines run only `gpu_check.py --dry-run` (tests/test_device_script.py).
 #
 #   bash tests/device/gpu_check.sh [gpu_check.py options: --quick --parts ... --json results.json --strict]
 #

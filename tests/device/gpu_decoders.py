@@ -140,27 +140,47 @@ def variants(quick: bool, dry_run: bool):
                 yield arch, "fp16", kv
 
 
-def run_decoders(target, quick: bool, work: Path) -> dict:
+def folder_name(arch: str, precision: str, kv: str | None, provider: str) -> str:
+    return f"{arch}-{precision}-{kv or 't'}-{provider}"
+
+
+def export_folders(quick: bool, out: Path) -> list[str]:
+    """Every variant's CPU and CUDA folders exported into ``out`` (`gpu_check.py --export-decoders`):
+    on a machine with the `hf` extra, for a GPU machine whose transformers is older than the
+    package's (FACTS §14's image has 5.17; the extra asks >= 5.24). Returns the folder names."""
+    from pakv_onnx.models.hf import save_sample_folder
+
+    names = []
+    for arch, precision, kv in variants(quick, dry_run=False):
+        hf = out / f"hf-{arch}"
+        if not hf.exists():
+            save_sample_folder(hf, arch, 0)
+        for provider in ("cpu", "cuda"):
+            names.append(folder_name(arch, precision, kv, provider))
+            export(hf, out / names[-1], precision, provider, kv)
+    return names
+
+
+def run_decoders(target, quick: bool, work: Path, exported: Path | None = None) -> dict:
+    """Each variant: og.Engine on the CUDA folder (CUDA EP) against the CPU folder (plugin). The
+    folders come from ``exported`` (made by ``export_folders``) when given, else are exported here."""
     reason, has_options = missing_requirements()
+    if exported is not None and reason and "onnxruntime_genai" not in reason:
+        reason, has_options = None, True  # the folders were exported elsewhere: only og is needed here
     if reason and not (target.dry_run and has_options is False and "no --precision" in reason):
         return {"skipped": reason, "rows": []}
-    from pakv_onnx.models.hf import save_sample_folder
 
     rows = []
     for arch, precision, kv in variants(quick, target.dry_run):
         label = f"{arch} {precision}" + (f" {kv} pools" if kv else "") + ("" if has_options else " (float32: no --precision yet)")
-        hf = work / f"hf-{arch}"
-        if not hf.exists():
-            save_sample_folder(hf, arch, 0)
         try:
-            cpu = work / f"{arch}-{precision}-{kv or 't'}-cpu"
-            export(hf, cpu, precision, "cpu", kv, has_options)
+            cpu, cuda = (folder_for(target, work, exported, arch, precision, kv, provider, has_options)
+                         for provider in ("cpu", "cuda"))  # fmt: skip
             want = generate(cpu)
             if target.dry_run:  # no CUDA EP here: the CPU folder against itself
                 cuda, got, devices = cpu, generate(cpu), ("cpu", "cpu")
             else:
-                cuda, devices = work / f"{arch}-{precision}-{kv or 't'}-cuda", ("cpu", "cuda")
-                export(hf, cuda, precision, "cuda", kv)
+                devices = ("cpu", "cuda")
                 assert "cuda" in json.dumps(json.loads((cuda / "genai_config.json").read_text())).lower(), "not a CUDA folder"
                 got = generate(cuda)
             flips = first_difference(want, got)
@@ -173,6 +193,26 @@ def run_decoders(target, quick: bool, work: Path) -> dict:
         rows.append({"case": label, "identical": all(f is None for f in flips), "first_difference": flips,
                      "teacher_forced": ties})  # fmt: skip
     return {"skipped": None, "rows": rows}
+
+
+def folder_for(target, work: Path, exported: Path | None, arch: str, precision: str, kv: str | None,
+               provider: str, has_options: bool) -> Path | None:
+    """The variant's folder for ``provider``: found in ``exported``, else exported into ``work`` (a
+    dry run makes no CUDA folder: None)."""
+    name = folder_name(arch, precision, kv, provider)
+    if exported is not None:
+        if not (exported / name / "model.onnx").is_file():
+            raise FileNotFoundError(f"--decoder-folders {exported}: no {name}/model.onnx (made by --export-decoders)")
+        return exported / name
+    if provider == "cuda" and target.dry_run:
+        return None
+    hf = work / f"hf-{arch}"
+    if not hf.exists():
+        from pakv_onnx.models.hf import save_sample_folder
+
+        save_sample_folder(hf, arch, 0)
+    export(hf, work / name, precision, provider, kv, has_options or provider == "cuda")
+    return work / name
 
 
 def report(results: dict) -> list[str]:

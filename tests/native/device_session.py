@@ -56,13 +56,14 @@ API = int(sys.argv[2]) if len(sys.argv) > 2 else 17
 STREAM = 0x5EED0
 DEVICE_OF = {"CUDAExecutionProvider": DEVICE_GPU, "CANNExecutionProvider": DEVICE_NPU}
 COPY_CALLS = {  # (EP, layout) -> the driver functions its copies may use (the fake is a CUDA 13 driver)
-    ("CUDAExecutionProvider", CacheMode.NORM): {"cuMemcpyBatchAsync_v2", "cuMemcpyDtoDAsync_v2"},
+    ("CUDAExecutionProvider", CacheMode.NORM): {"cuLaunchKernel", "cuMemcpyDtoDAsync_v2"},
     ("CUDAExecutionProvider", CacheMode.PA_NZ): {"cuMemcpy2DAsync_v2"},
     ("CANNExecutionProvider", CacheMode.NORM): {"aclrtMemcpyAsync"},
     ("CANNExecutionProvider", CacheMode.PA_NZ): {"aclrtMemcpy2dAsync"},
 }
 # Every call that moves bytes (the batched copies, the kernel launch, the per-run copies).
-ALL_COPY_CALLS = sorted(set().union(*COPY_CALLS.values(), {"cuMemcpyBatchAsync", "cuLaunchKernel"}))
+ALL_COPY_CALLS = sorted(set().union(*COPY_CALLS.values(), {"cuMemcpyBatchAsync", "cuMemcpyBatchAsync_v2"}))
+INLINE_PIECES = 160  # pakv_cuda_copy.cu's PAKV_COPY_INLINE_RUNS: a list this short is the launch's parameter
 
 runtime = FakeRuntime(api_version=API, stream=STREAM)
 lib = native_lib.load()
@@ -120,7 +121,8 @@ def check_exact(ep: str, case, label: str) -> None:
 
 
 def counts() -> dict[str, int]:
-    return {name: driver.count(name) for name in (*ALL_COPY_CALLS, "misuse", "wrong_stream")}
+    return {name: driver.count(name) for name in (*ALL_COPY_CALLS, "misuse", "wrong_stream", "kernel_pieces",
+                                                  "cuMemcpyHtoDAsync_v2")}  # fmt: skip
 
 
 # Per op: its name and which inputs a device entry takes in host memory (the index inputs).
@@ -218,7 +220,7 @@ def matrix() -> str:
             used = {name for name in ALL_COPY_CALLS if got[name]}
             assert used <= COPY_CALLS[ep, mode], (ep, mode, got)
             if (ep, mode) == ("CUDAExecutionProvider", CacheMode.NORM):  # one launch per call
-                assert got["cuMemcpyBatchAsync_v2"] + got["cuMemcpyDtoDAsync_v2"] <= 1, got
+                assert got["cuLaunchKernel"] + got["cuMemcpyDtoDAsync_v2"] <= 1, got
             runs += 1
         for seed in range(8):  # key and value caches of different dtypes (each output its own)
             case = with_value_dtype(random_case(100 + seed), CACHE_DTYPES[seed % len(CACHE_DTYPES)].torch_dtype, seed)
@@ -238,7 +240,8 @@ def matrix() -> str:
     driver.reset(STREAM)
     key, value = run("CUDAExecutionProvider", case, inputs=(kc, vc, tables, lens, None))
     assert bitwise_equal(key, kc.reshape(nb * bs, *kc.shape[2:])) and bitwise_equal(value, vc.reshape(nb * bs, *vc.shape[2:]))
-    assert driver.count("cuMemcpyBatchAsync_v2") == 1 and driver.count("batch_entries") == 2, counts()
+    pieces = sum(-(-t.numel() * t.element_size() // 65536) for t in (kc, vc))  # one run per cache, in 64 KiB pieces
+    assert driver.count("cuLaunchKernel") == 1 and driver.count("kernel_pieces") == pieces, counts()
     assert driver.count("cuMemcpyDtoDAsync_v2") == 0
     return f"{runs} device runs"
 
@@ -260,7 +263,7 @@ def errors() -> str:
         assert case.golden()[0].shape[0] > 0
     # A failing driver call: an ORT error naming the call and its code.
     for ep, case, call, text in (
-        ("CUDAExecutionProvider", norm, "cuMemcpyBatchAsync_v2", "failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
+        ("CUDAExecutionProvider", norm, "cuLaunchKernel (pakv_copy_runs_inline)", "failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
         ("CUDAExecutionProvider", nz, "cuMemcpy2DAsync_v2", "failed with CUresult 700 (CUDA_ERROR_ILLEGAL_ADDRESS)"),
         ("CANNExecutionProvider", norm, "aclrtMemcpyAsync", "failed with aclError 700: fake driver: copy 0 failed"),
         ("CANNExecutionProvider", nz, "aclrtMemcpy2dAsync", "failed with aclError 700: fake driver: copy 0 failed"),
@@ -338,11 +341,11 @@ def parallel() -> str:
 
 
 def paths() -> str:
-    """The variant's expected path for multi-run gathers and scatters, then each forced path."""
+    """The variant's expected path for multi-run gathers and scatters (the copy kernel wherever the
+    driver can load it: on an H200 the batched copy cost one copy per run), then each forced path."""
     variant = os.environ["FAKE_VARIANT"]
-    expected = {"cuda13": "batch", "cuda12.8": "batch", "cuda12.0": "kernel", "cuda11.0": "runs"}[variant]
-    launch_call = {"cuda13": "cuMemcpyBatchAsync_v2", "cuda12.8": "cuMemcpyBatchAsync", "cuda12.0": "cuLaunchKernel",
-                   "cuda11.0": None}[variant]  # fmt: skip
+    expected = {"cuda13": "kernel", "cuda12.8": "kernel", "cuda12.0": "kernel", "cuda11.0": "runs"}[variant]
+    launch_call = None if expected == "runs" else "cuLaunchKernel"
     ep = "CUDAExecutionProvider"
 
     def gathers() -> int:
@@ -366,6 +369,8 @@ def paths() -> str:
             assert path == expected, (variant, path, got)
             assert launches == (0 if expected == "runs" else 1) and got.get(launch_call, 1) >= 1, (variant, got)
             assert copies == (0 if expected != "runs" else copies), got
+            if expected == "kernel":  # a short list rides in the launch's parameter: nothing uploaded
+                assert got["kernel_pieces"] <= INLINE_PIECES and got["cuMemcpyHtoDAsync_v2"] == 0, got
         return multi
 
     multi = gathers()
@@ -381,6 +386,32 @@ def paths() -> str:
     if expected == "kernel":
         pieces = -(-kc.numel() * kc.element_size() // 65536) + -(-vc.numel() * vc.element_size() // 65536)
         assert driver.count("kernel_pieces") == pieces, (driver.count("kernel_pieces"), pieces)
+        assert driver.count("cuMemcpyHtoDAsync_v2") == (pieces > INLINE_PIECES), (pieces, driver.count("cuMemcpyHtoDAsync_v2"))
+        # A list longer than the parameter holds: uploaded, launched, freed (a pool of 64 KiB blocks).
+        wide = torch.arange(2 * (INLINE_PIECES + 7) * 16384, dtype=torch.float32).reshape(2 * (INLINE_PIECES + 7), 1, 1, 16384)
+        tables = torch.arange(0, wide.shape[0], 2, dtype=torch.int32)[None]  # every other block: no run merges
+        lens = torch.tensor([0, tables.shape[1]], dtype=torch.int32)
+        driver.reset(STREAM)
+        key, value = run(ep, case, inputs=(wide, wide.clone(), tables, lens, None))
+        assert bitwise_equal(key, wide[0::2].reshape(-1, 1, 16384)) and bitwise_equal(value, wide[0::2].reshape(-1, 1, 16384))
+        assert driver.count("kernel_pieces") == 2 * tables.shape[1] and driver.count("cuMemcpyHtoDAsync_v2") == 1, (
+            driver.count("kernel_pieces"), driver.count("cuMemcpyHtoDAsync_v2"))
+        # ... from the library's own pool, which keeps its memory (the device's pool gives it back at
+        # every synchronization: ~400 us a call on an H200)
+        assert driver.count("cuMemAllocFromPoolAsync") == 1 and driver.count("pools_keeping") == 1, counts()
+        assert driver.count("live_allocations") == 0, "the run list's device memory was not freed"
+        # A large call's pieces grow past 64 KiB: at most about 2,048 beyond one per run.
+        huge = torch.zeros(4, 1, 1, 2**24 + 4, dtype=torch.float32)  # four 64 MiB blocks
+        tables = torch.tensor([[0, 2]], dtype=torch.int32)  # two runs per cache, 256 MiB in all
+        lens = torch.tensor([0, 2], dtype=torch.int32)
+        huge[:, 0, 0, :: 2**16] = torch.arange(4, dtype=torch.float32)[:, None]
+        driver.reset(STREAM)
+        key, _ = run(ep, case, inputs=(huge, huge, tables, lens, None))
+        assert bitwise_equal(key, huge[0::2].reshape(2, 1, -1))
+        total, runs = 4 * huge[0].numel() * 4, 4
+        piece = -(-(total // 2048) // 16) * 16
+        assert piece > 65536, piece
+        assert driver.count("kernel_pieces") == runs * -(-huge[0].numel() * 4 // piece) <= 2048 + runs, counts()
     assert driver.count("live_allocations") == 0, "the run list's device memory was not freed"
     # The scatter's device entry: the pool copied to the output, then its rows in one launch.
     from per_token_reference import scatter_per_token

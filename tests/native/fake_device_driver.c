@@ -25,12 +25,14 @@
 #define EXPORT __attribute__((visibility("default")))
 
 enum { F_CU_1D, F_CU_2D, F_ACL_1D, F_ACL_2D, F_CU_INIT, F_CU_SET_CTX, F_MISUSE, F_WRONG_STREAM, F_CU_BATCH_V2,
-       F_CU_BATCH_V1, F_BATCH_ENTRIES, F_CU_LAUNCH, F_KERNEL_PIECES, F_MODULE_LOAD, F_UPLOAD, F_LIVE, F_COUNT };
+       F_CU_BATCH_V1, F_BATCH_ENTRIES, F_CU_LAUNCH, F_KERNEL_PIECES, F_MODULE_LOAD, F_UPLOAD, F_LIVE, F_POOL_ALLOC,
+       F_POOLS_KEEPING, F_COUNT };
 static const char* const NAMES[F_COUNT] = {"cuMemcpyDtoDAsync_v2", "cuMemcpy2DAsync_v2", "aclrtMemcpyAsync",
                                            "aclrtMemcpy2dAsync", "cuInit", "cuCtxSetCurrent", "misuse",
                                            "wrong_stream", "cuMemcpyBatchAsync_v2", "cuMemcpyBatchAsync",
                                            "batch_entries", "cuLaunchKernel", "kernel_pieces", "cuModuleLoadData",
-                                           "cuMemcpyHtoDAsync_v2", "live_allocations"};
+                                           "cuMemcpyHtoDAsync_v2", "live_allocations", "cuMemAllocFromPoolAsync",
+                                           "pools_keeping"};
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static long g_counts[F_COUNT];
@@ -43,9 +45,10 @@ static char g_recent[128];
 
 EXPORT void fake_driver_reset(void* expected_stream, int has_context) {
   pthread_mutex_lock(&g_lock);
-  long live = g_counts[F_LIVE];
+  long live = g_counts[F_LIVE], keeping = g_counts[F_POOLS_KEEPING];
   memset(g_counts, 0, sizeof(g_counts));
-  g_counts[F_LIVE] = live; /* stream-ordered allocations outlive a reset */
+  g_counts[F_LIVE] = live; /* stream-ordered allocations outlive a reset, and so do pools */
+  g_counts[F_POOLS_KEEPING] = keeping;
   g_copies = 0;
   g_fail_at = -1;
   g_expected_stream = expected_stream;
@@ -201,7 +204,7 @@ EXPORT pakv_CUresult cuMemcpyBatchAsync(pakv_CUdeviceptr* dsts, pakv_CUdeviceptr
 #define MAX_LIVE 64
 static void* g_live[MAX_LIVE];
 static size_t g_live_bytes[MAX_LIVE];
-static int g_module_token, g_function_token;
+static int g_module_token, g_function_token, g_inline_token;
 
 /* The live allocation [p, p + bytes) lies in, or -1. */
 static int live_index(uintptr_t p, size_t bytes) {
@@ -212,6 +215,7 @@ static int live_index(uintptr_t p, size_t bytes) {
 
 EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream) {
   pthread_mutex_lock(&g_lock);
+  if (*ptr == (pakv_CUdeviceptr)-1) g_counts[F_POOL_ALLOC]++, *ptr = 0; /* from cuMemAllocFromPoolAsync */
   int slot = -1;
   for (int i = 0; i < MAX_LIVE && slot < 0; i++)
     if (!g_live[i]) slot = i;
@@ -226,6 +230,43 @@ EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_C
   *ptr = (pakv_CUdeviceptr)(uintptr_t)p;
   return p ? PAKV_CUDA_SUCCESS : 2; /* CUDA_ERROR_OUT_OF_MEMORY */
 }
+
+/* A pool of the one fake device: made with CUmemPoolProps as cuda.h lays it out (pinned, on device 0,
+ * the rest zero), counted as keeping once its release threshold is set to keep everything. */
+#ifndef FAKE_NO_POOL
+static int g_pool_token;
+EXPORT pakv_CUresult cuCtxGetDevice(pakv_CUdevice* device) {
+  *device = 0;
+  return PAKV_CUDA_SUCCESS;
+}
+
+EXPORT pakv_CUresult cuMemPoolCreate(pakv_CUmemoryPool* pool, const pakv_CUmemPoolProps* props) {
+  static const unsigned char zeros[sizeof(props->reserved)];
+  int ok = props->allocType == 1 && props->handleTypes == 0 && props->location.type == 1 && props->location.id == 0 &&
+           !props->win32SecurityAttributes && props->maxSize == 0 && props->usage == 0 &&
+           memcmp(props->reserved, zeros, sizeof(zeros)) == 0;
+  if (!ok) add(F_MISUSE, 1);
+  *pool = ok ? &g_pool_token : NULL;
+  return ok ? PAKV_CUDA_SUCCESS : PAKV_CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT pakv_CUresult cuMemPoolSetAttribute(pakv_CUmemoryPool pool, int attribute, void* value) {
+  int ok = pool == &g_pool_token && attribute == 4 && value;
+  if (!ok) add(F_MISUSE, 1);
+  else if (*(uint64_t*)value == UINT64_MAX) add(F_POOLS_KEEPING, 1);
+  return ok ? PAKV_CUDA_SUCCESS : PAKV_CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT pakv_CUresult cuMemAllocFromPoolAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUmemoryPool pool,
+                                             pakv_CUstream stream) {
+  if (pool != &g_pool_token) {
+    add(F_MISUSE, 1);
+    return PAKV_CUDA_ERROR_INVALID_VALUE;
+  }
+  *ptr = (pakv_CUdeviceptr)-1; /* counted as a pool allocation, then made like any other */
+  return cuMemAllocAsync(ptr, bytes, stream);
+}
+#endif
 
 EXPORT pakv_CUresult cuMemFreeAsync(pakv_CUdeviceptr ptr, pakv_CUstream stream) {
   pthread_mutex_lock(&g_lock);
@@ -258,26 +299,35 @@ EXPORT pakv_CUresult cuMemcpyHtoDAsync_v2(pakv_CUdeviceptr dst, const void* src,
 EXPORT pakv_CUresult cuModuleLoadData(pakv_CUmodule* module, const void* image) {
   add(F_MODULE_LOAD, 1);
   const char* ptx = (const char*)image;
-  int ok = ptx && strstr(ptx, ".entry pakv_copy_runs(") && strstr(ptx, ".version ") && strstr(ptx, ".target sm_");
+  int ok = ptx && strstr(ptx, ".entry pakv_copy_runs(") && strstr(ptx, ".entry pakv_copy_runs_inline(") &&
+           strstr(ptx, ".version ") && strstr(ptx, ".target sm_");
   *module = ok ? &g_module_token : NULL;
   return ok ? PAKV_CUDA_SUCCESS : 218; /* CUDA_ERROR_INVALID_PTX */
 }
 
 EXPORT pakv_CUresult cuModuleGetFunction(pakv_CUfunction* function, pakv_CUmodule module, const char* name) {
-  int ok = module == &g_module_token && strcmp(name, "pakv_copy_runs") == 0;
-  *function = ok ? &g_function_token : NULL;
-  return ok ? PAKV_CUDA_SUCCESS : 500; /* CUDA_ERROR_NOT_FOUND */
+  int ok = module == &g_module_token;
+  *function = !ok ? NULL
+              : strcmp(name, "pakv_copy_runs") == 0        ? (void*)&g_function_token
+              : strcmp(name, "pakv_copy_runs_inline") == 0 ? (void*)&g_inline_token
+                                                           : NULL;
+  return *function ? PAKV_CUDA_SUCCESS : 500; /* CUDA_ERROR_NOT_FOUND */
 }
 
-/* pakv_copy_runs(const {dst, src, bytes}* runs, unsigned long long count), done on the host. */
+/* pakv_copy_runs(const {dst, src, bytes}* runs, unsigned long long count), its list in "device memory"
+ * from cuMemAllocAsync, or pakv_copy_runs_inline({count, {dst, src, bytes}[160]}), its list in the
+ * parameter; done on the host. */
+#define FAKE_INLINE_RUNS 160
 EXPORT pakv_CUresult cuLaunchKernel(pakv_CUfunction f, unsigned int grid_x, unsigned int grid_y, unsigned int grid_z,
                                     unsigned int block_x, unsigned int block_y, unsigned int block_z,
                                     unsigned int shared_bytes, pakv_CUstream stream, void** params, void** extra) {
-  pakv_CUdeviceptr runs = params ? *(pakv_CUdeviceptr*)params[0] : 0;
-  unsigned long long count = params ? *(unsigned long long*)params[1] : 0;
+  int in_param = f == &g_inline_token;
+  pakv_CUdeviceptr runs = !params ? 0 : in_param ? (uintptr_t)((unsigned long long*)params[0] + 1) : *(pakv_CUdeviceptr*)params[0];
+  unsigned long long count = !params ? 0 : in_param ? *(unsigned long long*)params[0] : *(unsigned long long*)params[1];
   pthread_mutex_lock(&g_lock);
-  int bad = f != &g_function_token || !grid_x || grid_y != 1 || grid_z != 1 || !block_x || block_x > 1024 ||
-            block_y != 1 || block_z != 1 || extra || !count || live_index((uintptr_t)runs, count * 24) < 0;
+  int bad = (f != &g_function_token && !in_param) || !grid_x || grid_y != 1 || grid_z != 1 || !block_x ||
+            block_x > 1024 || block_y != 1 || block_z != 1 || extra || !count ||
+            (in_param ? count > FAKE_INLINE_RUNS : live_index((uintptr_t)runs, count * 24) < 0);
   pthread_mutex_unlock(&g_lock);
   int rc = enter(F_CU_LAUNCH, stream, bad, PAKV_CUDA_ERROR_INVALID_VALUE);
   if (rc) return rc;

@@ -22,6 +22,7 @@ from pakv_onnx.models.hf.cache import (
     step_slots,
 )
 from pakv_onnx.models.hf.configs import ARCHS, build_model, cache_geometry, make_config, save_sample_folder
+from pakv_onnx.models.hf.forms import paged_attention, register_attention
 from pakv_onnx.models.hf.generate import (
     Generation,
     Workload,
@@ -34,13 +35,11 @@ from pakv_onnx.models.hf.generate import (
     session_step,
     step_inputs,
 )
+from pakv_onnx.models.hf.kwargs import ATTN_IMPLEMENTATION
 from pakv_onnx.models.hf.step import (
-    ATTN_IMPLEMENTATION,
     PagedDecoderStep,
     export_step,
-    paged_attention,
     present_bindings,
-    register_attention,
     run_step_torch,
     step_feeds,
     step_input_names,

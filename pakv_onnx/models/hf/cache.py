@@ -209,33 +209,18 @@ def step_slots(
     return position, block_table[row, column] * block_size + position % block_size
 
 
-class StepCache:
-    """The duck-typed transformers cache of one step (traced into the exported graph).
+@dataclasses.dataclass(eq=False)  # a cache is itself, not its tensors' values
+class _PoolWrites:
+    """What both step caches hold and do: each layer's pools (replaced by the updated ones as the step
+    writes them: the ``present.<l>.*`` outputs) and the block table, and the write of a layer's new rows
+    at ``slots`` (a field of each cache, after its own lengths: the constructors' argument order)."""
 
-    ``update(new_k, new_v, layer_idx)`` receives the layer's new rows ``[1, H, N, D]``, writes them
-    into the layer's pools at ``slots`` with ScatterPaKvCache, reads every sequence's past and new
-    rows back through the updated pools with GatherPaKvCache (``kv_seq_lens``: cumulative past +
-    new) and returns them ``[1, H, T, D]`` (the layout
-    :func:`~pakv_onnx.models.attention.cached_ragged_attention` reads). The updated pools are kept
-    in :attr:`key_pools` / :attr:`value_pools` for the step's ``present.<l>.*`` outputs.
+    key_pools: list[torch.Tensor]
+    value_pools: list[torch.Tensor]
+    block_table: torch.Tensor
 
-    Traced (export), the write is ``torch.ops.pakv.scatter_pa_kv_cache_functional``: one
-    ``pakv::ScatterPaKvCache`` node whose outputs are the updated pools. Eager, it is the in-place
-    ``torch.ops.pakv.scatter_pa_kv_cache`` on the caller's pools (what a bound ORT run does).
-    Only ``update`` is needed: a name registered with transformers' AttentionInterface but not its
-    mask interface makes the model skip mask building.
-    """
-
-    def __init__(
-        self,
-        key_pools: list[torch.Tensor],
-        value_pools: list[torch.Tensor],
-        block_table: torch.Tensor,
-        kv_seq_lens: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        self.key_pools, self.value_pools = list(key_pools), list(value_pools)
-        self.block_table, self.kv_seq_lens, self.slots = block_table, kv_seq_lens, slots
+    def __post_init__(self) -> None:
+        self.key_pools, self.value_pools = list(self.key_pools), list(self.value_pools)  # the caller's lists stay
 
     def write(self, new_k: torch.Tensor, new_v: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write layer ``layer_idx``'s new rows ``new_k`` / ``new_v`` ``[N, H, D]`` (packed like the
@@ -252,6 +237,28 @@ class StepCache:
         self.key_pools[layer_idx], self.value_pools[layer_idx] = key_pool, value_pool
         return key_pool, value_pool
 
+
+@dataclasses.dataclass(eq=False)
+class StepCache(_PoolWrites):
+    """The duck-typed transformers cache of one step (traced into the exported graph).
+
+    ``update(new_k, new_v, layer_idx)`` receives the layer's new rows ``[1, H, N, D]``, writes them
+    into the layer's pools at ``slots`` with ScatterPaKvCache, reads every sequence's past and new
+    rows back through the updated pools with GatherPaKvCache (``kv_seq_lens``: cumulative past +
+    new) and returns them ``[1, H, T, D]`` (the layout
+    :func:`~pakv_onnx.models.attention.cached_ragged_attention` reads). The updated pools are kept
+    in :attr:`key_pools` / :attr:`value_pools` for the step's ``present.<l>.*`` outputs.
+
+    Traced (export), the write is ``torch.ops.pakv.scatter_pa_kv_cache_functional``: one
+    ``pakv::ScatterPaKvCache`` node whose outputs are the updated pools. Eager, it is the in-place
+    ``torch.ops.pakv.scatter_pa_kv_cache`` on the caller's pools (what a bound ORT run does).
+    Only ``update`` is needed: a name registered with transformers' AttentionInterface but not its
+    mask interface makes the model skip mask building.
+    """
+
+    kv_seq_lens: torch.Tensor
+    slots: torch.Tensor
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         key_pool, value_pool = self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer_idx)
         all_k, all_v = torch.ops.pakv.gather_pa_kv_cache(
@@ -263,7 +270,8 @@ class StepCache:
         return keys, values
 
 
-class FusedStepCache(StepCache):
+@dataclasses.dataclass(eq=False)
+class FusedStepCache(_PoolWrites):
     """The step cache of a GQA decoder whose attention is one ``pakv::PagedAttention`` per layer.
 
     ``update`` only writes the layer's new rows (ScatterPaKvCache, as :class:`StepCache`) and hands
@@ -273,20 +281,9 @@ class FusedStepCache(StepCache):
     and ``past_sequence_lengths`` (og.Engine feeds both), so no context length is computed.
     """
 
-    def __init__(
-        self,
-        key_pools: list[torch.Tensor],
-        value_pools: list[torch.Tensor],
-        block_table: torch.Tensor,
-        cumulative_sequence_lengths: torch.Tensor,
-        past_sequence_lengths: torch.Tensor,
-        slots: torch.Tensor,
-    ) -> None:
-        super().__init__(key_pools, value_pools, block_table, cumulative_sequence_lengths, slots)
-        self.cumulative_sequence_lengths, self.past_sequence_lengths = (
-            cumulative_sequence_lengths,
-            past_sequence_lengths,
-        )
+    cumulative_sequence_lengths: torch.Tensor
+    past_sequence_lengths: torch.Tensor
+    slots: torch.Tensor
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         self.write(key_states[0].transpose(0, 1), value_states[0].transpose(0, 1), layer_idx)

@@ -11,6 +11,13 @@ session options name ORT's CUDA provider instead and no library is copied: the s
 with ORT's own CUDA kernel of com.microsoft::PagedAttention (:mod:`pakv_onnx.providers`). Nothing here imports
 onnxruntime_genai, and nothing is fetched from a hub (``local_files_only``).
 
+The export is one pass, one file per stage, each entered once (tests/test_hf_export_walk.py): the
+config (:func:`~pakv_onnx.models.hf.servable.judge_export`: the form, og.Engine's pools, the provider's
+limits; every refusal before a weight is read) -> the pools' geometry
+(:func:`~pakv_onnx.models.hf.configs.cache_geometry`) -> the attention replacement
+(:func:`~pakv_onnx.models.hf.forms.prepare_attention`) -> the step and its export
+(:mod:`~pakv_onnx.models.hf.step`) -> the folder (here).
+
 What og.Engine needs that its documentation does not say (0.18.0 on a CPU) is listed in
 docs/decoders.md ("Serve it with ORT GenAI").
 """
@@ -30,10 +37,11 @@ import torch
 
 from pakv_onnx import providers
 from pakv_onnx.export import cap_ir_version
-from pakv_onnx.models.hf.cache import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE, PagedKVCache
-from pakv_onnx.models.hf.configs import cache_geometry
-from pakv_onnx.models.hf.generate import step_inputs
-from pakv_onnx.models.hf.step import ATTENTION_CHOICES, ORT, PAKV, PagedDecoderStep, export_step
+from pakv_onnx.models.hf.cache import PAST_KEY, PAST_VALUE, PRESENT_KEY, PRESENT_VALUE
+from pakv_onnx.models.hf.forms import prepare_attention
+from pakv_onnx.models.hf.kwargs import ORT
+from pakv_onnx.models.hf.servable import UnsupportedModelError, check_servable, judge_export
+from pakv_onnx.models.hf.step import PagedDecoderStep, export_step, trace_feeds
 from pakv_onnx.native_lib import LIBRARY_NAME, library_path
 
 MODEL_FILE = "model.onnx"
@@ -58,10 +66,6 @@ TOKENIZER_FILES = (
 CUDA_PROVIDER_OPTIONS = {"cuda": {"enable_cuda_graph": "0"}}
 # genai_config's model.type: the generic decoder-only type og accepts for any such graph.
 GENAI_MODEL_TYPE = "decoder"
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot be exported as an og.Engine paged model (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,61 +101,6 @@ def load_hf_model(hf_dir: str | os.PathLike) -> torch.nn.Module:
     return model.eval()
 
 
-def check_servable(config, attention: str = ORT) -> tuple[int, int]:
-    """``(num_key_value_heads, head_size)`` of the pools og.Engine will allocate for ``config``'s step
-    in the ``attention`` form (``ort`` or ``pakv``).
-
-    DeepSeek-V3 (MLA): ``ort``, the latent ``[c_kv | k_pe]`` whole in the key pool (LATENT; og.Engine
-    allocates the value pool alike, and the graph never reads it); ``pakv``, the latent in two halves,
-    one per pool (``cache_geometry``'s ``same_shape``).
-
-    Raises:
-        UnsupportedModelError: the model's key and value rows differ in shape (og.Engine gives both
-            pools one shape), or it is not a decoder with a KV cache.
-    """
-    try:
-        geometry = cache_geometry(config, same_shape=True, latent_pool=attention == ORT)
-    except AttributeError as err:
-        raise UnsupportedModelError(
-            f"{config.model_type} ({type(config).__name__}): its config has no {err.name or err}; pakv-onnx export "
-            "serves decoders with grouped-query attention whose config names num_key_value_heads (Llama, Qwen2, "
-            "Mistral, ...) and DeepSeek-V3's latent attention (kv_lora_rank)"
-        ) from None
-    except ValueError as err:
-        raise UnsupportedModelError(
-            f"{config.model_type}: {err}; og.Engine allocates both pools of a layer as one shape"
-        ) from None
-    if geometry.key_shape != geometry.value_shape:
-        raise UnsupportedModelError(
-            f"{config.model_type}: one layer caches key rows {list(geometry.key_shape)} and value rows "
-            f"{list(geometry.value_shape)} per token; og.Engine allocates both pools of a layer as "
-            "[num_blocks, block_size, num_key_value_heads, head_size], so it cannot serve this model "
-            "(pakv-onnx generate runs it over pools of each shape)"
-        )
-    return geometry.key_shape
-
-
-def resolve_attention(config, attention: str | None) -> str:
-    """The form a step of ``config`` is exported in: ``attention`` as given, or ``ort`` for the models
-    :mod:`~pakv_onnx.models.hf.ort_layer` serves and ``pakv`` for others.
-
-    Raises:
-        UnsupportedModelError: ``ort`` asked for a model it does not serve, or an unknown form.
-    """
-    from pakv_onnx.models.hf import ort_layer
-
-    if attention not in (None, *ATTENTION_CHOICES):
-        raise UnsupportedModelError(f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got {attention!r}")
-    if attention is None:
-        return ORT if ort_layer.model_type(config) in ort_layer.MODEL_TYPES else PAKV
-    if attention == ORT:
-        try:
-            ort_layer.check_supported(config)
-        except ort_layer.UnsupportedAttentionError as err:
-            raise UnsupportedModelError(str(err)) from None
-    return attention
-
-
 def session_options(execution_provider: str, intra_op_threads: int | None = None) -> dict:
     """genai_config's ``model.decoder.session_options`` for ``execution_provider``: the CPU with this
     library as ``custom_ops_library`` (its kernel of com.microsoft::PagedAttention), or ORT's CUDA
@@ -169,31 +118,6 @@ def session_options(execution_provider: str, intra_op_threads: int | None = None
     return options
 
 
-def export_target(config, *, precision: str, attention: str | None, block_size: int, kv_cache: str | None,
-                  rotary_dim: int | None = None) -> providers.ExportTarget:  # fmt: skip
-    """What :func:`pakv_onnx.providers.export_refusal` judges, read off ``config`` (a transformers config)
-    without its weights: head size and heads of the op, and the rotary span (``rotary_dim``: the step's
-    exact one, 2 x its cos table's columns; default: from the config)."""
-    if getattr(config, "kv_lora_rank", None):  # LATENT: [c_kv | k_pe], rotary over k_pe
-        head_size, offset, rotary = config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank, config.qk_rope_head_dim
-    else:
-        head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = getattr(config, "rope_parameters", None) or {}
-        factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)) or 1.0
-        offset, rotary = 0, int(head_size * factor)
-    return providers.ExportTarget(
-        precision, attention, block_size, kv_cache, head_size, config.num_attention_heads,
-        rotary if rotary_dim is None else rotary_dim, offset,
-    )  # fmt: skip
-
-
-def check_target(target: providers.ExportTarget, execution_provider: str) -> None:
-    """Raise :class:`UnsupportedModelError` with :func:`pakv_onnx.providers.export_refusal`'s message."""
-    refusal = providers.export_refusal(target, execution_provider)
-    if refusal:
-        raise UnsupportedModelError(refusal)
-
-
 def genai_config(
     config,
     *,
@@ -204,12 +128,15 @@ def genai_config(
     attention: str = ORT,
     prefix_caching: bool | None = None,
     execution_provider: str = providers.CPU,
+    pool_shape: tuple[int, int] | None = None,
 ) -> dict:
     """The genai_config.json of the exported step of ``config`` (a transformers config) in the
     ``attention`` form for ``execution_provider`` (:func:`session_options`: the one difference between
     two providers' folders). ``prefix_caching``: og.Engine's ``engine.dynamic_batching.prefix_caching``
-    (None: left out, og.Engine 0.18's default, on for paged models)."""
-    kv_heads, head_size = check_servable(config, attention)
+    (None: left out, og.Engine 0.18's default, on for paged models). ``pool_shape``: ``(num_key_value_heads,
+    head_size)`` of every pool as :func:`~pakv_onnx.models.hf.servable.judge_export` found it (default:
+    :func:`~pakv_onnx.models.hf.servable.check_servable` of ``config``)."""
+    kv_heads, head_size = pool_shape or check_servable(config, attention)
     layers = config.num_hidden_layers
     context = int(getattr(config, "max_position_embeddings", 0) or 4096)
     options = session_options(execution_provider, intra_op_threads)
@@ -258,25 +185,6 @@ def genai_config(
     }
 
 
-def trace_feeds(step: PagedDecoderStep, block_size: int) -> dict[str, torch.Tensor]:
-    """One step's feeds to trace ``step`` on: two sequences, one with cached tokens (every dim >= 2,
-    so torch.export keeps them dynamic), over small zero pools (num_blocks is dynamic) shaped as
-    og.Engine allocates them (one shape for every pool) in the step's element type."""
-    config = step.model.config
-    cache = PagedKVCache(
-        num_layers=config.num_hidden_layers,
-        geometry=step.geometry(same_shape=True),
-        num_blocks=16,
-        block_size=block_size,
-        dtype=step.pool_dtype,
-    )
-    for seq in (0, 1):
-        cache.add_sequence(seq)
-    counts, _, _ = step_inputs(cache, [0, 1], [[1] * (block_size + 1), [2, 3]])
-    cache.commit([0, 1], counts, {})
-    return step_inputs(cache, [0, 1], [[4, 5], [6, 7, 8]])[2]
-
-
 def export_genai(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -298,7 +206,8 @@ def export_genai(
     module docstring). ``external_data``: weights in ``model.onnx.data`` (default: when above
     :data:`EXTERNAL_DATA_BYTES`). ``fuse``: the graph-level fusions of
     :func:`~pakv_onnx.models.hf.fusion.fuse_step` (default on). ``attention``: ``ort`` (each layer one
-    com.microsoft::PagedAttention; the default where served) or ``pakv`` (:func:`resolve_attention`).
+    com.microsoft::PagedAttention; the default where served) or ``pakv``
+    (:func:`~pakv_onnx.models.hf.servable.resolve_attention`).
     ``kv_cache``: ``int8`` or ``fp8`` pools (``ort`` only), their per-channel scales calibrated on
     the model (:func:`~pakv_onnx.models.hf.kv_quant.calibrate`). ``prefix_caching``: written into
     ``engine.dynamic_batching`` (None: og.Engine's default). ``precision``: a name of
@@ -307,47 +216,49 @@ def export_genai(
     :data:`pakv_onnx.providers.CUDA_LIMITS`, and no library copied).
 
     Raises:
-        UnsupportedModelError: og.Engine cannot serve the model (:func:`check_servable`), or it cannot be
-            exported in ``precision`` or run on ``execution_provider`` (:func:`check_target`); raised
+        UnsupportedModelError: og.Engine cannot serve the model, or it cannot be exported in ``precision``
+            or run on ``execution_provider`` (:func:`~pakv_onnx.models.hf.servable.judge_export`); raised
             before anything is written.
         OSError: the source folder cannot be read or ``out_dir`` written.
     """
     start = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    # config -> geometry: every refusal the config allows, before the weights are read
     hf_config = load_hf_config(hf_dir)
-    check_servable(hf_config)  # before the weights are read
-    target = dict(precision=precision, block_size=block_size, kv_cache=kv_cache)
-    check_target(export_target(hf_config, attention=attention, **target), execution_provider)
-    progress(f"loading {hf_dir} ...")
-    model = load_hf_model(hf_dir)
-    attention = resolve_attention(model.config, attention)
-    if kv_cache is not None and attention != ORT:
-        raise UnsupportedModelError(f"--kv-cache {kv_cache} needs --attention {ORT} (com.microsoft::PagedAttention)")
-    check_target(export_target(model.config, attention=attention, **target), execution_provider)
+    judged = judge_export(hf_config, attention=attention, precision=precision, block_size=block_size,
+                          kv_cache=kv_cache, execution_provider=execution_provider)  # fmt: skip
     config = genai_config(
-        model.config,
+        hf_config,
         block_size=block_size,
         num_blocks=num_blocks,
         max_batch_size=max_batch_size,
         intra_op_threads=intra_op_threads,
-        attention=attention,
+        attention=judged.attention,
         prefix_caching=prefix_caching,
         execution_provider=execution_provider,
-    )  # refuses an unservable model before the export
+        pool_shape=judged.pool_shape,
+    )
+    progress(f"loading {hf_dir} ...")
+    model = load_hf_model(hf_dir)
     kv_quant = None
     if kv_cache is not None:
         from pakv_onnx.models.hf.kv_quant import calibrate
 
         progress(f"calibrating {kv_cache} cache scales ...")
         kv_quant = calibrate(model, kv_cache, block_size=block_size)  # on the float32 model
-    step = PagedDecoderStep(model, attention=attention, kv_quant=kv_quant, precision=precision)
-    if step.attention == ORT:  # the exact rotary span: the step's own table
-        exact = export_target(model.config, attention=attention, rotary_dim=2 * step.rotary_cos.shape[1], **target)
-        check_target(exact, execution_provider)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    # attention replacement -> step
+    prepared = prepare_attention(model, judged.attention, kv_quant, precision, judged=True)
+    if prepared.rotary is not None:  # the exact rotary span: the step's own table
+        exact = dataclasses.replace(judged.target, rotary_dim=2 * prepared.rotary[0].shape[1])
+        refusal = providers.export_refusal(exact, execution_provider)
+        if refusal:
+            raise UnsupportedModelError(refusal)
+    step = PagedDecoderStep(prepared)
     weight_bytes = sum(p.numel() * p.element_size() for p in step.parameters())
     progress(f"exporting one paged step in {precision} ({weight_bytes / 1e6:.1f} MB of weights) ...")
-    proto = cap_ir_version(export_step(step, trace_feeds(step, block_size), None, fuse=fuse))
+    proto = cap_ir_version(export_step(step, trace_feeds(step, block_size, judged.geometry), None, fuse=fuse))
+    # the folder
+    out_dir.mkdir(parents=True, exist_ok=True)
     external = weight_bytes > EXTERNAL_DATA_BYTES if external_data is None else external_data
     files = [MODEL_FILE]
     for stale in (out_dir / MODEL_FILE, out_dir / EXTERNAL_DATA_FILE):

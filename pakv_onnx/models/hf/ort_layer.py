@@ -35,21 +35,12 @@ import torch
 
 import pakv_onnx.export  # noqa: F401  registers torch.ops.pakv.ort_paged_attention*
 from pakv_onnx.models.hf.kwargs import ORT_STATE_KWARG
+from pakv_onnx.models.hf.servable import UnsupportedAttentionError
 
-# transformers model types whose layers this module serves (their attention modules are replaced).
-GQA_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral", "qwen3"})
-LATENT_MODEL_TYPES = frozenset({"deepseek_v3"})
-MODEL_TYPES = GQA_MODEL_TYPES | LATENT_MODEL_TYPES
-# Rope types whose angles depend on the sequence length (transformers' dynamic_rope_update): no fixed table.
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 # The op's cache element types, by the --kv-cache name, and the largest magnitude each stores.
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 KV_CACHE_QMAX = {"int8": 127.0, "fp8": 448.0}
 KV_CACHE_OP_DTYPE = {"int8": "int8", "fp8": "float8e4m3fn"}
-
-
-class UnsupportedAttentionError(ValueError):
-    """The model's attention has no com.microsoft::PagedAttention form here (the message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,26 +60,6 @@ class KvQuant:
     @property
     def dtype(self) -> torch.dtype:
         return KV_CACHE_DTYPES[self.kind]
-
-
-def model_type(config) -> str:
-    return getattr(config, "model_type", type(config).__name__)
-
-
-def check_supported(config) -> None:
-    """Raise :class:`UnsupportedAttentionError` unless ``config``'s model has an op form here."""
-    kind = model_type(config)
-    if kind not in MODEL_TYPES:
-        raise UnsupportedAttentionError(
-            f"model type {kind!r} has no com.microsoft::PagedAttention form here (served: "
-            f"{', '.join(sorted(MODEL_TYPES))}); export it with --attention pakv"
-        )
-    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope in _LENGTH_DEPENDENT_ROPE:
-        raise UnsupportedAttentionError(
-            f"{kind}: rope_type {rope!r} changes its angles with the sequence length; the op reads one fixed "
-            "cos/sin table"
-        )
 
 
 def rotary_tables(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,15 +244,12 @@ class OrtLatentAttention(torch.nn.Module):
 
 
 def replace_attention(model: torch.nn.Module, quant: KvQuant | None = None, dtype: torch.dtype | None = None) -> int:
-    """Put :class:`OrtGqaAttention` / :class:`OrtLatentAttention` in place of every decoder layer's
-    ``self_attn`` of ``model`` (in place; that model only); returns how many were replaced. ``dtype``:
-    the op's T (the q/k norm weights'), default the model's.
-
-    Raises:
-        UnsupportedAttentionError: :func:`check_supported`.
-    """
-    check_supported(model.config)
-    wrap = OrtLatentAttention if model_type(model.config) in LATENT_MODEL_TYPES else OrtGqaAttention
+    """Put :class:`OrtGqaAttention` (GQA) / :class:`OrtLatentAttention` (MLA: a config with ``kv_lora_rank``)
+    in place of every decoder layer's ``self_attn`` of ``model`` (in place; that model only); returns how
+    many were replaced. ``dtype``: the op's T (the q/k norm weights'), default the model's. The model's
+    type is one :func:`~pakv_onnx.models.hf.servable.check_supported` accepts (the caller checked:
+    :func:`~pakv_onnx.models.hf.forms.prepare_attention`)."""
+    wrap = OrtLatentAttention if getattr(model.config, "kv_lora_rank", None) else OrtGqaAttention
     for layer in model.model.layers:
         layer.self_attn = wrap(layer.self_attn, quant, dtype)
     return len(model.model.layers)

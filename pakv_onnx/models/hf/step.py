@@ -6,8 +6,9 @@ decoded token: prefill and decode are the same graph), packed as ``input_ids [N]
 computes each token's position and cache slot from the step's inputs, and every layer writes its
 new K/V rows into its pools with ScatterPaKvCache and reads past + new back through the updated
 pools with GatherPaKvCache (:class:`~pakv_onnx.models.hf.cache.StepCache`), then attends per
-sequence through :func:`paged_attention`, registered with transformers' ``AttentionInterface``
-under :data:`ATTN_IMPLEMENTATION` — no transformers module is patched. No host write remains.
+sequence through :func:`~pakv_onnx.models.hf.forms.paged_attention`, registered with transformers'
+``AttentionInterface`` — no transformers module is patched. No host write remains. The model's
+attention is replaced before the step wraps it (:func:`~pakv_onnx.models.hf.forms.prepare_attention`).
 GQA decoders (Llama and the like: every model but MLA's) attend instead with one
 ``pakv::PagedAttention`` per layer over the updated pools, read in place through the block table
 (:class:`~pakv_onnx.models.hf.cache.FusedStepCache`; ``attention=``:data:`FUSED` of
@@ -38,7 +39,6 @@ import torch
 from pakv_onnx import providers
 from pakv_onnx.export import cap_ir_version, export
 from pakv_onnx.spec import DOMAIN
-from pakv_onnx.models.attention import cached_ragged_attention
 from pakv_onnx.models.hf.cache import (
     FusedStepCache,
     PAST_KEY,
@@ -50,58 +50,16 @@ from pakv_onnx.models.hf.cache import (
     StepLayout,
     step_slots,
 )
-from pakv_onnx.models.hf.kwargs import ATTN_IMPLEMENTATION, FUSED_CACHE_KWARG, KV_SEQ_LENS_KWARG, QUERY_SEQ_LENS_KWARG
+from pakv_onnx.models.hf.configs import CacheGeometry, cache_geometry
+from pakv_onnx.models.hf.forms import PreparedModel, prepare_attention
+from pakv_onnx.models.hf.kwargs import ATTENTION_CHOICES, GATHER, PAKV  # noqa: F401  (the forms' names, read from here too)
+from pakv_onnx.models.hf.kwargs import FUSED, FUSED_CACHE_KWARG, KV_SEQ_LENS_KWARG, ORT, QUERY_SEQ_LENS_KWARG
 
-# How a step's layers attend: ORT's com.microsoft::PagedAttention (rotary, the write and attention in one
-# op, slots derived inside it: every model of ort_layer.MODEL_TYPES, the default), or the pakv ops --
-# ScatterPaKvCache, then one pakv::PagedAttention over the pools (GQA) or GatherPaKvCache + a Loop of
-# standard ops per sequence (MLA) -- which stock ORT runs through their fallback functions.
-ORT, FUSED, GATHER = "ort", "fused", "gather"
-# The names `pakv-onnx export --attention` takes: "ort", or "pakv" (FUSED for GQA, GATHER for MLA).
-PAKV = "pakv"
-ATTENTION_CHOICES = (ORT, PAKV)
 FIXED_INPUT_NAMES = ("input_ids", "cumulative_sequence_lengths", "past_sequence_lengths", "block_table")
 LOGITS_BATCH_DIM = "batch_size"
 # Causal LMs whose logits are exactly ``lm_head`` of the decoder's (``.model``) last hidden states:
 # the step applies the head to each sequence's last row itself.
 HEAD_OVER_HIDDEN = frozenset({"LlamaForCausalLM", "DeepseekV3ForCausalLM"})
-
-
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: per-sequence causal attention over the cache's rows.
-
-    Args:
-        query: ``[1, Hq, N, Dqk]`` new tokens packed by ``kwargs[QUERY_SEQ_LENS_KWARG]``.
-        key, value: ``[1, Hk, T, D]`` from :meth:`StepCache.update`: each sequence's past and new
-            rows, one run per sequence packed by ``kwargs[KV_SEQ_LENS_KWARG]``. ``Hq`` a multiple
-            of ``Hk`` (GQA).
-        attention_mask: ignored (None: the model builds no mask for this implementation).
-
-    Returns:
-        ``([1, N, Hq, Dv], None)`` as transformers' attention functions do.
-
-    With ``kwargs[FUSED_CACHE_KWARG]`` (a :class:`FusedStepCache`: the GQA step) ``key`` / ``value``
-    are the new rows only, and the attention is the cache's one PagedAttention over the pools.
-    """
-    fused = kwargs.get(FUSED_CACHE_KWARG)
-    if fused is not None:
-        return fused.attend(module.layer_idx, query, scaling), None
-    q, k, v = query[0], key[0], value[0]  # head-major [H, tokens, D], as transformers hands them
-    groups = q.shape[0] // k.shape[0]
-    if groups > 1:  # GQA: query head h uses KV head h // groups (transformers' repeat_kv)
-        k = k.repeat_interleave(groups, dim=0)
-        v = v.repeat_interleave(groups, dim=0)
-    out = cached_ragged_attention(
-        q, k, v, kwargs[QUERY_SEQ_LENS_KWARG], kwargs[KV_SEQ_LENS_KWARG], scaling, heads_first=True
-    )
-    return out.transpose(0, 1).unsqueeze(0), None
-
-
-def register_attention() -> None:
-    """Register :func:`paged_attention` with transformers (idempotent)."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
 
 
 def step_input_names(num_layers: int) -> list[str]:
@@ -135,64 +93,33 @@ class PagedDecoderStep(torch.nn.Module):
     :data:`pakv_onnx.providers.PRECISIONS` (fp16 and bf16: :data:`ORT` only); ``model`` (float32, as
     loaded) is cast to its compute dtype here, after the rotary tables are taken from it in float32.
 
+    ``model``: a transformers causal LM, whose attention is replaced here
+    (:func:`~pakv_onnx.models.hf.forms.prepare_attention` with ``attention``, ``kv_quant``, ``precision``),
+    or a :class:`~pakv_onnx.models.hf.forms.PreparedModel` (replaced already; the other arguments unused).
+
     Raises:
         ValueError: an attention form this model has not, ``kv_quant`` outside :data:`ORT`, or a precision
             the form is not exported in.
     """
 
-    def __init__(self, model: torch.nn.Module, attention: str | None = None, kv_quant=None,
+    def __init__(self, model: torch.nn.Module | PreparedModel, attention: str | None = None, kv_quant=None,
                  precision: str = providers.DEFAULT_PRECISION) -> None:  # fmt: skip
         super().__init__()
-        from pakv_onnx.models.hf import ort_layer
-
-        mla = bool(getattr(model.config, "kv_lora_rank", None))
-        if attention is None:
-            supported = ort_layer.model_type(model.config) in ort_layer.MODEL_TYPES
-            attention = ORT if supported else PAKV
-        if attention == PAKV:
-            attention = GATHER if mla else FUSED
-        if attention not in (ORT, FUSED, GATHER) or (mla and attention == FUSED):
-            allowed = (ORT, PAKV, GATHER) if mla else (ORT, PAKV, FUSED, GATHER)
-            choices = ", ".join(map(repr, allowed))
-            raise ValueError(f"attention must be one of {choices} for this model, got {attention!r}")
-        if kv_quant is not None and attention != ORT:
-            raise ValueError(
-                f"a quantized KV cache needs attention {ORT!r} (com.microsoft::PagedAttention), got {attention!r}"
-            )
-        refusal = providers.precision_refusal(precision, PAKV if attention in (FUSED, GATHER) else attention)
-        if refusal:
-            raise ValueError(refusal)
-        if attention != ORT:
-            _refuse_windows(model)
+        prepared = model if isinstance(model, PreparedModel) else prepare_attention(model, attention, kv_quant, precision)
+        model = prepared.model
         self.head_apart = type(model).__name__ in HEAD_OVER_HIDDEN
-        self.kv_quant = kv_quant
-        self.precision = providers.PRECISIONS[precision]
-        if attention == ORT:
-            attention_dtype = getattr(torch, self.precision.attention)
-            cos, sin = ort_layer.rotary_tables(model)  # float32, before the model's cast
-            model.to(getattr(torch, self.precision.compute))
-            ort_layer.replace_attention(model, kv_quant, attention_dtype)
-            self.register_buffer("rotary_cos", cos.to(attention_dtype), persistent=False)
-            self.register_buffer("rotary_sin", sin.to(attention_dtype), persistent=False)
-        else:
-            from pakv_onnx.models.hf.mla import absorb_latent_attention  # (mla reads this module's kwarg names)
-
-            register_attention()
-            model.set_attn_implementation(ATTN_IMPLEMENTATION)
-            absorb_latent_attention(model)  # DeepSeek-V3: MLA in the absorbed form, over the latent as cached
-            if attention == FUSED:
-                from pakv_onnx.models.hf.gqa import token_major_attention
-
-                token_major_attention(model)  # Llama: q/k/v token-major, as the pakv ops read them
+        self.kv_quant = prepared.kv_quant
+        self.precision = prepared.precision
+        if prepared.rotary is not None:
+            self.register_buffer("rotary_cos", prepared.rotary[0], persistent=False)
+            self.register_buffer("rotary_sin", prepared.rotary[1], persistent=False)
         self.model = model.eval()
         self.num_layers = model.config.num_hidden_layers
-        self.attention = attention
+        self.attention = prepared.attention
 
-    def geometry(self, *, same_shape: bool = False):
+    def geometry(self, *, same_shape: bool = False) -> CacheGeometry:
         """The per-token shapes of the pools this step reads (:func:`~pakv_onnx.models.hf.configs.cache_geometry`
         of its model, LATENT's one pool in :data:`ORT` form)."""
-        from pakv_onnx.models.hf.configs import cache_geometry
-
         return cache_geometry(self.model.config, same_shape=same_shape, latent_pool=self.latent)
 
     @property
@@ -248,18 +175,6 @@ class PagedDecoderStep(torch.nn.Module):
         return (logits, *state.key_pools, *state.value_pools)
 
 
-def _refuse_windows(model: torch.nn.Module) -> None:
-    """The pakv ops attend over the whole context: a model with a sliding-window layer is refused."""
-    from pakv_onnx.models.hf.ort_layer import sliding_window
-
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "o_proj") and sliding_window(module):
-            raise ValueError(
-                f"layer {module.layer_idx} attends over a sliding window of {sliding_window(module)} tokens: the "
-                f"pakv ops attend over the whole context; use attention {ORT!r} (its local_window_size)"
-            )
-
-
 def step_feeds(cache: PagedKVCache, layout: StepLayout, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The graph's named inputs for one step (torch tensors; pools by reference, not copied).
 
@@ -299,6 +214,32 @@ def run_step_torch(step: PagedDecoderStep, feeds: dict[str, torch.Tensor]) -> di
     with torch.no_grad():
         outputs = step(*args, keys, values)
     return dict(zip(step_output_names(layers), outputs))
+
+
+def trace_feeds(step: PagedDecoderStep, block_size: int, geometry: CacheGeometry | None = None) -> dict[str, torch.Tensor]:
+    """One step's feeds to trace ``step`` on: two sequences, the first with ``block_size + 1`` cached tokens
+    and 2 new, the second with 2 cached and 3 new (every dim >= 2, so torch.export keeps them dynamic),
+    over zero pools of 16 blocks (num_blocks is dynamic) shaped as og.Engine allocates them: one shape
+    for every pool (``geometry``; default the step's own, ``same_shape``), in the step's element type."""
+    geometry = geometry or step.geometry(same_shape=True)
+    past, new = [block_size + 1, 2], [2, 3]
+    blocks = [-(-(p + n) // block_size) for p, n in zip(past, new)]
+    table = torch.full((len(blocks), max(blocks)), -1, dtype=torch.int32)
+    first = 0
+    for row, count in enumerate(blocks):
+        table[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+        first += count
+    feeds = {
+        "input_ids": torch.arange(4, 4 + sum(new), dtype=torch.int64),
+        "cumulative_sequence_lengths": torch.tensor([0, *new], dtype=torch.int32).cumsum(0).to(torch.int32),
+        "past_sequence_lengths": torch.tensor(past, dtype=torch.int32),
+        "block_table": table,
+    }
+    num_blocks = max(16, first)
+    for layer in range(step.num_layers):
+        feeds[PAST_KEY.format(layer)] = torch.zeros(num_blocks, block_size, *geometry.key_shape, dtype=step.pool_dtype)
+        feeds[PAST_VALUE.format(layer)] = torch.zeros(num_blocks, block_size, *geometry.value_shape, dtype=step.pool_dtype)
+    return feeds
 
 
 def export_step(
