@@ -247,9 +247,8 @@ static int value_shape(const pakv_ort_reader* r, const OrtValue* v, const char* 
   const char* what = "reading input";
   if (r->shape_reference) {
     const int64_t* own = NULL;
-    if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorElementTypeAndShapeDataReference)(v, type, &own, nd), err,
-                                what, name))
-      return -1;
+    OrtStatus* st = PAKV_API(api, GetTensorElementTypeAndShapeDataReference)(v, type, &own, nd);
+    if (pakv_ort_take_status_of(api, st, err, what, name)) return -1;
     if (*nd > 0 && !own) return pakv_fail(err, "%s %s: ORT gave rank %zu and no dims", what, name, *nd);
     for (size_t d = 0; d < *nd && d < PAKV_MAX_RANK; d++) dims[d] = own[d];
     return 0;
@@ -308,11 +307,6 @@ PAKV_EXPORT void* pakv_request_output(pakv_request* req, int index, const int64_
   void* p = pakv_ort_output(req->api, req->ctx, index, dims, ndim, &err);
   if (!p) snprintf(req->error, sizeof(req->error), "%s", err.msg);
   return p;
-}
-
-pakv_ort_reader pakv_ort_reader_of(const PakvOrtCustomOp* op, const OrtApi* api) {
-  pakv_ort_reader r = {api, ((const pakv_op*)op)->ep, ((const pakv_op*)op)->shape_reference};
-  return r;
 }
 
 /* int64 scratch of `len` entries, or NULL (then len becomes -1): when it cannot be had the

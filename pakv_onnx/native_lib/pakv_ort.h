@@ -45,7 +45,10 @@ typedef struct {
   int ep;
   int shape_reference;
 } pakv_ort_reader;
-pakv_ort_reader pakv_ort_reader_of(const PakvOrtCustomOp* op, const OrtApi* api);
+static inline pakv_ort_reader pakv_ort_reader_of(const PakvOrtCustomOp* op, const OrtApi* api) {
+  pakv_ort_reader r = {api, ((const pakv_op*)op)->ep, ((const pakv_op*)op)->shape_reference};
+  return r;
+}
 /* Input i as a record (absent beyond the node's `count` inputs or when ORT passes none). */
 int pakv_ort_read_input(const pakv_ort_reader* r, OrtKernelContext* ctx, const char* name, size_t count, size_t i,
                         pakv_tensor* t, pakv_err* err);
