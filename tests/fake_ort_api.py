@@ -26,7 +26,7 @@ class FakeOrt:
     keep: list  # every ctypes object the C side may call or read, alive as long as this is
 
 
-def fake_ort(functions: Mapping[int, object], *, api_version: int, version: bytes | None = None, slots: int = 300):
+def fake_ort(functions: Mapping[int, object], *, api_version: int, version: bytes | None = None, slots: int = 512):
     """An OrtApiBase whose API table has ``functions`` at their slots; ``version``: GetVersionString's text."""
     table = (ctypes.c_void_p * slots)()
     for slot, fn in functions.items():
@@ -125,13 +125,17 @@ class FakeOrtError(RuntimeError):
 class FakeRuntime:
     """Enough of ONNX Runtime, as an OrtApi table of ctypes callbacks, to register the library's ops
     and run their kernels: attributes, inputs, ORT-allocated outputs (zeroed host buffers labelled
-    with ``out_device``), memory infos, a compute stream and, from API 17, ``KernelContext_ParallelFor``
-    (parts run in reverse order on the calling thread, each call recorded)."""
+    with ``out_device``), memory infos, a compute stream, from API 17 ``KernelContext_ParallelFor``
+    (parts run in reverse order on the calling thread, each call recorded) and from API 24
+    ``GetTensorElementTypeAndShapeDataReference`` (the tensor's own dims array). ``shape_reads`` counts the
+    values whose shape was read by reference (``"reference"``) and through a type-and-shape info (``"info"``)."""
 
     def __init__(self, *, api_version: int = 17, stream: int = 0x5EED0, version: bytes | None = None) -> None:
         self.api_version = api_version
         self.stream = stream
         self.parallel_calls: list[tuple[int, int]] = []  # (total, num_batch) of each ParallelFor
+        self.shape_reads = {"reference": 0, "info": 0}
+        self._dims: dict[int, ctypes.Array] = {}  # handle -> the dims array handed out by reference
         self.ops: list[int] = []
         self.op_domains: dict[int, str] = {}  # op address -> the domain it was added to
         self._objects: dict[int, object] = {}
@@ -141,6 +145,8 @@ class FakeRuntime:
         functions = {SLOTS[name]: fn for name, fn in self._callbacks().items()}
         if api_version < 17:
             functions.pop(SLOTS["KernelContext_ParallelFor"])
+        if api_version < 24:
+            functions.pop(SLOTS["GetTensorElementTypeAndShapeDataReference"])
         version = version or f"1.{api_version}.0-fake".encode()
         self.fake = fake_ort(functions, api_version=api_version, version=version)
         self.api = self.fake.keep[0]  # the table itself
@@ -325,7 +331,19 @@ class FakeRuntime:
 
         @slot("GetTensorTypeAndShape", _V, _V, P(_V))
         def type_and_shape(value, out):
+            self.shape_reads["info"] += 1
             out[0] = value  # the tensor is its own type-and-shape info
+            return None
+
+        @slot("GetTensorElementTypeAndShapeDataReference", _V, _V, P(ctypes.c_int), P(P(I64)), P(S))
+        def type_and_shape_reference(value, elem_type, dims, count):
+            self.shape_reads["reference"] += 1
+            tensor = self._get(value)
+            with self._lock:
+                own = self._dims.setdefault(value, (I64 * max(1, len(tensor.dims)))(*tensor.dims))
+            elem_type[0] = tensor.elem_type
+            dims[0] = ctypes.cast(own, P(I64)) if tensor.dims else None  # a scalar: no dims (ORT's NULL)
+            count[0] = len(tensor.dims)
             return None
 
         @slot("ReleaseTensorTypeAndShapeInfo", None, _V)

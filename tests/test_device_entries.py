@@ -58,6 +58,17 @@ def test_device_entries_are_bit_exact_over_every_dtype_and_layout_on_orts_stream
     PA_NZ only 2-D ones; a table of consecutive blocks is one copy per cache."""
     out = _session("matrix", env=_driver_env(fake_driver))
     assert "368 device runs" in out  # (11 dtypes x 2 x 2 x 2 x 2 + 8 mixed) x 2 EPs
+    assert "shape reads 0 by reference" in out  # API 17: through OrtTensorTypeAndShapeInfo
+
+
+def test_from_api_24_the_entries_read_each_inputs_dims_by_reference(fake_driver) -> None:
+    """On a runtime of API >= 24 every kernel reads an input's element type and dims in one call that
+    allocates nothing (GetTensorElementTypeAndShapeDataReference, the value's own dims): the same matrix,
+    bit-exact on every entry, and not one OrtTensorTypeAndShapeInfo made."""
+    out = _session("matrix", "24", env=_driver_env(fake_driver))
+    assert "368 device runs" in out
+    reads = out.split("shape reads ")[1].split()
+    assert int(reads[0]) > 1000 and reads[3:5] == ["0", "by"], out[-300:]
 
 
 def test_scatter_device_entries_are_bit_exact_on_orts_stream(fake_driver) -> None:

@@ -357,17 +357,73 @@ print("OK")
 """
 
 
-def test_the_probe_works_where_process_vm_writev_is_refused(tmp_path) -> None:
-    shim = tmp_path / "no_vm_writev.so"
-    source = tmp_path / "no_vm_writev.c"
-    source.write_text(NO_VM_WRITEV)
+def _pipe_probe_with_shim(tmp_path, shim_source: str) -> subprocess.CompletedProcess:
+    """PIPE_PROBE in a fresh process with ``shim_source`` (C) compiled and LD_PRELOADed."""
+    shim, source = tmp_path / "shim.so", tmp_path / "shim.c"
+    source.write_text(shim_source)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
     env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
                             timeout=120, env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr[-1500:]
+    return result
+
+
+def test_the_probe_works_where_process_vm_writev_is_refused(tmp_path) -> None:
+    result = _pipe_probe_with_shim(tmp_path, NO_VM_WRITEV)
     assert "process_vm_writev refused" not in result.stderr  # never asked: the pipe is the probe
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
+
+
+NO_PIPE = r"""
+#define _GNU_SOURCE
+#include <errno.h>
+#include <unistd.h>
+/* A process out of file descriptors, as the library's probe pipe sees it. */
+int pipe2(int fds[2], int flags) {
+  (void)fds; (void)flags;
+  errno = EMFILE;
+  return -1;
+}
+"""
+
+
+def test_a_decode_steps_two_probes_need_no_pipe(tmp_path) -> None:
+    """One or two probes (a decode step writes one page of each cache) are futex(2) atomic adds of 0, one call
+    each (pakv_writable.c): a read-only pool is refused even where the probe's pipe cannot be made (before,
+    the probe could not tell, the write went ahead and died of SIGSEGV), the pool's bytes unchanged."""
+    result = _pipe_probe_with_shim(tmp_path, NO_PIPE)
+    assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
+
+
+def test_more_than_two_probes_go_through_the_pipe_and_keep_every_value() -> None:
+    """Four probes (each cache's first and last written byte on different pages) take the pipe's two calls:
+    a value cache whose last written page is read-only is refused by name, nothing written, every byte of
+    both pools as it was; writable again, the same write goes through."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    blocks, block_size, heads, dim = 4, 4, 2, 8  # 256 bytes a block: slots 1 and 14 on one page unless spread
+    per_block = page  # one block a page: the two written rows of each cache on two pages
+    areas = [mmap.mmap(-1, blocks * per_block, prot=mmap.PROT_READ | mmap.PROT_WRITE) for _ in range(2)]
+    for area in areas:
+        area[:] = bytes(range(256)) * (blocks * per_block // 256)
+    pools = [torch.frombuffer(area, dtype=torch.float32).view(blocks, per_block // 4)[:, : block_size * heads * dim]
+             .view(blocks, block_size, heads, dim) for area in areas]  # fmt: skip
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    value_base = ctypes.addressof(ctypes.c_char.from_buffer(areas[1]))
+    key = torch.ones(2, heads, dim)
+    slots = torch.tensor([1, 14])  # blocks 0 and 3
+    before = [bytes(area) for area in areas]
+    assert libc.mprotect(value_base + 3 * per_block, per_block, mmap.PROT_READ) == 0
+    with pytest.raises(ValueError, match=r"^value_cache: the rows this write goes to are not writable memory"):
+        pakv_onnx.scatter_pa_kv_cache(key, key, pools[0], pools[1], slots)
+    assert [bytes(area) for area in areas] == before
+    assert libc.mprotect(value_base + 3 * per_block, per_block, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+    pakv_onnx.scatter_pa_kv_cache(key, key, pools[0], pools[1], slots)
+    assert float(pools[0][0, 1].sum()) == float(pools[1][3, 2].sum()) == heads * dim
 
 
 def test_the_writability_probe_names_the_first_unwritable_byte_and_keeps_every_value() -> None:

@@ -20,6 +20,9 @@
 #define PAKV_ORT_API_ALIAS_MAP 18
 /* KernelContext_ParallelFor (ORT's intra-op pool) exists from API 17 (ORT 1.17) on. */
 #define PAKV_ORT_API_PARALLEL_FOR 17
+/* GetTensorElementTypeAndShapeDataReference (a tensor's element type and a pointer to its own dims, nothing
+ * allocated) exists from API 24 (ORT 1.24) on; older runtimes: the OrtTensorTypeAndShapeInfo route. */
+#define PAKV_ORT_API_SHAPE_REFERENCE 24
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtApi OrtApi;
@@ -86,7 +89,8 @@ enum {
   PAKV_SLOT_KernelInfo_GetNodeName = 244,               /* API 15 */
   PAKV_SLOT_KernelInfoGetConstantInput_tensor = 249,    /* API 15 */
   PAKV_SLOT_KernelContext_ParallelFor = 274,            /* API 17: call only on runtimes >= 1.17 */
-  PAKV_SLOT_COUNT_USED = 275,                           /* one past the highest slot used */
+  PAKV_SLOT_GetTensorElementTypeAndShapeDataReference = 414, /* API 24 (its last slot): runtimes >= 1.24 only */
+  PAKV_SLOT_COUNT_USED = 415,                           /* one past the highest slot used */
 };
 
 /* Function types of those slots. */
@@ -100,6 +104,9 @@ typedef OrtStatus* (*pakv_GetTensorElementType_fn)(const OrtTensorTypeAndShapeIn
 typedef OrtStatus* (*pakv_GetDimensionsCount_fn)(const OrtTensorTypeAndShapeInfo* info, size_t* out);
 typedef OrtStatus* (*pakv_GetDimensions_fn)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t n);
 typedef OrtStatus* (*pakv_GetTensorTypeAndShape_fn)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out);
+/* The dims pointer is the value's own (valid while the value is; NULL with a count of 0 for a scalar). */
+typedef OrtStatus* (*pakv_GetTensorElementTypeAndShapeDataReference_fn)(const OrtValue* value, int* elem_type,
+                                                                       const int64_t** dims, size_t* count);
 typedef OrtStatus* (*pakv_KernelInfoGetAttribute_float_fn)(const OrtKernelInfo* info, const char* name, float* out);
 typedef OrtStatus* (*pakv_KernelInfoGetAttributeArray_float_fn)(const OrtKernelInfo* info, const char* name, float* out,
                                                                 size_t* size);

@@ -56,6 +56,8 @@ static float* thread_scratch(size_t floats) {
 /* Calls smaller than this many multiply-adds (sum over queries of context x (D + Dv)) never enter
  * a parallel region: waking ORT's threads costs more than they would save. */
 static int64_t g_attention_parallel_min = (int64_t)1 << 18;
+/* A run whose parts, merges and partial rows fit in this many bytes keeps them on the stack. */
+#define PAKV_ATTENTION_STACK_BYTES 4096
 static pthread_once_t g_config_once = PTHREAD_ONCE_INIT;
 
 static void read_config(void) {
@@ -195,7 +197,8 @@ int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par
   if (run.count == 0) return 0;
   const size_t bytes = (size_t)run.count * sizeof(planned_part) + (size_t)run.merges * sizeof(planned_merge) +
                        (size_t)run.partial_floats * sizeof(float); /* all fit: bounded by the plan's extents */
-  char* memory = (char*)malloc(bytes);
+  _Alignas(64) char stack[PAKV_ATTENTION_STACK_BYTES]; /* a decode step's few parts: no allocation */
+  char* memory = bytes <= sizeof(stack) ? stack : (char*)malloc(bytes);
   if (!memory) return pakv_fail(err, "attention: out of memory for the run's %zu bytes of parts", bytes);
   run.parts = (planned_part*)memory;
   run.merge = (planned_merge*)(run.parts + run.count);
@@ -209,7 +212,7 @@ int pakv_run_attention_on(const pakv_attention_plan* p, const pakv_parallel* par
   if (!atomic_load(&run.bad) && !atomic_load(&run.no_memory))
     for (int64_t m = 0; m < run.merges; m++)
       pakv_attention_merge(p, &run.merge[m].shape, run.merge[m].partials, run.merge[m].count, run.merge[m].stride);
-  free(memory);
+  if (memory != stack) free(memory);
   if (atomic_load(&run.no_memory))
     return pakv_fail(err, "attention: out of memory for a thread's scratch of %zu floats", run.floats);
   if (atomic_load(&run.bad))

@@ -111,34 +111,38 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
     }                                                                                                      \
   }
 
+/* acc[i][x .. x + NV W) += sum over columns c in [c0, c1) of w[i][c] x value_rows[c][x ..], for R rows:
+ * R x NV accumulators in registers, each added to in column order. */
+#define PAKV_PV_SPAN(R, NV, LOAD, ELEMENT)                                                                 \
+  {                                                                                                        \
+    vf a[R][NV];                                                                                           \
+    for (int i = 0; i < R; i++)                                                                            \
+      for (int j = 0; j < NV; j++) a[i][j] = vload(acc + i * dv + x + j * PAKV_W);                         \
+    for (int64_t c = c0; c < c1; c++) {                                                                    \
+      vf v[NV];                                                                                            \
+      for (int j = 0; j < NV; j++) v[j] = LOAD((const ELEMENT*)rows[c] + x + j * PAKV_W);                  \
+      for (int i = 0; i < R; i++) {                                                                        \
+        const vf weight = vsplat(w[i * C + c]);                                                            \
+        for (int j = 0; j < NV; j++) a[i][j] += weight * v[j];                                             \
+      }                                                                                                    \
+    }                                                                                                      \
+    for (int i = 0; i < R; i++)                                                                            \
+      for (int j = 0; j < NV; j++) vstore(acc + i * dv + x + j * PAKV_W, a[i][j]);                         \
+  }
+
 /* acc[i][0 .. dv) += sum over columns c in [c0, c1) of w[i][c] x value_rows[c], for R rows that all
- * see exactly those columns (and weigh none of them 0): R x PAKV_PV_VECS accumulators in registers.
- * NAME f32 reads fp32 rows, bf16 bfloat16 rows (dv a multiple of PAKV_W: no tails). */
+ * see exactly those columns (and weigh none of them 0): spans of PAKV_PV_VECS value vectors, then of
+ * 2 and 1 (a head of 2 vectors keeps R x 2 independent sums, not one sum at a time: a decode step of
+ * head size 32 waited on each add's latency), in registers. Every element is summed in column order
+ * whatever its span, so the result does not depend on the span. NAME f32 reads fp32 rows, bf16
+ * bfloat16 rows (dv a multiple of PAKV_W: no tails). */
 #define PAKV_PV_TILE(NAME, R, LOAD, ELEMENT)                                                               \
   HOT void pv_##NAME##_##R(float* acc, int64_t dv, const float* w, const float* const* rows, int64_t c0,  \
                            int64_t c1) {                                                                   \
     int64_t x = 0;                                                                                         \
-    for (; x + PAKV_PV_VECS * PAKV_W <= dv; x += PAKV_PV_VECS * PAKV_W) {                                  \
-      vf a[R][PAKV_PV_VECS];                                                                               \
-      for (int i = 0; i < R; i++)                                                                          \
-        for (int j = 0; j < PAKV_PV_VECS; j++) a[i][j] = vload(acc + i * dv + x + j * PAKV_W);             \
-      for (int64_t c = c0; c < c1; c++) {                                                                  \
-        vf v[PAKV_PV_VECS];                                                                                \
-        for (int j = 0; j < PAKV_PV_VECS; j++) v[j] = LOAD((const ELEMENT*)rows[c] + x + j * PAKV_W);      \
-        for (int i = 0; i < R; i++) {                                                                      \
-          const vf weight = vsplat(w[i * C + c]);                                                          \
-          for (int j = 0; j < PAKV_PV_VECS; j++) a[i][j] += weight * v[j];                                 \
-        }                                                                                                  \
-      }                                                                                                    \
-      for (int i = 0; i < R; i++)                                                                          \
-        for (int j = 0; j < PAKV_PV_VECS; j++) vstore(acc + i * dv + x + j * PAKV_W, a[i][j]);             \
-    }                                                                                                      \
-    for (; x + PAKV_W <= dv; x += PAKV_W)                                                                  \
-      for (int i = 0; i < R; i++) {                                                                        \
-        vf a = vload(acc + i * dv + x);                                                                    \
-        for (int64_t c = c0; c < c1; c++) a += vsplat(w[i * C + c]) * LOAD((const ELEMENT*)rows[c] + x);   \
-        vstore(acc + i * dv + x, a);                                                                       \
-      }                                                                                                    \
+    for (; x + PAKV_PV_VECS * PAKV_W <= dv; x += PAKV_PV_VECS * PAKV_W) PAKV_PV_SPAN(R, PAKV_PV_VECS, LOAD, ELEMENT) \
+    for (; x + 2 * PAKV_W <= dv; x += 2 * PAKV_W) PAKV_PV_SPAN(R, 2, LOAD, ELEMENT)                        \
+    for (; x + PAKV_W <= dv; x += PAKV_W) PAKV_PV_SPAN(R, 1, LOAD, ELEMENT)                                \
     for (; x < dv; x++) /* fp32 rows only: bf16 rows come in whole vectors */                              \
       for (int i = 0; i < R; i++) {                                                                        \
         float a = acc[i * dv + x];                                                                         \

@@ -368,16 +368,24 @@ int pakv_overlaps(const pakv_tensor* a, const pakv_tensor* b) {
   return a0 < b1 && b0 < a1 && strncmp(a->device, b->device, PAKV_DEVICE_LEN) == 0;
 }
 
+/* A present record's byte extent [first, end), computed once; 0 when it has none (absent, empty, or an
+ * extent past int64: such a record shares no bytes, as pakv_overlaps() says). */
+static int extent_of(const pakv_tensor* t, uintptr_t* first, uintptr_t* end) {
+  return t->present && pakv_byte_extent(t, pakv_element_size(t->elem_type), first, end);
+}
+
 /* Output t[which] overlaps none of the inputs t[0 .. inputs), except that it may be exactly input
- * `in_place` (the same buffer: an in-place update; -1: none may). */
+ * `in_place` (the same buffer: an in-place update; -1: none may). The rule of pakv_overlaps(), with the
+ * output's extent computed once rather than once per input. */
 int pakv_output_apart(const pakv_tensor* t, const char* const* names, int which, int inputs, int in_place,
                         pakv_err* err) {
+  uintptr_t a0, a1, b0, b1;
+  if (!extent_of(&t[which], &a0, &a1)) return 0;
   for (int in = 0; in < inputs; in++) {
-    if (!t[which].present || !pakv_overlaps(&t[which], &t[in])) continue;
+    if (!extent_of(&t[in], &b0, &b1) || !(a0 < b1 && b0 < a1) ||
+        strncmp(t[which].device, t[in].device, PAKV_DEVICE_LEN) != 0)
+      continue;
     if (in == in_place) {
-      uintptr_t a0 = 0, a1 = 0, b0 = 1, b1 = 1; /* pakv_overlaps() said both have extents */
-      pakv_byte_extent(&t[which], pakv_element_size(t[which].elem_type), &a0, &a1);
-      pakv_byte_extent(&t[in], pakv_element_size(t[in].elem_type), &b0, &b1);
       if (a0 == b0 && a1 == b1) continue; /* the input itself: updated in place */
       return pakv_fail(err, "%s overlaps %s but is not the same buffer: pass %s itself (in place) or a separate tensor",
                        names[which], names[in], names[in]);

@@ -32,6 +32,8 @@
 #define PAKV_FUSED_PARALLEL_MIN (1 << 16)
 /* The largest head size whose scratch (2 D + lanes floats) is computed without overflow. */
 #define PAKV_FUSED_MAX_SCRATCH_HEAD ((int64_t)1 << 40)
+/* Head sizes up to this take their prologue scratch (2 D + reduction_lanes(D) floats) on the stack. */
+#define PAKV_FUSED_STACK_HEAD 256
 /* Elements per part of a parallel prologue. */
 #define PAKV_FUSED_PART_ELEMENTS (1 << 14)
 
@@ -136,19 +138,36 @@ static double round_once(double hi, double lo, int bits, int min_step) {
   /* hi exactly halfway: the exact value is on lo's side of it. */
   if (m - r == 0.5 && lo > 0.0) r += 1.0;
   if (m - r == -0.5 && lo < 0.0) r -= 1.0;
+  if (r == 0.0) return hi < 0.0 ? -0.0 : 0.0; /* a value too small for T keeps its sign, as IEEE's rounding does */
   return r * power_of_two(step);
+}
+
+/* hi + lo (as round_once's) rounded once to fp32, the same value as round_once(hi, lo, 24, -149), in a few
+ * instructions: hi is first rounded to odd (when lo != 0 and hi's last bit is even, hi steps one double ulp
+ * toward lo: the exact sum lies strictly between hi and that neighbour), and a value rounded to odd with 53
+ * bits is rounded to nearest even with 24 (or fewer, subnormal) bits as the exact value is, since 53 >= 24 + 2
+ * (Boldo and Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+ * odd", IEEE TC 2008). */
+static inline float round_once_to_float(double hi, double lo) {
+  if (lo != 0.0 && hi - hi == 0.0) { /* inexact, hi finite (lo != 0 rules out hi == 0) */
+    uint64_t b;
+    memcpy(&b, &hi, sizeof(b));
+    if (!(b & 1u)) b += (lo > 0.0) == (hi > 0.0) ? 1 : (uint64_t)-1; /* one ulp away from / toward zero */
+    memcpy(&hi, &b, sizeof(b));
+  }
+  return (float)hi;
 }
 
 /* a c + t (a, c T values: the product is exact in double; t a T value) rounded once to T, as one
  * fused multiply-add in T's arithmetic. */
-static float fused_multiply_add(double a, double c, double t, int32_t type) {
+static inline float fused_multiply_add(double a, double c, double t, int32_t type) {
   double p = a * c, hi = p + t, back = hi - p;
   double lo = (p - (hi - back)) + (t - back); /* hi + lo == p + t exactly (two-sum) */
-  return type == ONNX_FLOAT16 ? (float)round_once(hi, lo, 11, -24) : (float)round_once(hi, lo, 24, -149);
+  return type == ONNX_FLOAT16 ? (float)round_once(hi, lo, 11, -24) : round_once_to_float(hi, lo);
 }
 
 /* One output channel of the rotation: a c + sign b s at T's operations (see the header). */
-static float rotate(float a, float b, float c, float s, float sign, int32_t type) {
+static inline float rotate(float a, float b, float c, float s, float sign, int32_t type) {
   if (type == ONNX_BFLOAT16) {
     float ac = round_to((float)((double)a * c), type);           /* T(a c) */
     float bs = round_to((float)((double)(sign * b) * s), type);  /* T(T(sign b) s): sign b is exact */
@@ -180,6 +199,22 @@ static float sum_of_squares(const float* x, int64_t d, float* lanes) {
   return lanes[0];
 }
 
+/* An fp32 head at src (D floats, any alignment) rotated at `position` into out: prepare_head's values for
+ * T = float32 without a norm weight (pairs as there; each channel fp32(a c + fp32(sign b s)), one rounding). */
+static void rotate_f32_head(const pakv_fused_plan* p, const float* src, int64_t position, float* out) {
+  memcpy(out, src, (size_t)p->head_dim * sizeof(float));
+  if (p->rotary_dim == 0) return;
+  const int64_t half = p->rotary_dim / 2, step = p->rotary_interleaved ? 2 : 1, apart = p->rotary_interleaved ? 1 : half;
+  const float *cos = (const float*)p->cos_cache + position * half, *sin = (const float*)p->sin_cache + position * half;
+  float* rotated = out + p->rotary_offset;
+  for (int64_t i = 0; i < half; i++) {
+    const int64_t first = i * step, second = first + apart;
+    const float a = rotated[first], b = rotated[second], c = cos[i], s = sin[i];
+    rotated[first] = fused_multiply_add(a, c, (float)((double)-b * s), ONNX_FLOAT);
+    rotated[second] = fused_multiply_add(b, c, (float)((double)a * s), ONNX_FLOAT);
+  }
+}
+
 /* The head at src (D elements of T) through the norm (weight may be NULL) and rotary at `position`,
  * into out (D floats, each a T value); `normed` is D floats and `lanes` reduction_lanes(D) floats of
  * scratch. */
@@ -187,6 +222,10 @@ static void prepare_head(const pakv_fused_plan* p, const void* src, const void* 
                          float* lanes, float* out) {
   const int64_t d = p->head_dim;
   const int32_t type = p->query_type;
+  if (type == ONNX_FLOAT && !weight) { /* fp32, no norm (a decoder's usual head): the same values, no conversions */
+    rotate_f32_head(p, (const float*)src, position, out);
+    return;
+  }
   for (int64_t c = 0; c < d; c++) normed[c] = element_at(src, c, type);
   if (weight) {
     float mean = sum_of_squares(normed, d, lanes) / (float)d;
@@ -261,7 +300,9 @@ static void run_part(void* data, size_t index) {
   prologue_run* run = (prologue_run*)data;
   const pakv_fused_plan* p = run->plan;
   int64_t t0 = (int64_t)index * run->tokens_per_part, t1 = t0 + run->tokens_per_part;
-  float* scratch = p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
+  float stack[2 * PAKV_FUSED_STACK_HEAD + PAKV_FUSED_STACK_HEAD]; /* lanes: reduction_lanes(<= 256) = 256 */
+  float* scratch = p->head_dim <= PAKV_FUSED_STACK_HEAD ? stack
+                   : p->head_dim <= PAKV_FUSED_MAX_SCRATCH_HEAD
                        ? (float*)malloc((size_t)(2 * p->head_dim + reduction_lanes(p->head_dim)) * sizeof(float))
                        : NULL; /* no memory holds such a head: out of memory, never an overflowing size */
   if (!scratch) {
@@ -269,7 +310,7 @@ static void run_part(void* data, size_t index) {
     return;
   }
   prologue_tokens(p, t0, t1 < p->num_tokens ? t1 : p->num_tokens, scratch);
-  free(scratch);
+  if (scratch != stack) free(scratch);
 }
 
 /* ------------------------------------------------------------------------------------------- */

@@ -166,6 +166,7 @@ typedef struct {
   int64_t cumsum;
   int ep, parallel_for;
   float scale; /* PagedAttention's */
+  pakv_ort_reader reader;
 } pakv_kernel;
 
 /* The alias route writes the pools in place, graph inputs included: a pool that is a constant of the model
@@ -214,6 +215,7 @@ OrtStatus* pakv_ort_kernel_create(const PakvOrtCustomOp* op, const OrtApi* api, 
   k->nz = nz;
   k->cumsum = cumsum;
   k->scale = scale;
+  k->reader = pakv_ort_reader_of(op, api);
   *out = k;
   return NULL;
 }
@@ -226,35 +228,54 @@ void pakv_ort_kernel_destroy(void* kernel) { free(kernel); }
 /* Input i as a record (absent beyond the node's input count or when ORT passes none). ORT tensors
  * are dense; on the CPU execution provider every input is host memory, on a device EP its memory
  * info says where it is. */
-int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const char* name, size_t count, size_t i,
+int pakv_ort_read_input(const pakv_ort_reader* r, OrtKernelContext* ctx, const char* name, size_t count, size_t i,
                         pakv_tensor* t, pakv_err* err) {
   memset(t, 0, sizeof(*t));
   if (i >= count) return 0;
   const OrtValue* v = NULL;
-  if (pakv_ort_take_status_of(api, PAKV_API(api, KernelContext_GetInput)(ctx, i, &v), err, "reading input", name)) return -1;
-  return v ? pakv_ort_value_record(api, v, ep, name, t, err) : 0;
+  if (pakv_ort_take_status_of(r->api, PAKV_API(r->api, KernelContext_GetInput)(ctx, i, &v), err, "reading input", name))
+    return -1;
+  return v ? pakv_ort_value_record(r, v, name, t, err) : 0;
 }
 
-int pakv_ort_value_record(const OrtApi* api, const OrtValue* v, int ep, const char* name, pakv_tensor* t, pakv_err* err) {
+/* A value's element type, rank and dims (up to PAKV_MAX_RANK of them: a rank past the record's is kept as a
+ * rank alone, and the validator refuses it by name). From API 24 one call that reads the value's own dims;
+ * before, ORT's five-call route through an OrtTensorTypeAndShapeInfo it allocates and frees. */
+static int value_shape(const pakv_ort_reader* r, const OrtValue* v, const char* name, int* type, size_t* nd,
+                       int64_t* dims, pakv_err* err) {
+  const OrtApi* api = r->api;
   const char* what = "reading input";
+  if (r->shape_reference) {
+    const int64_t* own = NULL;
+    OrtStatus* st = PAKV_API(api, GetTensorElementTypeAndShapeDataReference)(v, type, &own, nd);
+    if (pakv_ort_take_status_of(api, st, err, what, name)) return -1;
+    if (*nd > 0 && !own) return pakv_fail(err, "%s %s: ORT gave rank %zu and no dims", what, name, *nd);
+    for (size_t d = 0; d < *nd && d < PAKV_MAX_RANK; d++) dims[d] = own[d];
+    return 0;
+  }
   OrtTensorTypeAndShapeInfo* info = NULL;
   if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorTypeAndShape)(v, &info), err, what, name)) return -1;
+  int rc = pakv_ort_take_status_of(api, PAKV_API(api, GetTensorElementType)(info, type), err, what, name);
+  if (!rc) rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensionsCount)(info, nd), err, what, name);
+  if (!rc && *nd <= PAKV_MAX_RANK)
+    rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensions)(info, dims, *nd), err, what, name);
+  PAKV_API(api, ReleaseTensorTypeAndShapeInfo)(info);
+  return rc;
+}
+
+int pakv_ort_value_record(const pakv_ort_reader* r, const OrtValue* v, const char* name, pakv_tensor* t,
+                          pakv_err* err) {
   int type = 0;
   size_t nd = 0;
   int64_t dims[PAKV_MAX_RANK] = {0};
-  int rc = pakv_ort_take_status_of(api, PAKV_API(api, GetTensorElementType)(info, &type), err, what, name);
-  if (!rc) rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensionsCount)(info, &nd), err, what, name);
-  /* A rank past the record's is kept as a rank alone: the validator refuses it by name. */
-  if (!rc && nd <= PAKV_MAX_RANK)
-    rc = pakv_ort_take_status_of(api, PAKV_API(api, GetDimensions)(info, dims, nd), err, what, name);
-  PAKV_API(api, ReleaseTensorTypeAndShapeInfo)(info);
-  if (rc) return -1;
   void* data = NULL;
-  if (pakv_ort_take_status_of(api, PAKV_API(api, GetTensorMutableData)((OrtValue*)v, &data), err, what, name))
+  if (value_shape(r, v, name, &type, &nd, dims, err) ||
+      pakv_ort_take_status_of(r->api, PAKV_API(r->api, GetTensorMutableData)((OrtValue*)v, &data), err, "reading input",
+                              name))
     return -1;
-  pakv_dense_record(t, data, type, (int)nd, dims, "cpu");
+  pakv_dense_record(t, data, type, nd > INT32_MAX ? INT32_MAX : (int)nd, dims, "cpu");
   t->host_data = data;
-  return ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(api, ep, v, t, err);
+  return r->ep == PAKV_EP_CPU ? 0 : pakv_ep_locate(r->api, r->ep, v, t, err);
 }
 
 /* Output `index` of a kernel call, of `dims`: its buffer (an empty one: a byte never written), or NULL with err set. */
@@ -405,7 +426,7 @@ OrtStatus* pakv_ort_kernel_compute(void* kernel, OrtKernelContext* ctx) {
   if (!rc)
     rc = pakv_ort_take_status(api, PAKV_API_AS(api, KernelContext_GetInputCount, KernelContext_GetCount)(ctx, &count), &err,
                      "counting inputs");
-  for (size_t i = 0; !rc && i < PAKV_ORT_INPUT_COUNT[k->kind]; i++) rc = pakv_ort_read_input(api, ctx, k->ep, INPUT_NAMES[k->kind][i], count, i, &records[i], &err);
+  for (size_t i = 0; !rc && i < PAKV_ORT_INPUT_COUNT[k->kind]; i++) rc = pakv_ort_read_input(&k->reader, ctx, INPUT_NAMES[k->kind][i], count, i, &records[i], &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) rc = pakv_ep_stream(api, ctx, k->ep, &req->stream, &err);
   if (!rc && k->backend != PAKV_NATIVE_BACKEND) {
     memcpy(req->inputs, records, sizeof(req->inputs));

@@ -20,6 +20,7 @@ typedef struct {
   int parallel_for;     /* the runtime offers KernelContext_ParallelFor (API >= 17) */
   int query_dtype;      /* com.microsoft::PagedAttention: T (index into PAKV_CACHE_DTYPES); key_dtype is T_CACHE */
   int alias;            /* the write op declares its caches aliased to its outputs (opted in: pakv_ort_register.c) */
+  int shape_reference;  /* the runtime offers GetTensorElementTypeAndShapeDataReference (API >= 24) */
 } pakv_op;
 
 /* Inputs and outputs of each op kind (PAKV_OP_GATHER, PAKV_OP_SCATTER, PAKV_OP_ATTENTION). */
@@ -37,11 +38,22 @@ OrtStatus* pakv_ort_attribute_error(const OrtApi* api, const char* fmt, ...) __a
 /* 0, or -1 with err set to "what: ORT's message" (the status released). */
 int pakv_ort_take_status(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what);
 int pakv_ort_take_status_of(const OrtApi* api, OrtStatus* st, pakv_err* err, const char* what, const char* name);
+/* How a kernel reads ORT's values: its runtime, its EP, and whether that runtime gives a value's dims by
+ * reference (API >= 24: one call, nothing allocated). */
+typedef struct {
+  const OrtApi* api;
+  int ep;
+  int shape_reference;
+} pakv_ort_reader;
+static inline pakv_ort_reader pakv_ort_reader_of(const PakvOrtCustomOp* op, const OrtApi* api) {
+  pakv_ort_reader r = {api, ((const pakv_op*)op)->ep, ((const pakv_op*)op)->shape_reference};
+  return r;
+}
 /* Input i as a record (absent beyond the node's `count` inputs or when ORT passes none). */
-int pakv_ort_read_input(const OrtApi* api, OrtKernelContext* ctx, int ep, const char* name, size_t count, size_t i,
+int pakv_ort_read_input(const pakv_ort_reader* r, OrtKernelContext* ctx, const char* name, size_t count, size_t i,
                         pakv_tensor* t, pakv_err* err);
 /* An ORT tensor value as a record (the dense record of its type, dims and data; on a device EP, located). */
-int pakv_ort_value_record(const OrtApi* api, const OrtValue* v, int ep, const char* name, pakv_tensor* t, pakv_err* err);
+int pakv_ort_value_record(const pakv_ort_reader* r, const OrtValue* v, const char* name, pakv_tensor* t, pakv_err* err);
 /* int64 scratch of *len entries, or NULL with *len = -1 (the validator then says there is no room). */
 int64_t* pakv_ort_alloc_scratch(int64_t* len);
 /* The status of a failed call: "TypeError: ..." / "ValueError: ..." as the Python front raises it. */

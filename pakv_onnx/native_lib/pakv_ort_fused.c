@@ -21,6 +21,7 @@
 typedef struct {
   const OrtApi* api;
   int ep, parallel_for;
+  pakv_ort_reader reader;
   pakv_fused_attributes attributes;
   uint32_t constant;                        /* bit i: input i is an initializer, its record read once, here */
   pakv_tensor constants[PAKV_FUSED_INPUTS]; /* those records (an initializer's value lives as long as the session) */
@@ -116,7 +117,7 @@ static void read_constants(const OrtApi* api, const OrtKernelInfo* info, fused_k
       PAKV_API(api, ReleaseStatus)(st);
       continue;
     }
-    if (constant && value && !pakv_ort_value_record(api, value, k->ep, PAKV_FUSED_NAMES[i], &k->constants[i], &err))
+    if (constant && value && !pakv_ort_value_record(&k->reader, value, PAKV_FUSED_NAMES[i], &k->constants[i], &err))
       k->constant |= 1u << i;
   }
 }
@@ -142,6 +143,7 @@ OrtStatus* pakv_ort_fused_create(const PakvOrtCustomOp* op, const OrtApi* api, c
   k->ep = ((const pakv_op*)op)->ep;
   k->parallel_for = ((const pakv_op*)op)->parallel_for;
   k->attributes = a;
+  k->reader = pakv_ort_reader_of(op, api);
   read_constants(api, info, k);
   *out = k;
   return NULL;
@@ -244,7 +246,7 @@ OrtStatus* pakv_ort_fused_compute(void* kernel, OrtKernelContext* ctx) {
     if (i < count && (k->constant >> i & 1u))
       records[i] = k->constants[i];
     else
-      rc = pakv_ort_read_input(api, ctx, k->ep, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
+      rc = pakv_ort_read_input(&k->reader, ctx, PAKV_FUSED_NAMES[i], count, i, &records[i], &err);
   }
   if (!rc) rc = run_fused(k, ctx, records, &err);
   return rc ? pakv_ort_call_error(api, &err) : NULL;

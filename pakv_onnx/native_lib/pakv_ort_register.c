@@ -227,6 +227,7 @@ static void init_ops(pakv_op* ops, int backend, int api, int alias) {
     o->backend = backend;
     o->ep = ep;
     o->parallel_for = api >= PAKV_ORT_API_PARALLEL_FOR;
+    o->shape_reference = api >= PAKV_ORT_API_SHAPE_REFERENCE;
     if (n >= PAKV_NUM_PAKV_OPS) init_fused_op(o, n - PAKV_NUM_PAKV_OPS, api, alias);
   }
 }

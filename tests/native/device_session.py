@@ -1,7 +1,8 @@
 """The library's execution-provider entries driven through the fake ORT runtime (tests/fake_ort_api.py)
 and the fake accelerator driver (tests/native/fake_device_driver.c): no ONNX Runtime, no device.
 
-usage: python device_session.py <scenario> [<api version>]
+usage: python device_session.py <scenario> [<api version>]   (17 unless given; from 24 each input's dims are read
+    by reference, GetTensorElementTypeAndShapeDataReference, and the last line counts both routes)
     (PAKV_ONNX_CUDA_DRIVER / PAKV_ONNX_CANN_DRIVER point at the fake driver, FAKE_DRIVER too)
 
 Started by tests/test_device_entries.py, one process per scenario (the library keeps its first
@@ -491,3 +492,4 @@ def bridge() -> str:
 
 print("ok", SCENARIO, {"bridge": bridge, "entries": entries, "matrix": matrix, "errors": errors, "missing": missing,
                        "parallel": parallel, "scatter": scatter, "paths": paths}[SCENARIO](), flush=True)  # fmt: skip
+print("shape reads", runtime.shape_reads["reference"], "by reference,", runtime.shape_reads["info"], "by info")
