@@ -157,11 +157,14 @@ def paged_attention(
     window: int = -1,
     head_sink: np.ndarray | None = None,
     causal: bool = True,
+    round_dequantized=None,
 ) -> np.ndarray:
     """The plan's attention -> [N, Hq, Dv] float64 (rows of tokens no sequence owns stay 0).
 
     Query head h reads kv head h // (Hq // Hk) (GQA). LATENT: value_stored None, V = the key rows'
-    leading value_head_dim stored channels, dequantized with the value's quantization."""
+    leading value_head_dim stored channels, dequantized with the value's quantization.
+    ``round_dequantized`` (values -> values), where given, is applied to each quantized side's
+    dequantized elements (ORT's CUDA kernel rounds them to T: ort_attention_reference)."""
     n_tokens, heads, _ = query.shape
     kv_heads = key_stored.shape[2]
     group = heads // kv_heads
@@ -180,6 +183,9 @@ def paged_attention(
                     v_rows = np.stack([read_position(value_stored, block_table[b], p, g) for p in positions])
                 keys = dequantize(k_rows, key_quant, key_scale, g)
                 values = dequantize(v_rows, value_quant, value_scale, g)
+                if round_dequantized is not None:
+                    keys = keys if key_quant == NONE else round_dequantized(keys)
+                    values = values if value_quant == NONE else round_dequantized(values)
                 for h in range(g * group, (g + 1) * group):
                     sink = None if head_sink is None else float(head_sink[h])
                     out[start + j, h] = attend_row(query[start + j, h], keys, values, scale, softcap, sink)

@@ -237,8 +237,11 @@ def store(
         cache[slot // bs, slot % bs] = row
 
 
-def reference(call: Call) -> Result:
-    """The call's output (float64), its caches after the write, the prepared queries and the slots."""
+def reference(call: Call, dequantized_in_t: bool = False) -> Result:
+    """The call's output (float64), its caches after the write, the prepared queries and the slots.
+    ``dequantized_in_t``: each dequantized cache element (fp32 ``e * scale``) rounded to T before
+    attention, as ORT's CUDA kernel does (found on an H200, 2026-12-04: docs/ort-paged-attention.md
+    "Cache bytes"); the default keeps them exact, as this project's kernel does."""
     hq, hk = call.attr("num_heads", 0), call.attr("kv_num_heads", 0)
     latent = call.attr("kv_cache_layout", "SEPARATE") == "LATENT"
     packed = call.key is None and not latent
@@ -271,7 +274,7 @@ def reference(call: Call) -> Result:
         value_cache = call.value_cache.copy()
         store(value_cache, _heads(v_rows, hk, d), slots, call.v_scale, call.attr("v_quant_type", "NONE"), call)
 
-    output = attention(call, queries, key_cache, value_cache, cu, past, table, d, dv)
+    output = attention(call, queries, key_cache, value_cache, cu, past, table, d, dv, dequantized_in_t)
     return Result(output.reshape(n, hq * dv), key_cache, value_cache, queries, slots)
 
 
@@ -285,6 +288,7 @@ def attention(
     table: np.ndarray,
     d: int,
     dv: int,
+    dequantized_in_t: bool = False,
 ) -> np.ndarray:
     """The attention part, ORT's attributes mapped onto the attention core's reference
     (attention_reference.paged_attention): a local window of W positions ending at the token is
@@ -309,4 +313,6 @@ def attention(
         softcap=float(np.float32(call.attr("softcap", 0.0))), window=window - 1 if window > 0 else -1,
         head_sink=None if call.head_sink is None else call.head_sink.astype(np.float64),
         causal=bool(call.attr("is_causal", 1)),
+        round_dequantized=(lambda v: round_to(v.astype(np.float32), call.dtype).astype(np.float64))
+        if dequantized_in_t else None,
     )  # fmt: skip
