@@ -198,9 +198,10 @@ static int inline_copies(cuda_call* c, pakv_CUfunction function, size_t piece, s
   return rc == PAKV_CUDA_SUCCESS ? 0 : pakv_cuda_failed(c->d, c->err, c->op, "cuLaunchKernel (pakv_copy_runs_inline)", rc);
 }
 
-/* The list as kernel pieces {dst, src, bytes}, uploaded into stream-ordered memory, one launch, freed
- * in stream order. 1: the kernel path is unavailable (nothing queued); 0 done; -1 error. The host
- * array may be freed at once: an upload from pageable memory is staged before the call returns. */
+/* The list as kernel pieces {dst, src, bytes} in one launch: in its parameter when short, else uploaded
+ * into stream-ordered memory (the library's pool, else the device's current one) and freed in stream
+ * order. 1: the kernel path is unavailable (nothing queued); 0 done; -1 error. The host array may be
+ * freed at once: an upload from pageable memory is staged before the call returns. */
 static int kernel_copies(cuda_call* c, const loaded_kernel* kernel) {
   size_t piece = piece_bytes(c->list), pieces = count_pieces(c->list, piece);
   if (pieces <= PAKV_COPY_INLINE_RUNS) return inline_copies(c, kernel->inline_function, piece, pieces);
@@ -209,9 +210,9 @@ static int kernel_copies(cuda_call* c, const loaded_kernel* kernel) {
   fill_pieces(c->list, piece, host);
   pakv_CUdeviceptr runs = 0;
   size_t bytes = pieces * sizeof(*host);
-  pakv_CUresult taken = kernel->pool ? c->d->cu_alloc_from_pool(&runs, bytes, kernel->pool, c->stream)
-                                     : c->d->cu_alloc_async(&runs, bytes, c->stream);
-  if (taken != PAKV_CUDA_SUCCESS || !runs) {
+  if (!kernel->pool || c->d->cu_alloc_from_pool(&runs, bytes, kernel->pool, c->stream) != PAKV_CUDA_SUCCESS)
+    runs = 0;
+  if (!runs && (c->d->cu_alloc_async(&runs, bytes, c->stream) != PAKV_CUDA_SUCCESS || !runs)) {
     free(host);
     return 1; /* no stream-ordered memory here (a device without memory pools): the copies instead */
   }

@@ -42,14 +42,17 @@ def export_options() -> set[str]:
     return {word.strip(",[]") for word in text.getvalue().split() if word.startswith("--")}
 
 
-def missing_requirements() -> tuple[str | None, bool]:
-    """(why this part cannot run, or None; whether the export has the precision options)."""
-    options = export_options()
-    lacking = [o for o in ("--precision", "--execution-provider") if o not in options]
+def missing_requirements(exporting: bool = True) -> tuple[str | None, bool]:
+    """(why this part cannot run, or None; whether the export has the precision options). Without
+    ``exporting`` (the folders were exported elsewhere) only onnxruntime_genai is needed."""
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
         return "onnxruntime_genai is not installed (onnxruntime-genai-cuda on a GPU): exported decoders skipped", False
+    if not exporting:
+        return None, True
+    options = export_options()
+    lacking = [o for o in ("--precision", "--execution-provider") if o not in options]
     if lacking:
         return f"`pakv-onnx export` has no {' / '.join(lacking)} yet (issue 36 items 1-2): exported decoders skipped", False
     return None, True
@@ -148,25 +151,28 @@ def export_folders(quick: bool, out: Path) -> list[str]:
     """Every variant's CPU and CUDA folders exported into ``out`` (`gpu_check.py --export-decoders`):
     on a machine with the `hf` extra, for a GPU machine whose transformers is older than the
     package's (FACTS §14's image has 5.17; the extra asks >= 5.24). Returns the folder names."""
-    from pakv_onnx.models.hf import save_sample_folder
-
     names = []
     for arch, precision, kv in variants(quick, dry_run=False):
-        hf = out / f"hf-{arch}"
-        if not hf.exists():
-            save_sample_folder(hf, arch, 0)
         for provider in ("cpu", "cuda"):
             names.append(folder_name(arch, precision, kv, provider))
-            export(hf, out / names[-1], precision, provider, kv)
+            export(sample_folder(out, arch), out / names[-1], precision, provider, kv)
     return names
+
+
+def sample_folder(work: Path, arch: str) -> Path:
+    """The sample Hugging Face folder of ``arch`` under ``work``, saved on first use."""
+    hf = work / f"hf-{arch}"
+    if not hf.exists():
+        from pakv_onnx.models.hf import save_sample_folder
+
+        save_sample_folder(hf, arch, 0)
+    return hf
 
 
 def run_decoders(target, quick: bool, work: Path, exported: Path | None = None) -> dict:
     """Each variant: og.Engine on the CUDA folder (CUDA EP) against the CPU folder (plugin). The
     folders come from ``exported`` (made by ``export_folders``) when given, else are exported here."""
-    reason, has_options = missing_requirements()
-    if exported is not None and reason and "onnxruntime_genai" not in reason:
-        reason, has_options = None, True  # the folders were exported elsewhere: only og is needed here
+    reason, has_options = missing_requirements(exporting=exported is None)
     if reason and not (target.dry_run and has_options is False and "no --precision" in reason):
         return {"skipped": reason, "rows": []}
 
@@ -206,12 +212,7 @@ def folder_for(target, work: Path, exported: Path | None, arch: str, precision: 
         return exported / name
     if provider == "cuda" and target.dry_run:
         return None
-    hf = work / f"hf-{arch}"
-    if not hf.exists():
-        from pakv_onnx.models.hf import save_sample_folder
-
-        save_sample_folder(hf, arch, 0)
-    export(hf, work / name, precision, provider, kv, has_options or provider == "cuda")
+    export(sample_folder(work, arch), work / name, precision, provider, kv, has_options or provider == "cuda")
     return work / name
 
 

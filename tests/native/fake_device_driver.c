@@ -213,9 +213,10 @@ static int live_index(uintptr_t p, size_t bytes) {
   return -1;
 }
 
-EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream) {
+/* A live allocation (*ptr 0 when the table is full), counted under `which` too where it is >= 0 (the pool's). */
+static pakv_CUresult take(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream, int which) {
   pthread_mutex_lock(&g_lock);
-  if (*ptr == (pakv_CUdeviceptr)-1) g_counts[F_POOL_ALLOC]++, *ptr = 0; /* from cuMemAllocFromPoolAsync */
+  if (which >= 0) g_counts[which]++;
   int slot = -1;
   for (int i = 0; i < MAX_LIVE && slot < 0; i++)
     if (!g_live[i]) slot = i;
@@ -229,6 +230,10 @@ EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_C
   pthread_mutex_unlock(&g_lock);
   *ptr = (pakv_CUdeviceptr)(uintptr_t)p;
   return p ? PAKV_CUDA_SUCCESS : 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+}
+
+EXPORT pakv_CUresult cuMemAllocAsync(pakv_CUdeviceptr* ptr, size_t bytes, pakv_CUstream stream) {
+  return take(ptr, bytes, stream, -1);
 }
 
 /* A pool of the one fake device: made with CUmemPoolProps as cuda.h lays it out (pinned, on device 0,
@@ -263,8 +268,7 @@ EXPORT pakv_CUresult cuMemAllocFromPoolAsync(pakv_CUdeviceptr* ptr, size_t bytes
     add(F_MISUSE, 1);
     return PAKV_CUDA_ERROR_INVALID_VALUE;
   }
-  *ptr = (pakv_CUdeviceptr)-1; /* counted as a pool allocation, then made like any other */
-  return cuMemAllocAsync(ptr, bytes, stream);
+  return take(ptr, bytes, stream, F_POOL_ALLOC);
 }
 #endif
 
