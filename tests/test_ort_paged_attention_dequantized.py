@@ -22,6 +22,7 @@ import pytest
 from ort_attention_cases import random_ort_call, rounded
 from ort_attention_reference import reference
 from test_ort_paged_attention import TOLERANCE, run_plugin
+from test_ort_paged_attention_front import front
 
 PHASES = {"decode": ((40, 1), (17, 1), (5, 1), (63, 1)), "prefill": ((0, 12), (20, 6), (9, 3))}
 LAYOUTS = {
@@ -56,10 +57,20 @@ def test_quantized_caches_read_in_orts_arithmetic(index: int) -> None:
     assert outside(got, orts, dtype) <= 0, f"{outside(got, orts, dtype):.3g} past the tolerance"
 
 
+@pytest.mark.parametrize("index", range(len(SWEEP)), ids=lambda i: "-".join(SWEEP[i]))
+def test_the_golden_backend_reads_them_alike(index: int) -> None:
+    """pakv_onnx.ort_paged_attention(backend="golden") (float64 attention over the same T-rounded
+    elements): within the tolerance of ORT's arithmetic, where the exact elements are not."""
+    call = sweep_call(index)
+    got = front(call.clone(), "golden").float().numpy()
+    orts = rounded(reference(call.numpy_call(), dequantized_in_t=True).output, call.dtype)
+    assert outside(got, orts, call.dtype) <= 0, f"{outside(got, orts, call.dtype):.3g} past the tolerance"
+
+
 def test_the_8_float_walk_reads_them_alike() -> None:
     env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float and not golden"],
         capture_output=True, text=True, env=env, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
