@@ -40,9 +40,9 @@ HOT const float* row_at(const char* at, int64_t dim, int64_t padded, int32_t typ
   return into;
 }
 
-/* How the walk dequantizes one side's staged rows of kv head g (pakv_rounds_dequantized): `type` 0
- * leaves them as stored (their scale applied apart), else each element becomes fp32 e x scale (per
- * tensor, or channel c's of the head: channel[c]) rounded to `type`. */
+/* How the walk stages one side's rows of kv head g (pakv_rounds_dequantized): `type` 0 as stored (their
+ * scale applied apart), else each element as fp32 e x scale (per tensor, or channel c's of the head:
+ * channel[c]) rounded to `type`. */
 typedef struct {
   int32_t type;
   float tensor;
@@ -58,17 +58,20 @@ HOT row_scaling scaling_of(const pakv_attention_plan* p, int32_t quant, const fl
   return r;
 }
 
-/* A staged row of `dim` stored elements (widened, unscaled) dequantized in place as `r` says. */
-HOT void dequantize_row(float* row, int64_t dim, row_scaling r) {
+/* `rows` staged rows of `dim` stored elements (widened, unscaled), `stride` floats apart, dequantized in
+ * place as `r` says: fp32 e x scale rounded to r.type. */
+HOT void dequantize_rows(float* row, int64_t rows, int64_t dim, int64_t stride, row_scaling r) {
   const int bf16 = r.type == ONNX_BFLOAT16;
-  int64_t e = 0;
-  for (; e + PAKV_W <= dim; e += PAKV_W) {
-    const vf x = vload(row + e) * (r.channel ? vload(r.channel + e) : vsplat(r.tensor));
-    vstore(row + e, bf16 ? vround_bf16(x) : vround_f16(x));
-  }
-  for (; e < dim; e++) {
-    const float x = row[e] * (r.channel ? r.channel[e] : r.tensor);
-    row[e] = bf16 ? bf16_to_float(float_to_bf16(x)) : f16_to_float(float_to_f16(x));
+  for (int64_t i = 0; i < rows; i++, row += stride) {
+    int64_t e = 0;
+    for (; e + PAKV_W <= dim; e += PAKV_W) {
+      const vf x = vload(row + e) * (r.channel ? vload(r.channel + e) : vsplat(r.tensor));
+      vstore(row + e, bf16 ? vround_bf16(x) : vround_f16(x));
+    }
+    for (; e < dim; e++) {
+      const float x = row[e] * (r.channel ? r.channel[e] : r.tensor);
+      row[e] = bf16 ? bf16_to_float(float_to_bf16(x)) : f16_to_float(float_to_f16(x));
+    }
   }
 }
 
@@ -113,11 +116,12 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
     for (int64_t r = 0; r < run; r++, pos++, k += p->key_row_stride, v += p->value_row_stride) {
       const int64_t i = pos - c0;
       key_rows[i] = row_at(k, d, dp, p->key_type, kkind, s->key_rows + i * dp);
-      if (key_scaling.type) dequantize_row(s->key_rows + i * dp, d, key_scaling);
       s->value_rows[i] = shared ? key_rows[i] : row_at(v, s->dv, s->dv, p->value_type, vkind, s->values + i * s->dv);
-      if (!shared && value_scaling.type) dequantize_row(s->values + i * s->dv, s->dv, value_scaling);
     }
   }
+  /* Quantized rows (always staged) dequantized after the chunk's reads: its loads stay in flight together. */
+  if (key_scaling.type) dequantize_rows(s->key_rows, n, d, dp, key_scaling);
+  if (!shared && value_scaling.type) dequantize_rows(s->values, n, s->dv, s->dv, value_scaling);
   for (int64_t i = n; i < ncp; i++) key_rows[i] = s->key_rows + C * dp; /* the zero row (zero in bf16 too) */
   for (int64_t c = 0; c < ncp && transpose; c += PAKV_W)
     for (int64_t e = 0; e < d; e += PAKV_W) {

@@ -1,8 +1,12 @@
 /* The attention walk's vector rounding to float16 / bfloat16 (pakv_vec.h: vround_f16, vround_bf16, as the
  * walk dequantizes ORT's way) against the scalar conversions of pakv_float.h (the cache write's, torch's
  * round to nearest even): the same bits for every non-NaN float, NaN for NaN. Compiled by
- * tests/test_vector_rounding.py at each walk width (-DPAKV_W=8 / 16). */
+ * tests/test_vector_rounding.py at each walk width (-DPAKV_W=8 / 16), 16 also for AVX-512 as the
+ * 16-float walk is. */
 #include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h> /* -march=x86-64-v4: float16's rounding by the conversion instructions */
+#endif
 
 #include "pakv_float.h"
 #include "pakv_vec.h"
