@@ -4,10 +4,11 @@
  * width the CPU runs best: pakv_attention_walk.h), and finishes each row. No ORT, no Python, no libm.
  *
  * The scores' scale and a key scale are folded into the query ((q x s) . k), a value scale into the
- * finished row (unless the walk rounds the dequantized elements: pakv_rounds_dequantized). A row's state is the online softmax's (running max, running sum, fp32 accumulator);
- * a part over a share of a long context leaves it for pakv_attention_merge. The sink joins at the
- * end as one more logit without value: NaN or +inf poisons the row, -inf is no sink, and a finite
- * sink with every score -inf gives the row 0 (its own weight is the whole denominator). */
+ * finished row (unless the walk dequantizes that side itself: pakv_rounds_dequantized). A row's state
+ * is the online softmax's (running max, running sum, fp32 accumulator); a part over a share of a
+ * long context leaves it for pakv_attention_merge. The sink joins at the end as one more logit
+ * without value: NaN or +inf poisons the row, -inf is no sink, and a finite sink with every score
+ * -inf gives the row 0 (its own weight is the whole denominator). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>

@@ -43,11 +43,7 @@ HOT const float* row_at(const char* at, int64_t dim, int64_t padded, int32_t typ
 /* How the walk stages one side's rows of kv head g (pakv_rounds_dequantized): `type` 0 as stored (their
  * scale applied apart), else each element as fp32 e x scale (per tensor, or channel c's of the head:
  * channel[c]) rounded to `type`. */
-typedef struct {
-  int32_t type;
-  float tensor;
-  const float* channel;
-} row_scaling;
+typedef struct { int32_t type; float tensor; const float* channel; } row_scaling;
 
 HOT row_scaling scaling_of(const pakv_attention_plan* p, int32_t quant, const float* scale, int64_t dim, int64_t g) {
   row_scaling r = {0, 1.0f, NULL};
@@ -78,9 +74,9 @@ HOT void dequantize_rows(float* row, int64_t rows, int64_t dim, int64_t stride, 
 /* V rows are K rows' leading channels (LATENT), read through the K rows: same cache, type and strides,
  * and, when the walk dequantizes, the same scales for those channels. */
 HOT int values_are_keys(const pakv_attention_plan* p) {
+  const int same_channels = p->key_quant != PAKV_QUANT_PER_CHANNEL || p->num_kv_heads == 1 || p->value_head_dim == p->head_dim;
   const int same_scaling = !p->dequantized_type ||
-                           (p->value_quant == p->key_quant && p->value_scale == p->key_scale &&
-                            (p->key_quant != PAKV_QUANT_PER_CHANNEL || p->num_kv_heads == 1 || p->value_head_dim == p->head_dim));
+                           (p->value_quant == p->key_quant && p->value_scale == p->key_scale && same_channels);
   return p->value_cache == p->key_cache && p->value_type == p->key_type && p->value_head_dim <= p->head_dim &&
          p->value_block_stride == p->key_block_stride && p->value_row_stride == p->key_row_stride &&
          p->value_head_stride == p->key_head_stride && same_scaling;
