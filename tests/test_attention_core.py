@@ -22,15 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 from attention_reference import NONE, PER_CHANNEL, PER_TENSOR, decode_float8_e4m3fn, paged_attention, stored_float64
+from conftest import rerun_with_the_8_float_walk
 
 from pakv_onnx import native_lib
 
@@ -428,12 +426,7 @@ def test_threads_split_the_work_and_give_the_same_bytes(options) -> None:
 def test_the_8_float_walk_matches_the_reference_too() -> None:
     # The core runs the widest walk the CPU has (16 floats with AVX-512); the 8-float one (AVX2 and
     # the baseline) is the same source at another width: this file again with it forced.
-    env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rerun_with_the_8_float_walk(__file__, "8_float")
 
 
 def test_thread_counts_out_of_range_are_refused() -> None:

@@ -13,12 +13,10 @@ before) lies outside that tolerance, so each would fail without the rounding.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
+from conftest import rerun_with_the_8_float_walk
 from ort_attention_cases import random_ort_call, rounded
 from ort_attention_reference import reference
 from test_ort_paged_attention import TOLERANCE, run_plugin
@@ -68,9 +66,4 @@ def test_the_golden_backend_reads_them_alike(index: int) -> None:
 
 
 def test_the_8_float_walk_reads_them_alike() -> None:
-    env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float and not golden"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rerun_with_the_8_float_walk(__file__, "8_float or golden")
