@@ -101,6 +101,46 @@ def write_genai_paged_fp16(hf: Path, out: Path, block_size: int, num_blocks: int
     return out
 
 
+def without_attention(folder: Path, out: Path) -> Path:
+    """``folder``'s model with each attention node (``com.microsoft`` PagedAttention or GroupQueryAttention)
+    replaced by next to nothing: its output the first ``num_heads x head_size`` columns of its packed query
+    (a ``Slice``), its cache outputs its cache inputs (``Identity``: the hosts bind both to one buffer, so
+    nothing is copied). A step of this twin takes the model's time less its attention calls (tokens mean
+    nothing), so the difference is what those calls cost as the model runs them, other nodes evicting
+    caches between them: what a one-node session of the op cannot show. Weights are hard-linked, not copied."""
+    import os
+    import shutil
+
+    import onnx
+    from onnx import helper, numpy_helper
+
+    out.mkdir(parents=True, exist_ok=True)
+    for item in folder.iterdir():
+        if item.name != "model.onnx" and not (out / item.name).exists():
+            try:
+                os.link(item, out / item.name)  # ORT refuses external data outside the model's folder: no symlink
+            except OSError:
+                shutil.copy2(item, out / item.name)
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    head_size = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]["head_size"]
+    graph, nodes = model.graph, []
+    for node in graph.node:
+        if node.domain != "com.microsoft" or node.op_type not in ("PagedAttention", "GroupQueryAttention"):
+            nodes.append(node)
+            continue
+        heads = next(a.i for a in node.attribute if a.name == "num_heads")
+        columns = [numpy_helper.from_array(np.array([v], np.int64), f"{node.name}/bare/{k}")
+                   for k, v in (("start", 0), ("end", heads * head_size), ("axis", -1))]  # fmt: skip
+        graph.initializer.extend(columns)
+        nodes.append(helper.make_node("Slice", [node.input[0], *(c.name for c in columns)], [node.output[0]]))
+        nodes += [helper.make_node("Identity", [cache], [present])
+                  for cache, present in zip(node.input[3:5], node.output[1:3]) if present]  # fmt: skip
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(out / "model.onnx"))
+    return out
+
+
 def og_model(folder: Path, *, threads: int = 1, profile_prefix: str | None = None):
     """``og.Model`` of ``folder`` with ``threads`` intra-op threads, no EOS (``eos_token_id: []``:
     every sequence runs its full length, as transformers' reference does with EOS off) and, for a
@@ -211,6 +251,7 @@ class _PlainRun:
     OrtValue each), ``logits`` bound first, an IOBinding built per step as a host does."""
 
     def __init__(self, folder: Path, threads: int, plugin: bool) -> None:
+        self.folder = folder
         self.session = plain_session(folder / "model.onnx", threads, plugin)
         self.config = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
         self.pools: dict[str, object] = {}

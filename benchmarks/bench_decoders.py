@@ -21,6 +21,11 @@ under one host. Parts:
   precision  the exported model in fp16 and bf16 (``--precision``) against fp32 on the CPU (plain host with
            the plugin): decode ms per step (the kv rows) and prefill (the prefill rows), greedy-token
            agreement with fp32
+  calls    what one attention call costs inside each graph's decode step, per layer: the step's time less
+           the step time of its twin without attention (``_genai.without_attention``: each attention node
+           a Slice of its query), the fused op's against GroupQueryAttention's, the four graphs alternating
+           round by round (plain host). One-node sessions of the op (benchmarks/bench_attention.py) keep
+           its code and data in caches the model's other nodes evict: this is the call as the model pays it
   fp16     (informational) GenAI's own paged fp16 model (builder -e cuda, made CPU-ready by
            ``pakv-onnx genai-cpu``) under og.Engine beside ours (fp32) under og.Engine: decode and prefill
 Variants alternate round by round. ``--clock thread`` (the default for 1-thread rows) times the calling
@@ -28,7 +33,7 @@ thread's CPU time (every host runs the model on the calling thread at 1 thread),
 load drops out; 2-thread rows are wall time. Tokens: every variant's must be equal, and equal to
 transformers' greedy decoding for B = 1 rows. Prints Markdown tables of ratios.
 
-    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv,precision,fp16] [--threads 1,2]
+    python benchmarks/bench_decoders.py [--sizes tiny,mid] [--parts decode,prefill,kv,precision,calls,fp16] [--threads 1,2]
                                         [--steps 16] [--rounds 3] [--clock auto|wall|thread]
 """
 
@@ -36,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import statistics
 import tempfile
@@ -170,6 +176,8 @@ def bench_size(size: str, parts: list[str], threads_list: list[int], steps: int,
                 rows += bench_kv(size, folders, threads, clock, clock_label, steps, rounds, vocab)
             if "precision" in parts:
                 rows += bench_precision(size, folders, threads, clock, clock_label, steps, rounds, vocab)
+            if "calls" in parts:
+                rows += bench_calls(size, folders, threads, clock, clock_label, steps, rounds, vocab)
             del hosts, variants
             gc.collect()
         if "kv" in parts:
@@ -222,6 +230,29 @@ def bench_kv(size, folders, threads, clock, clock_label, steps, rounds, vocab) -
         rows.append(("kv", size, threads, clock_label, f"B={batch} C={context}", result))
         print(f"  .. {size} t={threads} kv B={batch} C={context}: " +
               ", ".join(f"{n} {v[1] * 1e3:.3f}" for n, v in result.items()), flush=True)  # fmt: skip
+    return rows
+
+
+def bench_calls(size, folders, threads, clock, clock_label, steps, rounds, vocab) -> list:
+    """Per decode row, us per layer that the attention call costs inside each graph's step: the median over
+    rounds of (step - the attention-free twin's step) / layers, the fused op's and GroupQueryAttention's."""
+    runs = {"paged": _genai.PagedRun(folders.paged, threads), "dense": _genai.DenseRun(folders.dense, threads)}
+    for name, run in list(runs.items()):
+        bare = _genai.without_attention(run.folder, run.folder.parent / f"{run.folder.name}-no-attention")
+        runs[f"{name} bare"] = type(run)(bare, threads)
+    layers = json.loads((folders.paged / "genai_config.json").read_text())["model"]["decoder"]["num_hidden_layers"]
+    rows = []
+    for batch, context in DECODE_ROWS[size]:
+        prompts = prompts_for(batch, context, vocab, 5 + batch * 1000 + context)
+        per_call: dict[str, list[float]] = {"paged": [], "dense": []}
+        for _ in range(rounds):
+            step = {name: statistics.median(run.run(prompts, steps, clock)[1]) for name, run in runs.items()}
+            for name in per_call:
+                per_call[name].append((step[name] - step[f"{name} bare"]) / layers)
+        result = {name: statistics.median(t) for name, t in per_call.items()}
+        rows.append(("calls", size, threads, clock_label, f"B={batch} C={context}", result))
+        print(f"  .. {size} t={threads} calls B={batch} C={context}: fused {result['paged'] * 1e6:.1f} us, "
+              f"GQA {result['dense'] * 1e6:.1f} us per layer", flush=True)  # fmt: skip
     return rows
 
 
@@ -307,6 +338,14 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
             f, h, b = (r[k][0] * 1e3 for k in ("fp32", "fp16", "bf16"))
             print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {h:.3f} | {h / f:.2f} | {b:.3f} | {b / f:.2f} | "
                   f"{r['fp16'][1]:.0%}, {r['bf16'][1]:.0%} |")  # fmt: skip
+    calls = [r for r in rows if r[0] == "calls"]
+    if calls:
+        print("\n### The attention call inside the step, us per layer (step less its attention-free twin's)\n")
+        print("| size | threads (clock) | row | fused PagedAttention | GroupQueryAttention | **fused / GQA** |")
+        print("|---|---|---|---:|---:|---:|")
+        for _, size, threads, clock, row, r in calls:
+            fused, gqa = r["paged"] * 1e6, r["dense"] * 1e6
+            print(f"| {size} | {threads} ({clock}) | {row} | {fused:.1f} | {gqa:.1f} | **{fused / gqa:.2f}** |")
     fp16 = [r for r in rows if r[0] == "fp16"]
     if fp16:
         print("\n### (Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
@@ -328,7 +367,7 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="tiny,mid")
-    parser.add_argument("--parts", default="decode,prefill,kv,precision,fp16")
+    parser.add_argument("--parts", default="decode,prefill,kv,precision,calls,fp16")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--steps", type=int, default=16, help="timed decode steps per round")
     parser.add_argument("--rounds", type=int, default=3)
