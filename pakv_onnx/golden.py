@@ -237,7 +237,8 @@ def ort_attention_golden(plan: plans.OrtAttentionPlan, tensors: plans.OrtAttenti
 
     Per token t of sequence b (position p = past + j): its q and k heads normalized and rotated
     (:func:`_prepare_heads`), its k / v rows stored at ``plan.slots[t]`` (quantized for int8 / float8
-    caches); then per query head h (kv head h // (Hq / Hk)) the scores ``scale x q . k`` (softcap
+    caches); each cache element read back as its value (int8 / float8: ``e x scale``, for T float16 /
+    bfloat16 computed in fp32 and rounded to T, as ORT's CUDA kernel does); then per query head h (kv head h // (Hq / Hk)) the scores ``scale x q . k`` (softcap
     ``c tanh(s / c)``) over positions ``max(0, p - window) ..`` p (or the whole context when not
     causal), softmax in float64 with the sink logit in the denominator, the weighted values (LATENT:
     the keys' leading Dv channels) rounded once to T.
@@ -267,7 +268,11 @@ def ort_attention_golden(plan: plans.OrtAttentionPlan, tensors: plans.OrtAttenti
 
     def values_of(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         factor = _scales(scale, hk, d)
-        return cache.double() if factor is None else cache.double() * factor.double()
+        if factor is None:
+            return cache.double()
+        if plan.dtype in (torch.float16, torch.bfloat16):  # ORT's CUDA kernel: fp32 e x scale, rounded to T
+            return (cache.float() * factor.float()).to(plan.dtype).double()
+        return cache.double() * factor.double()
 
     key_values = values_of(tensors.key_cache, plan.key_scale)
     value_values = key_values[..., :dv] if plan.latent else values_of(tensors.value_cache, plan.value_scale)

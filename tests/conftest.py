@@ -118,6 +118,17 @@ def run_python(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
+def rerun_with_the_8_float_walk(test_file: str, deselect: str) -> None:
+    """``test_file``'s tests, but those ``-k`` ``deselect`` names, in a fresh pytest with
+    PAKV_ONNX_ATTENTION_WIDTH=8 (the attention core picks its walk once per process): all must pass."""
+    env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", f"not ({deselect})"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
 def _as_pair(outputs: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(outputs, Mapping):
         return tuple(outputs[name] for name in OUTPUT_NAMES)  # type: ignore[return-value]

@@ -13,21 +13,22 @@ Tolerances on ``|got - want| <= atol + rtol * |want|`` (NaN where the reference 
   and the core folds the same scales into the query and the output.
 - float16 / bfloat16 output: the reference rounded once to the output dtype, then one unit in the
   last place (the core rounds its fp32 result once: the two can differ by one rounding step).
+
+A plan's ``dequantized_type`` (float16 / bfloat16: each quantized element fp32 e x scale rounded to it,
+ORT's CUDA arithmetic) is compared with the reference rounding the same elements (``round_dequantized``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 from attention_reference import NONE, PER_CHANNEL, PER_TENSOR, decode_float8_e4m3fn, paged_attention, stored_float64
+from conftest import rerun_with_the_8_float_walk
 
 from pakv_onnx import native_lib
 
@@ -62,6 +63,7 @@ class CoreCase:
     window: int = -1
     head_sink: torch.Tensor | None = None  # [Hq] float32
     causal: bool = True
+    dequantized: torch.dtype | None = None  # the plan's dequantized_type: None (exact), float16 or bfloat16
     keep: list = field(default_factory=list)
 
     def summary(self) -> str:
@@ -70,7 +72,8 @@ class CoreCase:
             f"v {None if self.value_cache is None else self.value_cache.dtype}/{self.value_quant} out {self.out_dtype} "
             f"heads {self.query.shape[1]}/{self.key_cache.shape[2]} D {self.query.shape[2]}/{self.value_head_dim} "
             f"bs {self.key_cache.shape[1]} softcap {self.softcap} window {self.window} "
-            f"sink {self.head_sink is not None} causal {self.causal} new {self.query_counts.tolist()} "
+            f"sink {self.head_sink is not None} causal {self.causal} dequantized {self.dequantized} "
+            f"new {self.query_counts.tolist()} "
             f"ctx {self.context_lens.tolist()}"
         )
 
@@ -110,6 +113,7 @@ def make_plan(case: CoreCase, out: torch.Tensor) -> native_lib.AttentionPlan:
     p.context_lens = case.context_lens.data_ptr()
     p.scale, p.softcap, p.window = case.scale, case.softcap, case.window
     p.head_sink = _pointer(case.head_sink)
+    p.dequantized_type = 0 if case.dequantized is None else ONNX_TYPE[case.dequantized]
     return p
 
 
@@ -127,6 +131,9 @@ def run_core(case: CoreCase, plan_edit=None, threads: int = 1) -> torch.Tensor:
 def reference(case: CoreCase) -> np.ndarray:
     def scale(t):
         return None if t is None else t.double().numpy()
+
+    def round_dequantized(values: np.ndarray) -> np.ndarray:  # fp32 e x scale (exact in fp64), rounded to the type
+        return torch.from_numpy(values).float().to(case.dequantized).double().numpy()
 
     return paged_attention(
         stored_float64(case.query),
@@ -146,6 +153,7 @@ def reference(case: CoreCase) -> np.ndarray:
         window=case.window,
         head_sink=scale(case.head_sink),
         causal=case.causal,
+        round_dequantized=None if case.dequantized is None else round_dequantized,
     )
 
 
@@ -212,6 +220,7 @@ def make_case(
     causal=True,
     table_dtype=torch.int32,
     scale=None,
+    dequantized=None,
 ) -> CoreCase:
     """A random attention: sequences as (past, new) pairs (decode rows have new 1, prefill more, a
     sequence with new 0 reads nothing), scattered over a shuffled pool whose slots no query sees are
@@ -270,6 +279,7 @@ def make_case(
         window=window,
         head_sink=(torch.randn(hq, generator=gen) * 2).float() if sink else None,
         causal=causal,
+        dequantized=dequantized,
     )
 
 
@@ -308,6 +318,36 @@ def test_latent_reads_values_from_the_key_rows(kind) -> None:
     # One cache, one kv head; V = the leading channels of each key row (its own value scale).
     value = (kind[0], PER_CHANNEL if kind[1] == PER_TENSOR else kind[1])
     case = make_case(7, heads=(8, 1), head_dim=48, value_head_dim=32, key=kind, value=value, latent=True, scale=0.11)
+    assert_matches_reference(case)
+
+
+DEQUANTIZED = [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dequantized", DEQUANTIZED, ids=lambda t: str(t)[6:])
+@pytest.mark.parametrize("value", CACHE_KINDS[2:], ids=lambda k: f"v-{str(k[0])[6:]}-{k[1]}")
+@pytest.mark.parametrize("key", CACHE_KINDS[2:], ids=lambda k: f"k-{str(k[0])[6:]}-{k[1]}")
+def test_dequantized_elements_rounded_to_the_plans_type(key, value, dequantized) -> None:
+    # Each quantized side's elements rounded to float16 / bfloat16 after the scale (a float side is
+    # read as is): the reference rounding the same elements, prefill and decode rows, a head_dim that
+    # is no multiple of a vector (the scalar tail), GQA.
+    seed = 100 + CACHE_KINDS.index(key) * len(CACHE_KINDS) + CACHE_KINDS.index(value)
+    case = make_case(seed, key=key, value=value, head_dim=40, value_head_dim=24, query_dtype=dequantized,
+                     dequantized=dequantized)  # fmt: skip
+    assert_matches_reference(case)
+
+
+@pytest.mark.parametrize("dequantized", DEQUANTIZED, ids=lambda t: str(t)[6:])
+@pytest.mark.parametrize("kind", CACHE_KINDS[3:], ids=lambda k: f"{str(k[0])[6:]}-{k[1]}")
+@pytest.mark.parametrize("value_scaling", ["the key's", "its own"])
+def test_latent_values_dequantized_with_their_scales(kind, value_scaling, dequantized) -> None:
+    # LATENT with the key's scales (V read through the rounded K rows: ORT's LATENT) or its own
+    # (V's rows dequantized apart from K's).
+    value = kind if value_scaling == "the key's" else (kind[0], PER_CHANNEL if kind[1] == PER_TENSOR else PER_TENSOR)
+    case = make_case(9, heads=(8, 1), head_dim=48, value_head_dim=32, key=kind, value=value, latent=True, scale=0.11,
+                     sequences=((5, 3), (40, 1), (0, 20)), dequantized=dequantized)  # fmt: skip
+    if value_scaling == "the key's":
+        case.value_scale = case.key_scale  # one kv head: channel c's scale is the key's channel c
     assert_matches_reference(case)
 
 
@@ -386,12 +426,7 @@ def test_threads_split_the_work_and_give_the_same_bytes(options) -> None:
 def test_the_8_float_walk_matches_the_reference_too() -> None:
     # The core runs the widest walk the CPU has (16 floats with AVX-512); the 8-float one (AVX2 and
     # the baseline) is the same source at another width: this file again with it forced.
-    env = dict(os.environ, PAKV_ONNX_ATTENTION_WIDTH="8")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not 8_float"],
-        capture_output=True, text=True, env=env, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    rerun_with_the_8_float_walk(__file__, "8_float")
 
 
 def test_thread_counts_out_of_range_are_refused() -> None:
@@ -542,6 +577,8 @@ def _set(**fields):
         (dict(causal=2), ValueError, r"causal must be 0 or 1, got 2"),
         (dict(struct_size=8), ValueError, r"ABI mismatch"),
         (dict(num_kv_heads=3), ValueError, r"sizes out of range"),
+        (dict(dequantized_type=1), TypeError, r"dequantized_type 1: 0 .*, float16 \(10\) or bfloat16 \(16\)"),
+        (dict(dequantized_type=3), TypeError, r"dequantized_type 3"),
     ],
 )
 def test_malformed_plans_are_refused(fields, error, match) -> None:

@@ -9,7 +9,7 @@ import ctypes
 import re
 import struct
 
-ABI_VERSION = 6  # PAKV_ABI_VERSION in pakv_core.h
+ABI_VERSION = 7  # PAKV_ABI_VERSION in pakv_core.h
 MAX_RANK = 8  # PAKV_MAX_RANK in pakv_contract.h
 DEVICE_LEN = 24  # PAKV_DEVICE_LEN in pakv_contract.h
 ERROR_LEN = 1024  # PAKV_ERR_LEN in pakv_core.h
@@ -164,6 +164,7 @@ AttentionPlan pakv_attention_plan
     f32 scale softcap
     i64 window
     ptr head_sink
+    i32 dequantized_type reserved
 AttentionCall pakv_attention_call
     # ``pakv_attention_call`` (pakv_contract.h): one attention validation handed over in one piece.
     AttentionPlan plan

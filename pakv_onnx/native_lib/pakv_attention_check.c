@@ -58,6 +58,11 @@ static int check_types(const pakv_attention_plan* p, pakv_err* err) {
     key_channels = -1;
   if (p->num_kv_heads >= 0 && p->value_head_dim >= 0 && pakv_mul(p->num_kv_heads, p->value_head_dim, &value_channels))
     value_channels = -1;
+  if (p->dequantized_type != 0 && p->dequantized_type != ONNX_FLOAT16 && p->dequantized_type != ONNX_BFLOAT16)
+    return pakv_fail_type(err,
+                          "attention plan: dequantized_type %d: 0 (dequantized elements exact), float16 (10) or "
+                          "bfloat16 (16)",
+                          p->dequantized_type);
   return check_cache_type("key_cache", p->key_type, p->key_quant, p->key_scale, key_channels, err) ||
          check_cache_type("value_cache", p->value_type, p->value_quant, p->value_scale, value_channels, err);
 }

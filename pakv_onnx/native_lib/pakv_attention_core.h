@@ -23,6 +23,13 @@ static inline void pakv_visible(const pakv_attention_plan* p, int64_t b, int64_t
   *lo = p->window >= 0 && position > p->window ? position - p->window : 0;
 }
 
+/* 1 when the walk dequantizes a side of quantization `quant` itself, each element rounded to the
+ * plan's dequantized_type (ORT's CUDA arithmetic): its scale is then folded neither into the queries
+ * (K) nor into the finished rows (V). */
+static inline int pakv_rounds_dequantized(const pakv_attention_plan* p, int32_t quant) {
+  return p->dequantized_type != 0 && quant != PAKV_QUANT_NONE;
+}
+
 /* Key positions per online-softmax step of a part (a chunk: its K rows, transposed, and V rows stay
  * in L1/L2 while the part's queries read them). A multiple of every walk's column block. */
 #define PAKV_ATTN_CHUNK 64

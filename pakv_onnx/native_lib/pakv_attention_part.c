@@ -4,10 +4,11 @@
  * width the CPU runs best: pakv_attention_walk.h), and finishes each row. No ORT, no Python, no libm.
  *
  * The scores' scale and a key scale are folded into the query ((q x s) . k), a value scale into the
- * finished row. A row's state is the online softmax's (running max, running sum, fp32 accumulator);
- * a part over a share of a long context leaves it for pakv_attention_merge. The sink joins at the
- * end as one more logit without value: NaN or +inf poisons the row, -inf is no sink, and a finite
- * sink with every score -inf gives the row 0 (its own weight is the whole denominator). */
+ * finished row (unless the walk dequantizes that side itself: pakv_rounds_dequantized). A row's state
+ * is the online softmax's (running max, running sum, fp32 accumulator); a part over a share of a
+ * long context leaves it for pakv_attention_merge. The sink joins at the end as one more logit
+ * without value: NaN or +inf poisons the row, -inf is no sink, and a finite sink with every score
+ * -inf gives the row 0 (its own weight is the whole denominator). */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,12 +66,14 @@ static void lay_out(const pakv_attention_plan* p, const pakv_attention_part* par
 }
 
 /* The part's query rows (kv head, token, head of the group), widened, times the scores' scale and
- * the key scale (per tensor, or per channel of the row's kv head); states empty. */
+ * the key scale (per tensor, or per channel of the row's kv head; none when the walk dequantizes K
+ * itself); states empty. */
 static void load_queries(const pakv_attention_plan* p, const pakv_attention_part* part, pakv_part_state* s) {
+  const int32_t folded = pakv_rounds_dequantized(p, p->key_quant) ? PAKV_QUANT_NONE : p->key_quant;
   float* row = s->queries;
   for (int64_t g = part->kv_begin; g < part->kv_end; g++) {
-    const float* channel = p->key_quant == PAKV_QUANT_PER_CHANNEL ? p->key_scale + g * s->d : NULL;
-    const float factor = p->scale * (p->key_quant == PAKV_QUANT_PER_TENSOR ? p->key_scale[0] : 1.0f);
+    const float* channel = folded == PAKV_QUANT_PER_CHANNEL ? p->key_scale + g * s->d : NULL;
+    const float factor = p->scale * (folded == PAKV_QUANT_PER_TENSOR ? p->key_scale[0] : 1.0f);
     for (int64_t j = part->token_begin; j < part->token_end; j++)
       for (int64_t i = 0; i < s->group; i++, row += s->d) {
         const int64_t token = p->query_starts[part->seq] + j, head = g * s->group + i;
@@ -87,10 +90,12 @@ static void load_queries(const pakv_attention_plan* p, const pakv_attention_part
 }
 
 /* A finished row: the state merged with the head's sink (a logit without value), divided by its
- * sum, times the value scale, written as out_type; NaN when poisoned or when nothing had weight. */
+ * sum, times the value scale (none when the walk dequantizes V itself), written as out_type; NaN when
+ * poisoned or when nothing had weight. */
 static void finish_row(const pakv_attention_plan* p, int64_t token, int64_t head, int64_t kv_head, float max, float sum,
                        float* acc) {
   const int64_t dv = p->value_head_dim;
+  const int32_t folded = pakv_rounds_dequantized(p, p->value_quant) ? PAKV_QUANT_NONE : p->value_quant;
   if (p->head_sink) {
     const float sink = p->head_sink[head];
     if (!(sink < PAKV_INF)) {
@@ -111,8 +116,8 @@ static void finish_row(const pakv_attention_plan* p, int64_t token, int64_t head
     for (int64_t c = 0; c < dv; c++) acc[c] = PAKV_NAN;
   } else {
     const float inverse = 1.0f / sum;
-    const float factor = p->value_quant == PAKV_QUANT_PER_TENSOR ? inverse * p->value_scale[0] : inverse;
-    if (p->value_quant == PAKV_QUANT_PER_CHANNEL) {
+    const float factor = folded == PAKV_QUANT_PER_TENSOR ? inverse * p->value_scale[0] : inverse;
+    if (folded == PAKV_QUANT_PER_CHANNEL) {
       const float* channel = p->value_scale + kv_head * dv;
       for (int64_t c = 0; c < dv; c++) acc[c] *= factor * channel[c];
     } else {

@@ -40,10 +40,46 @@ HOT const float* row_at(const char* at, int64_t dim, int64_t padded, int32_t typ
   return into;
 }
 
+/* How the walk stages one side's rows of kv head g (pakv_rounds_dequantized): `type` 0 as stored (their
+ * scale applied apart), else each element as fp32 e x scale (per tensor, or channel c's of the head:
+ * channel[c]) rounded to `type`. */
+typedef struct { int32_t type; float tensor; const float* channel; } row_scaling;
+
+HOT row_scaling scaling_of(const pakv_attention_plan* p, int32_t quant, const float* scale, int64_t dim, int64_t g) {
+  row_scaling r = {0, 1.0f, NULL};
+  if (!pakv_rounds_dequantized(p, quant)) return r;
+  r.type = p->dequantized_type;
+  if (quant == PAKV_QUANT_PER_CHANNEL) r.channel = scale + g * dim;
+  else r.tensor = scale[0];
+  return r;
+}
+
+/* `rows` staged rows of `dim` stored elements (widened, unscaled), `stride` floats apart, dequantized in
+ * place as `r` says: fp32 e x scale rounded to r.type. */
+HOT void dequantize_rows(float* row, int64_t rows, int64_t dim, int64_t stride, row_scaling r) {
+  const int bf16 = r.type == ONNX_BFLOAT16;
+  for (int64_t i = 0; i < rows; i++, row += stride) {
+    int64_t e = 0;
+    for (; e + PAKV_W <= dim; e += PAKV_W) {
+      const vf x = vload(row + e) * (r.channel ? vload(r.channel + e) : vsplat(r.tensor));
+      vstore(row + e, bf16 ? vround_bf16(x) : vround_f16(x));
+    }
+    for (; e < dim; e++) {
+      const float x = row[e] * (r.channel ? r.channel[e] : r.tensor);
+      row[e] = bf16 ? bf16_to_float(float_to_bf16(x)) : f16_to_float(float_to_f16(x));
+    }
+  }
+}
+
+/* V rows are K rows' leading channels (LATENT), read through the K rows: same cache, type and strides,
+ * and, when the walk dequantizes, the same scales for those channels. */
 HOT int values_are_keys(const pakv_attention_plan* p) {
+  const int same_channels = p->key_quant != PAKV_QUANT_PER_CHANNEL || p->num_kv_heads == 1 || p->value_head_dim == p->head_dim;
+  const int same_scaling = !p->dequantized_type ||
+                           (p->value_quant == p->key_quant && p->value_scale == p->key_scale && same_channels);
   return p->value_cache == p->key_cache && p->value_type == p->key_type && p->value_head_dim <= p->head_dim &&
          p->value_block_stride == p->key_block_stride && p->value_row_stride == p->key_row_stride &&
-         p->value_head_stride == p->key_head_stride;
+         p->value_head_stride == p->key_head_stride && same_scaling;
 }
 
 /* The kinds of a plan's K rows, and of its V rows when K rows are read as `kread` (LATENT shares the
@@ -56,11 +92,15 @@ HOT int value_kind(const pakv_attention_plan* p, int kread) {
 
 /* kv head g's rows of positions [c0, c0 + n): K rows into key_rows [C + PAKV_W] (rows n .. the next
  * multiple of PAKV_W point at zeros) and, with `transpose`, transposed into keys_t; V rows into
- * value_rows (bfloat16 ones in place, as value_kind says). Returns 1 on a block id outside the pool. */
+ * value_rows (bfloat16 ones in place, as value_kind says). Rows of a quantized cache are always
+ * staged, and dequantized there when the plan asks (scaling_of). Returns 1 on a block id outside the
+ * pool. */
 HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, int64_t g, int64_t c0, int64_t n,
                    int kkind, int vkind, int transpose, const float** key_rows) {
   const int64_t bs = p->block_size, d = s->d, dp = s->dp, ncp = (n + PAKV_W - 1) / PAKV_W * PAKV_W;
   const int shared = values_are_keys(p) && vkind != ROWS_STAGED;
+  const row_scaling key_scaling = scaling_of(p, p->key_quant, p->key_scale, d, g);
+  const row_scaling value_scaling = scaling_of(p, p->value_quant, p->value_scale, s->dv, g);
   for (int64_t pos = c0, end = c0 + n; pos < end;) {
     const int64_t slot = pos % bs, run = bs - slot < end - pos ? bs - slot : end - pos;
     const int64_t block = pakv_table_entry(p, b, pos / bs);
@@ -75,6 +115,9 @@ HOT int load_chunk(const pakv_attention_plan* p, pakv_part_state* s, int64_t b, 
       s->value_rows[i] = shared ? key_rows[i] : row_at(v, s->dv, s->dv, p->value_type, vkind, s->values + i * s->dv);
     }
   }
+  /* Quantized rows (always staged) dequantized after the chunk's reads: its loads stay in flight together. */
+  if (key_scaling.type) dequantize_rows(s->key_rows, n, d, dp, key_scaling);
+  if (!shared && value_scaling.type) dequantize_rows(s->values, n, s->dv, s->dv, value_scaling);
   for (int64_t i = n; i < ncp; i++) key_rows[i] = s->key_rows + C * dp; /* the zero row (zero in bf16 too) */
   for (int64_t c = 0; c < ncp && transpose; c += PAKV_W)
     for (int64_t e = 0; e < d; e += PAKV_W) {

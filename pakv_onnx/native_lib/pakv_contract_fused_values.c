@@ -199,6 +199,9 @@ static void fill_attention(const pakv_tensor* t, const pakv_fused_attributes* a,
   at->softcap = a->softcap;
   at->window = a->local_window_size > 0 ? a->local_window_size - 1 : -1;
   at->head_sink = sink;
+  /* ORT's CUDA kernel rounds each dequantized cache element to T before attention (float16 / bfloat16;
+   * docs/ort-paged-attention.md, "Cache bytes"); float32 keeps them exact. */
+  at->dequantized_type = p->query_type == ONNX_FLOAT16 || p->query_type == ONNX_BFLOAT16 ? p->query_type : 0;
 }
 
 /* query's, key's and value's token strides in bytes fit int64 (a one-token view may carry any stride). */

@@ -25,7 +25,7 @@
 #define PAKV_EXPORT
 #endif
 
-#define PAKV_ABI_VERSION 6
+#define PAKV_ABI_VERSION 7
 #define PAKV_ERR_LEN 1024
 #define PAKV_NZ_FRACTAL_BYTES 32
 #define PAKV_LAYOUT_NORM 0
@@ -125,7 +125,13 @@ typedef struct pakv_scatter_plan {
  * are never read (nor their block-table entries: a window leaves the columns before the first new
  * token's window unread); a -inf score weighs exactly 0 and its value row is not multiplied in; a
  * NaN or +inf score, or sink, makes the row NaN; a row whose every score is -inf is NaN, or 0 when
- * a finite sink gives the denominator (a -inf sink is no sink). */
+ * a finite sink gives the denominator (a -inf sink is no sink).
+ *
+ * Dequantized elements: with dequantized_type 0 a quantized element's value e x scale is exact (the
+ * scales are folded into the query and the finished row). With dequantized_type float16 or bfloat16
+ * each element of a quantized cache is first dequantized as fp32 e x scale and rounded to that type
+ * (nearest even), as ORT's CUDA com.microsoft::PagedAttention does for T float16 / bfloat16 (its
+ * validator sets it so: pakv_contract_fused_values.c); float caches are unaffected. */
 typedef struct pakv_attention_plan {
   uint32_t abi_version; /* PAKV_ABI_VERSION */
   uint32_t struct_size; /* sizeof(pakv_attention_plan) */
@@ -170,6 +176,8 @@ typedef struct pakv_attention_plan {
   float softcap;               /* > 0: scores capped by softcap * tanh(s / softcap); 0: off */
   int64_t window;              /* >= 0: position p sees positions >= p - window only; -1: off */
   const float* head_sink;      /* [num_heads] fp32 logits with no value, or NULL */
+  int32_t dequantized_type;    /* 0, or 10 float16 / 16 bfloat16: see "Dequantized elements" above */
+  int32_t reserved;            /* 0 */
 } pakv_attention_plan;
 
 /* Checked int64 arithmetic: 0 on success, -1 on overflow (then *out is unspecified). */

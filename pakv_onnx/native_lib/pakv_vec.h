@@ -46,6 +46,37 @@ PAKV_VINLINE vf vsplat(float x) { return x - (vf){0}; }
 
 PAKV_VINLINE vf vselect(vi mask, vf yes, vf no) { return (vf)((mask & (vi)yes) | (~mask & (vi)no)); }
 
+/* fp32 lanes rounded to the nearest float16 / bfloat16 (ties to even), kept as fp32: the bits of
+ * f16_to_float(float_to_f16(x)) / bf16_to_float(float_to_bf16(x)) (pakv_float.h) for every non-NaN x,
+ * overflow to +-inf included; a NaN stays a NaN (tests/test_vector_rounding.py). float16 with AVX-512:
+ * the conversion instructions there and back (round to nearest even by their immediate, whatever
+ * MXCSR's rounding mode; a third of the integer steps' time in a quantized decode). Elsewhere integer
+ * steps on the bits (no rounding-mode or denormal-mode dependence but the fp32 add of float16's
+ * subnormal range, which rounds to nearest even as every fp32 operation here does); unsigned lanes: a
+ * carry never overflows a signed int. */
+typedef uint32_t vu __attribute__((vector_size(PAKV_W * 4)));
+PAKV_VINLINE vf vround_f16(vf x) {
+#if PAKV_W == 16 && defined(__AVX512F__)
+  return (vf)_mm512_cvtph_ps(_mm512_cvtps_ph((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  const vu bits = (vu)x, magnitude = bits & 0x7FFFFFFFu;
+  /* Normal halves: the 13 dropped mantissa bits rounded to even (a carry into the exponent is right);
+   * 65520 and above round to 2^16, past the largest half: infinity. */
+  const vu normal = (magnitude + 0xFFFu + ((magnitude >> 13) & 1u)) & ~0x1FFFu;
+  vf rounded = vselect((vi)(normal >= 0x47800000u), vsplat(__builtin_inff()), (vf)normal);
+  /* Below 2^-14 (the smallest normal half): multiples of 2^-24, by adding 0.5 (whose ulp is 2^-24) and
+   * taking it away again (exact). */
+  rounded = vselect((vi)(magnitude < 0x38800000u), ((vf)magnitude + vsplat(0.5f)) - vsplat(0.5f), rounded);
+  return vselect((vi)(magnitude > 0x7F800000u), x, (vf)((vu)rounded | (bits & 0x80000000u)));
+#endif
+}
+
+PAKV_VINLINE vf vround_bf16(vf x) {
+  const vu bits = (vu)x;
+  const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & ~0xFFFFu;
+  return vselect((vi)((bits & 0x7FFFFFFFu) > 0x7F800000u), x, (vf)rounded);
+}
+
 /* The high half of a vector onto its low half, op'd: log2(PAKV_W) steps to one lane. */
 #if PAKV_W == 16
 #define PAKV_FOLD(v, op)                                                                                   \

@@ -7,7 +7,8 @@ undefined behaviour aborts the process, so exit 0 means clean.
 Covers what pakv::PagedAttention's ORT session cannot reach: N random plans over every feature of
 pakv_attention_plan (query / output / cache types apart, int8 and float8e4m3fn caches with per-tensor
 or per-channel scales, LATENT, softcap, window, sinks, causal 0, GQA, ragged prefill and decode rows,
-block sizes, strided pools with gaps), each on the calling thread and on the library's threads (bitwise
+block sizes, strided pools with gaps, dequantized elements exact or rounded to float16 / bfloat16
+as ORT's CUDA kernel rounds them: dequantized_type), each on the calling thread and on the library's threads (bitwise
 equal), checked against tests/attention_reference.py; slots no query sees hold NaN and table entries no
 query reads hold garbage; non-finite scores; and malformed plans, refused. Every array is numpy,
 read in place: a read past a pool, the query, a scale or the sinks is reported.
@@ -122,7 +123,7 @@ def random_case():
         lengths=lengths.astype(np.int64), key_scale=scales(key, d), value_scale=scales(value, dv),
         scale=float(rng.choice([1 / np.sqrt(d), 0.37, -0.8])), softcap=float(rng.choice([0.0, 0.0, 2.0])),
         window=window, sink=(rng.standard_normal(hk * group) * 2).astype(np.float32) if rng.random() < 0.4 else None,
-        causal=int(rng.random() < 0.7),
+        causal=int(rng.random() < 0.7), dequantized_type=int(rng.choice([0, F16, BF16])),
     )  # fmt: skip
 
 
@@ -147,6 +148,7 @@ def plan_of(case, out):
         table_col_stride=t.strides[1], query_starts=case["starts"].ctypes.data,
         query_counts=case["counts"].ctypes.data, context_lens=case["lengths"].ctypes.data, scale=case["scale"],
         softcap=case["softcap"], window=case["window"], head_sink=address(case["sink"]),
+        dequantized_type=case["dequantized_type"],
     )  # fmt: skip
 
 
@@ -165,7 +167,15 @@ def run(case, threads=0, **changes):
     return (out if kind == 0 else None), kind, error.value.decode()
 
 
+def round_to(values, onnx_type):
+    """fp64 values through fp32, rounded to float16 / bfloat16 (nearest even), as fp64."""
+    if onnx_type == F16:
+        return values.astype(np.float32).astype(np.float16).astype(np.float64)
+    return decode(encode(values, BF16), BF16)
+
+
 def reference(case):
+    dequantized = case["dequantized_type"]
     return paged_attention(
         decode(case["query"], case["query_type"]), decode(case["key_pool"], case["key"][0]),
         None if case["value_pool"] is None else decode(case["value_pool"], case["value"][0]), case["table"],
@@ -173,6 +183,7 @@ def reference(case):
         value_head_dim=case["dv"], key_quant=case["key"][1], key_scale=case["key_scale"],
         value_quant=case["value"][1], value_scale=case["value_scale"], softcap=float(np.float32(case["softcap"])),
         window=case["window"], head_sink=case["sink"], causal=bool(case["causal"]),
+        round_dequantized=(lambda v: round_to(v, dequantized)) if dequantized else None,
     )  # fmt: skip
 
 
@@ -203,7 +214,7 @@ def malformed_plans():
                           (dict(value_type=FP8, value_quant=2, value_scale=None), 1), (dict(softcap=-1.0), 1),
                           (dict(window=-5), 1), (dict(causal=3), 1), (dict(scale=float("nan")), 1),
                           (dict(num_kv_heads=0), 1), (dict(key_block_stride=-4), 1), (dict(num_tokens=2**62), 1),
-                          (dict(table_cols=0), 1), (dict(block_size=0), 1)]:  # fmt: skip
+                          (dict(table_cols=0), 1), (dict(block_size=0), 1), (dict(dequantized_type=I8), 2)]:  # fmt: skip
         out, got, message = run(case, **changes)
         assert out is None and got == kind, (changes, got, message)
 
