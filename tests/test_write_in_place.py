@@ -396,6 +396,43 @@ def test_a_decode_steps_two_probes_need_no_pipe(tmp_path) -> None:
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout and "OK" in result.stdout
 
 
+SPREAD_PROBE = """
+import mmap, sys, numpy as np, torch, warnings
+warnings.simplefilter("ignore")
+import pakv_onnx
+page = mmap.PAGESIZE
+# One block a page: slots 1 and 14 (blocks 0 and 3) on two pages of each cache, four probes in all.
+np.zeros((4, page // 4), np.float32).tofile(sys.argv[1])
+read_only = torch.from_numpy(np.memmap(sys.argv[1], dtype=np.float32, mode="r", shape=(4, page // 4)))
+writable = torch.zeros(4, page // 4)
+pools = [p[:, :64].view(4, 4, 2, 8) for p in (read_only, writable)]
+key = torch.ones(2, 2, 8)
+try:
+    pakv_onnx.scatter_pa_kv_cache(key, key, *pools, torch.tensor([1, 14]))
+    print("WROTE")
+except ValueError as exc:
+    print("REFUSED", exc)
+assert not np.asarray(read_only).any() and not writable.any()
+print("OK")
+"""
+
+
+def test_more_than_two_probes_without_a_pipe_ask_futex_one_by_one(tmp_path) -> None:
+    """Four probes where the probe's pipe cannot be made (a process out of descriptors): each byte asked by
+    futex(2) in turn, the read-only key cache refused by name, nothing written. Before, the probe could not
+    tell and the write went ahead: SIGSEGV (seen as a flaky crash of the two-probe test above whenever the
+    value pool's zeros happened to straddle a page: a third probe)."""
+    shim, source = tmp_path / "shim.so", tmp_path / "shim.c"
+    source.write_text(NO_PIPE)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
+    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", SPREAD_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
+                            timeout=120, env=env)  # fmt: skip
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-1500:]}"
+    assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout, result.stdout
+    assert "OK" in result.stdout
+
+
 def test_more_than_two_probes_go_through_the_pipe_and_keep_every_value() -> None:
     """Four probes (each cache's first and last written byte on different pages) take the pipe's two calls:
     a value cache whose last written page is read-only is refused by name, nothing written, every byte of
