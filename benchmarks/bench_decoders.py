@@ -312,6 +312,41 @@ def _print_variants_table(rows: list, title: str, label: str, which: int, digits
               f"{d:.{digits}f} | {p:.{digits}f} | **{p / d:.2f}** |")  # fmt: skip
 
 
+def _print_part(rows: list, part: str, title: str, columns: str, cells) -> None:
+    """One Markdown table of ``part``'s rows: size, threads (clock), row, then ``columns`` filled by ``cells(row,
+    result)`` (strings)."""
+    chosen = [r for r in rows if r[0] == part]
+    if not chosen:
+        return
+    print(f"\n### {title}\n")
+    print(f"| size | threads (clock) | row | {columns} |")
+    print("|---|---|---|" + "---:|" * len(columns.split(" | ")))
+    for _, size, threads, clock, row, result in chosen:
+        print(f"| {size} | {threads} ({clock}) | {row} | " + " | ".join(cells(row, result)) + " |")
+
+
+def _kv_cells(row: str, r: dict) -> list[str]:
+    f, i, e = (r[k][1] * 1e3 for k in ("fp32", "int8", "fp8"))
+    return [f"{f:.3f}", f"{i:.3f}", f"{i / f:.2f}", f"{e:.3f}", f"{e / f:.2f}",
+            *(f"{r[k][0]:.0f}" for k in ("fp32", "int8", "fp8"))]  # fmt: skip
+
+
+def _precision_cells(row: str, r: dict) -> list[str]:
+    f, h, b = (r[k][0] * 1e3 for k in ("fp32", "fp16", "bf16"))
+    return [f"{f:.3f}", f"{h:.3f}", f"{h / f:.2f}", f"{b:.3f}", f"{b / f:.2f}", f"{r['fp16'][1]:.0%}, {r['bf16'][1]:.0%}"]
+
+
+def _calls_cells(row: str, r: dict) -> list[str]:
+    fused, gqa = r["paged"] * 1e6, r["dense"] * 1e6
+    return [f"{fused:.1f}", f"{gqa:.1f}", f"**{fused / gqa:.2f}**"]
+
+
+def _fp16_cells(row: str, r: dict) -> list[str]:
+    k = 0 if row.startswith("prefill") else 1
+    ours, theirs = r["engine"][k] * 1e3, r["genai fp16"][k] * 1e3
+    return [f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}", f"{r['agreement'][0]:.0%}"]
+
+
 def print_tables(rows: list, load: tuple[float, float]) -> None:
     print(f"\nload average (1 min) {load[0]:.1f} at the start, {load[1]:.1f} at the end")
     for part, title, label, which, digits in (
@@ -319,44 +354,14 @@ def print_tables(rows: list, load: tuple[float, float]) -> None:
         ("prefill", "Prefill: time to the first token, ms (one prompt)", "prompt", 0, 1),
     ):
         _print_variants_table([r for r in rows if r[0] == part], title, label, which, digits)
-    kv = [r for r in rows if r[0] == "kv"]
-    if kv:
-        print("\n### Quantized KV cache: decode ms per step (paged run), pool bytes per token per layer\n")
-        print("| size | threads (clock) | row | fp32 ms | int8 ms | int8 / fp32 | fp8 ms | fp8 / fp32 | "
-              "bytes/token fp32 | int8 | fp8 |")  # fmt: skip
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for _, size, threads, clock, row, r in kv:
-            f, i, e = (r[k][1] * 1e3 for k in ("fp32", "int8", "fp8"))
-            print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {i:.3f} | {i / f:.2f} | {e:.3f} | {e / f:.2f} | "
-                  f"{r['fp32'][0]:.0f} | {r['int8'][0]:.0f} | {r['fp8'][0]:.0f} |")  # fmt: skip
-    precision = [r for r in rows if r[0] == "precision"]
-    if precision:
-        print("\n### Precision on the CPU: decode ms per step / time to the first token ms (plain host, plugin)\n")
-        print("| size | threads (clock) | row | fp32 | fp16 | fp16 / fp32 | bf16 | bf16 / fp32 | tokens = fp32 fp16, bf16 |")
-        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-        for _, size, threads, clock, row, r in precision:
-            f, h, b = (r[k][0] * 1e3 for k in ("fp32", "fp16", "bf16"))
-            print(f"| {size} | {threads} ({clock}) | {row} | {f:.3f} | {h:.3f} | {h / f:.2f} | {b:.3f} | {b / f:.2f} | "
-                  f"{r['fp16'][1]:.0%}, {r['bf16'][1]:.0%} |")  # fmt: skip
-    calls = [r for r in rows if r[0] == "calls"]
-    if calls:
-        print("\n### The attention call inside the step, us per layer (step less its attention-free twin's)\n")
-        print("| size | threads (clock) | row | fused PagedAttention | GroupQueryAttention | **fused / GQA** |")
-        print("|---|---|---|---:|---:|---:|")
-        for _, size, threads, clock, row, r in calls:
-            fused, gqa = r["paged"] * 1e6, r["dense"] * 1e6
-            print(f"| {size} | {threads} ({clock}) | {row} | {fused:.1f} | {gqa:.1f} | **{fused / gqa:.2f}** |")
-    fp16 = [r for r in rows if r[0] == "fp16"]
-    if fp16:
-        print("\n### (Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
-              "(fp32)\n")  # fmt: skip
-        print("| size | threads (clock) | row | ours fp32 ms | GenAI fp16 ms | fp16 / ours | fp16 tokens = fp32 |")
-        print("|---|---|---|---:|---:|---:|---:|")
-        for _, size, threads, clock, row, r in fp16:
-            k = 0 if row.startswith("prefill") else 1
-            ours, theirs = r["engine"][k] * 1e3, r["genai fp16"][k] * 1e3
-            print(f"| {size} | {threads} ({clock}) | {row} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} | "
-                  f"{r['agreement'][0]:.0%} |")  # fmt: skip
+    _print_part(rows, "kv", "Quantized KV cache: decode ms per step (paged run), pool bytes per token per layer",
+                "fp32 ms | int8 ms | int8 / fp32 | fp8 ms | fp8 / fp32 | bytes/token fp32 | int8 | fp8", _kv_cells)
+    _print_part(rows, "precision", "Precision on the CPU: decode ms per step / time to the first token ms (plain host, "
+                "plugin)", "fp32 | fp16 | fp16 / fp32 | bf16 | bf16 / fp32 | tokens = fp32 fp16, bf16", _precision_cells)
+    _print_part(rows, "calls", "The attention call inside the step, us per layer (step less its attention-free twin's)",
+                "fused PagedAttention | GroupQueryAttention | **fused / GQA**", _calls_cells)
+    _print_part(rows, "fp16", "(Informational) GenAI's own paged fp16 model on the CPU (og.Engine, the plugin) vs ours "
+                "(fp32)", "ours fp32 ms | GenAI fp16 ms | fp16 / ours | fp16 tokens = fp32", _fp16_cells)
     for _, size, _, _, _, r in (x for x in rows if x[0] == "agreement"):
         print(f"\nGreedy agreement with fp32 pools ({size}: {AGREE_PROMPTS} prompts of {AGREE_LENGTH} random tokens, "
               f"{AGREE_TOKENS} tokens each): " + "; ".join(

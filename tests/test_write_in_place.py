@@ -357,15 +357,15 @@ print("OK")
 """
 
 
-def _pipe_probe_with_shim(tmp_path, shim_source: str) -> subprocess.CompletedProcess:
-    """PIPE_PROBE in a fresh process with ``shim_source`` (C) compiled and LD_PRELOADed."""
+def _pipe_probe_with_shim(tmp_path, shim_source: str, script: str = PIPE_PROBE) -> subprocess.CompletedProcess:
+    """``script`` (PIPE_PROBE) in a fresh process with ``shim_source`` (C) compiled and LD_PRELOADed."""
     shim, source = tmp_path / "shim.so", tmp_path / "shim.c"
     source.write_text(shim_source)
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
     env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", PIPE_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "pool")], capture_output=True, text=True,
                             timeout=120, env=env)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-1500:]
+    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-1500:]}"
     return result
 
 
@@ -422,13 +422,7 @@ def test_more_than_two_probes_without_a_pipe_ask_futex_one_by_one(tmp_path) -> N
     futex(2) in turn, the read-only key cache refused by name, nothing written. Before, the probe could not
     tell and the write went ahead: SIGSEGV (seen as a flaky crash of the two-probe test above whenever the
     value pool's zeros happened to straddle a page: a third probe)."""
-    shim, source = tmp_path / "shim.so", tmp_path / "shim.c"
-    source.write_text(NO_PIPE)
-    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(shim), str(source)], check=True)
-    env = dict(os.environ, LD_PRELOAD=str(shim), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, "-c", SPREAD_PROBE, str(tmp_path / "pool")], capture_output=True, text=True,
-                            timeout=120, env=env)  # fmt: skip
-    assert result.returncode == 0, f"exit {result.returncode}: {result.stderr[-1500:]}"
+    result = _pipe_probe_with_shim(tmp_path, NO_PIPE, SPREAD_PROBE)
     assert "REFUSED key_cache: the rows this write goes to are not writable memory" in result.stdout, result.stdout
     assert "OK" in result.stdout
 
