@@ -302,6 +302,29 @@ print("main done", flush=True)
 """
 
 
+SLOW_OUTPUTS = """
+real_view = runtime_plugin.view
+
+def slow_view(*args, **kwargs):  # the run's own work after session.run returned, the GIL dropped meanwhile
+    time.sleep(1.0)
+    print("outputs viewed", flush=True)
+    return real_view(*args, **kwargs)
+
+runtime_plugin.view = slow_view
+"""
+
+
+def test_exit_waits_for_a_run_still_turning_its_outputs_into_tensors() -> None:
+    """The backend call has returned and session.run with it, but the thread is still in
+    runtime_plugin.run (its outputs' torch views; a C++ call there that drops the GIL is where a daemon
+    thread is ended by pthread_exit and aborts the process). The exit waits for the run to finish: before,
+    it looked at the thread's innermost frame only and went on (the view never finished)."""
+    script = SLOW_EXIT.format(sleep=0.1).replace("case = random_case", SLOW_OUTPUTS + "case = random_case")
+    result = run_python(script, timeout=120)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stderr[-2000:]}"
+    assert "main done" in result.stdout and "outputs viewed" in result.stdout, result.stdout
+
+
 def test_exit_with_a_python_backend_call_in_flight_is_clean() -> None:
     """A daemon thread is inside a Python backend for 7 s when the interpreter exits: the exit
     waits for the call and ends with status 0 (it used to abort, SIGABRT, after a 5 s wait)."""

@@ -164,13 +164,27 @@ def _entry(req_ptr) -> int:
         return 1
 
 
+_RUN_FILES = (f"onnxruntime{os.sep}capi", os.path.dirname(os.path.abspath(__file__)))
+
+
+def _in_a_run(frame) -> bool:
+    """Whether a thread whose innermost Python frame is ``frame`` is inside onnxruntime's Python API or this
+    package's runtime_plugin (a session.run, or the run that wraps it: its outputs' torch views, C++ calls
+    that drop the GIL), anywhere on its stack."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_RUN_FILES[1]) or _RUN_FILES[0] in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _threads_inside_onnxruntime() -> int:
-    """Other threads whose innermost Python frame is onnxruntime's (they are in a session.run)."""
+    """Other threads inside a run (:func:`_in_a_run`)."""
     me = threading.get_ident()
     return sum(
         1
         for ident, frame in sys._current_frames().items()  # noqa: SLF001 - the documented way to see other threads
-        if ident != me and f"onnxruntime{os.sep}capi" in frame.f_code.co_filename
+        if ident != me and _in_a_run(frame)
     )
 
 
@@ -182,7 +196,9 @@ def _shutdown() -> None:
     GIL once more. If finalization has started by then, CPython ends a daemon thread with
     pthread_exit, whose forced unwind through ORT's C++ frames aborts the process ("terminate
     called without an active exception"). So the exit also waits, sleeping with the GIL free,
-    until no other thread is inside onnxruntime's Python API (bounded by _SHUTDOWN_LEAVE_S).
+    until no other thread is inside a run, onnxruntime's Python API or runtime_plugin's around it, at any
+    depth of its stack (bounded by _SHUTDOWN_LEAVE_S): its innermost frame alone let the exit go on while
+    the thread was still turning the outputs into torch tensors (a CI run under load aborted so).
     """
     native_lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS, _SHUTDOWN_NOTICE_MS)
     deadline = time.monotonic() + _SHUTDOWN_LEAVE_S
