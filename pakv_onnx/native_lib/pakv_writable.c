@@ -131,7 +131,7 @@ int64_t pakv_first_unwritable(void* const* addrs, int64_t n) {
   unlock_probe();
   /* The pipe could not be made or would not say: never let the write go ahead unasked while futex can ask
    * (a read-only pool written anyway is SIGSEGV: seen with 4 probes in a process out of descriptors). */
-  if (first < 0) first = futex_first_unwritable(addrs, n);
+  if (first < 0 && n > PAKV_FUTEX_PROBES) first = futex_first_unwritable(addrs, n); /* fewer: futex was asked first */
   return first;
 #else
   (void)addrs;

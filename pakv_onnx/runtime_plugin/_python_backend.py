@@ -164,7 +164,8 @@ def _entry(req_ptr) -> int:
         return 1
 
 
-_RUN_FILES = (f"onnxruntime{os.sep}capi", os.path.dirname(os.path.abspath(__file__)))
+_ORT_PYTHON_API = f"onnxruntime{os.sep}capi"  # in any onnxruntime install's path
+_RUNTIME_PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _in_a_run(frame) -> bool:
@@ -172,13 +173,14 @@ def _in_a_run(frame) -> bool:
     package's runtime_plugin (a session.run, or the run that wraps it: its outputs' torch views, C++ calls
     that drop the GIL), anywhere on its stack."""
     while frame is not None:
-        if frame.f_code.co_filename.startswith(_RUN_FILES[1]) or _RUN_FILES[0] in frame.f_code.co_filename:
+        filename = frame.f_code.co_filename
+        if filename.startswith(_RUNTIME_PLUGIN_DIR) or _ORT_PYTHON_API in filename:
             return True
         frame = frame.f_back
     return False
 
 
-def _threads_inside_onnxruntime() -> int:
+def _threads_inside_a_run() -> int:
     """Other threads inside a run (:func:`_in_a_run`)."""
     me = threading.get_ident()
     return sum(
@@ -202,7 +204,7 @@ def _shutdown() -> None:
     """
     native_lib.load().pakv_python_shutdown(_SHUTDOWN_WAIT_MS, _SHUTDOWN_NOTICE_MS)
     deadline = time.monotonic() + _SHUTDOWN_LEAVE_S
-    while _threads_inside_onnxruntime() and time.monotonic() < deadline:
+    while _threads_inside_a_run() and time.monotonic() < deadline:
         time.sleep(0.005)
 
 
